@@ -1,0 +1,587 @@
+//! Ring collectives over TCP: reduce-scatter, all-gather and small gathers,
+//! for a ZeRO-1 data-parallel job.
+//!
+//! A [`Communicator`] belongs to one epoch. Each rank listens on a fresh port,
+//! publishes it in the rendezvous store under `epoch/<e>/ring/<rank>`,
+//! connects to rank `r+1` and accepts rank `r-1`. After a fault every rank
+//! builds a new communicator under a new epoch; nothing from the old one is
+//! reused.
+//!
+//! # Chunking
+//!
+//! The flat buffer is cut into `W` chunks, chunk `c` being
+//! [`shard_range`]`(n, W, c)`, the same ranges the optimizer shards use. In
+//! ring step `i` (`0 ≤ i < W-1`) rank `r`
+//! - for reduce-scatter sends chunk `(r-i-1) mod W` and receives, then adds,
+//!   chunk `(r-i-2) mod W`, so after `W-1` steps it holds the full sum of its
+//!   own chunk `r`; every element is summed in the same ring order on every
+//!   run, so results are bit-for-bit repeatable;
+//! - for all-gather sends chunk `(r-i) mod W` and receives chunk
+//!   `(r-i-1) mod W`.
+//!
+//! # Messages
+//!
+//! ```text
+//!  0        4          12       16        20
+//!  +--------+----------+--------+---------+-----------------+
+//!  | "HTRC" | epoch u64| seq u32| len u32 | len bytes       |
+//!  +--------+----------+--------+---------+-----------------+
+//! ```
+//! `seq` counts messages on the link, so a desynchronised peer is detected
+//! instead of summing the wrong bytes.
+//!
+//! # Abort
+//!
+//! [`AbortHandle::abort`] (from any thread) shuts both sockets down; a call
+//! blocked in `read` or `write` then returns [`CollectiveError::Aborted`].
+//! This is how a rank stuck on a hung peer is released.
+
+use crate::rendezvous::{RendezvousError, StoreClient};
+use hatrain_shared::model::shard_range;
+use hatrain_shared::rendezvous::ring_key;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const MAGIC: [u8; 4] = *b"HTRC";
+const MSG_HEADER: usize = 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("epoch {epoch}: rendezvous failed")]
+    Rendezvous {
+        epoch: u64,
+        #[source]
+        source: RendezvousError,
+    },
+    #[error("epoch {epoch}: cannot set up the ring listener")]
+    Listen {
+        epoch: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("epoch {epoch}: cannot connect to rank {peer} at {addr:?}")]
+    Connect {
+        epoch: u64,
+        peer: usize,
+        addr: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("epoch {epoch}: rank {peer} did not connect within {waited:?}")]
+    AcceptTimeout {
+        epoch: u64,
+        peer: usize,
+        waited: Duration,
+    },
+    #[error("epoch {epoch}: bad handshake from the ring: {detail}")]
+    Handshake { epoch: u64, detail: String },
+    #[error("epoch {epoch}: {op} with rank {peer} failed")]
+    Io {
+        epoch: u64,
+        op: &'static str,
+        peer: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("epoch {epoch}: protocol error from rank {peer}: {detail}")]
+    Protocol {
+        epoch: u64,
+        peer: usize,
+        detail: String,
+    },
+    #[error("epoch {epoch}: communicator aborted")]
+    Aborted { epoch: u64 },
+}
+
+/// Releases a communicator from another thread.
+#[derive(Debug, Clone)]
+pub struct AbortHandle {
+    streams: Arc<Vec<TcpStream>>,
+    aborted: Arc<AtomicBool>,
+}
+
+impl AbortHandle {
+    /// Makes every current and later call on the communicator fail.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        for s in self.streams.iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Chunk sent in ring step `step` of a reduce-scatter.
+pub fn reduce_scatter_send(rank: usize, step: usize, world: usize) -> usize {
+    (rank + 2 * world - step - 1) % world
+}
+
+/// Chunk received (and accumulated) in ring step `step` of a reduce-scatter.
+pub fn reduce_scatter_recv(rank: usize, step: usize, world: usize) -> usize {
+    (rank + 2 * world - step - 2) % world
+}
+
+/// Chunk sent in ring step `step` of an all-gather.
+pub fn all_gather_send(rank: usize, step: usize, world: usize) -> usize {
+    (rank + world - step) % world
+}
+
+/// Chunk received in ring step `step` of an all-gather.
+pub fn all_gather_recv(rank: usize, step: usize, world: usize) -> usize {
+    (rank + 2 * world - step - 1) % world
+}
+
+#[derive(Debug)]
+struct Ring {
+    /// To rank `r+1`.
+    next: TcpStream,
+    /// From rank `r-1`.
+    prev: TcpStream,
+    send_seq: u32,
+    recv_seq: u32,
+}
+
+/// One rank's end of the ring for one epoch.
+#[derive(Debug)]
+pub struct Communicator {
+    rank: usize,
+    world: usize,
+    epoch: u64,
+    ring: Option<Ring>,
+    aborted: Arc<AtomicBool>,
+    abort: AbortHandle,
+    scratch: Vec<u8>,
+}
+
+impl Communicator {
+    /// A communicator of one rank: every collective is the identity.
+    pub fn single(epoch: u64) -> Self {
+        let aborted = Arc::new(AtomicBool::new(false));
+        Self {
+            rank: 0,
+            world: 1,
+            epoch,
+            ring: None,
+            abort: AbortHandle {
+                streams: Arc::new(Vec::new()),
+                aborted: Arc::clone(&aborted),
+            },
+            aborted,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Builds the ring for `epoch` through the store.
+    pub fn connect(
+        store: &mut StoreClient,
+        rank: usize,
+        world: usize,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<Self, CollectiveError> {
+        assert!(rank < world, "rank {rank} outside world {world}");
+        if world == 1 {
+            return Ok(Self::single(epoch));
+        }
+        let deadline = Instant::now() + timeout;
+        let listen_err = |source| CollectiveError::Listen { epoch, source };
+        let ip = store.local_ip().map_err(listen_err)?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(listen_err)?;
+        let my_addr = listener.local_addr().map_err(listen_err)?;
+        let rdzv = |source| CollectiveError::Rendezvous { epoch, source };
+        store
+            .set(&ring_key(epoch, rank), &my_addr.to_string())
+            .map_err(rdzv)?;
+
+        let next_rank = (rank + 1) % world;
+        let prev_rank = (rank + world - 1) % world;
+        let next_addr = store
+            .get(&ring_key(epoch, next_rank), remaining(deadline))
+            .map_err(rdzv)?;
+        let connect_err = |source| CollectiveError::Connect {
+            epoch,
+            peer: next_rank,
+            addr: next_addr.clone(),
+            source,
+        };
+        let addr: SocketAddr = next_addr.parse().map_err(|e| {
+            connect_err(io::Error::new(io::ErrorKind::InvalidData, format!("{e}")))
+        })?;
+        let mut next =
+            TcpStream::connect_timeout(&addr, remaining(deadline).max(Duration::from_millis(1)))
+                .map_err(connect_err)?;
+        next.set_nodelay(true).map_err(connect_err)?;
+        let mut hello = [0u8; 20];
+        hello[0..4].copy_from_slice(&MAGIC);
+        hello[4..12].copy_from_slice(&epoch.to_le_bytes());
+        hello[12..20].copy_from_slice(&(rank as u64).to_le_bytes());
+        next.write_all(&hello).map_err(connect_err)?;
+
+        let prev = accept_until(&listener, deadline).map_err(|e| match e {
+            None => CollectiveError::AcceptTimeout {
+                epoch,
+                peer: prev_rank,
+                waited: timeout,
+            },
+            Some(source) => CollectiveError::Listen { epoch, source },
+        })?;
+        let mut prev = prev;
+        prev.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(1))))
+            .map_err(listen_err)?;
+        let mut got = [0u8; 20];
+        prev.read_exact(&mut got).map_err(|source| CollectiveError::Io {
+            epoch,
+            op: "handshake",
+            peer: prev_rank,
+            source,
+        })?;
+        prev.set_read_timeout(None).map_err(listen_err)?;
+        prev.set_nodelay(true).map_err(listen_err)?;
+        let their_epoch = u64::from_le_bytes(got[4..12].try_into().expect("8 bytes"));
+        let their_rank = u64::from_le_bytes(got[12..20].try_into().expect("8 bytes"));
+        if got[0..4] != MAGIC || their_epoch != epoch || their_rank != prev_rank as u64 {
+            return Err(CollectiveError::Handshake {
+                epoch,
+                detail: format!(
+                    "expected rank {prev_rank} of epoch {epoch}, got rank {their_rank} of epoch {their_epoch}"
+                ),
+            });
+        }
+        let clones = [next.try_clone(), prev.try_clone()]
+            .into_iter()
+            .collect::<io::Result<Vec<_>>>()
+            .map_err(listen_err)?;
+        let aborted = Arc::new(AtomicBool::new(false));
+        Ok(Self {
+            rank,
+            world,
+            epoch,
+            ring: Some(Ring {
+                next,
+                prev,
+                send_seq: 0,
+                recv_seq: 0,
+            }),
+            abort: AbortHandle {
+                streams: Arc::new(clones),
+                aborted: Arc::clone(&aborted),
+            },
+            aborted,
+            scratch: Vec::new(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
+    }
+
+    /// Sums `buf` across ranks; on return this rank's chunk
+    /// (`shard_range(buf.len(), W, rank)`, also the return value) holds the
+    /// sum. The other chunks hold partial sums and must not be used.
+    pub fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<Range<usize>, CollectiveError> {
+        let (n, w, r) = (buf.len(), self.world, self.rank);
+        for step in 0..w.saturating_sub(1) {
+            let send = shard_range(n, w, reduce_scatter_send(r, step, w));
+            let recv = shard_range(n, w, reduce_scatter_recv(r, step, w));
+            self.exchange(bytemuck::cast_slice(&buf[send]), recv.len() * 4)?;
+            for (acc, b) in buf[recv].iter_mut().zip(self.scratch.chunks_exact(4)) {
+                *acc += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Ok(shard_range(n, w, r))
+    }
+
+    /// Gathers every rank's chunk (`shard_range(buf.len(), W, rank)`) into
+    /// all of `buf` on every rank.
+    pub fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        let (n, w, r) = (buf.len(), self.world, self.rank);
+        for step in 0..w.saturating_sub(1) {
+            let send = shard_range(n, w, all_gather_send(r, step, w));
+            let recv = shard_range(n, w, all_gather_recv(r, step, w));
+            self.exchange(bytemuck::cast_slice(&buf[send]), recv.len() * 4)?;
+            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buf[recv]);
+            dst.copy_from_slice(&self.scratch);
+        }
+        Ok(())
+    }
+
+    /// Gathers one `f64` from every rank, in rank order.
+    pub fn all_gather_f64(&mut self, mine: f64) -> Result<Vec<f64>, CollectiveError> {
+        let (w, r) = (self.world, self.rank);
+        let mut all = vec![0f64; w];
+        all[r] = mine;
+        for step in 0..w.saturating_sub(1) {
+            let send = all_gather_send(r, step, w);
+            let recv = all_gather_recv(r, step, w);
+            self.exchange(&all[send].to_le_bytes(), 8)?;
+            all[recv] = f64::from_le_bytes(self.scratch[..8].try_into().expect("8 bytes"));
+        }
+        Ok(all)
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.all_gather_f64(0.0).map(drop)
+    }
+
+    /// Sends `out` to the next rank while receiving exactly `in_len` bytes
+    /// from the previous one into `self.scratch`. The two directions run on
+    /// two threads: with both ends writing a large message first and reading
+    /// second, the ring would deadlock once the socket buffers fill.
+    fn exchange(&mut self, out: &[u8], in_len: usize) -> Result<(), CollectiveError> {
+        let epoch = self.epoch;
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(CollectiveError::Aborted { epoch });
+        }
+        let (next_rank, prev_rank) = (
+            (self.rank + 1) % self.world,
+            (self.rank + self.world - 1) % self.world,
+        );
+        let streams = Arc::clone(&self.abort.streams);
+        let ring = self.ring.as_mut().expect("exchange needs a ring of 2 or more ranks");
+        self.scratch.resize(in_len, 0);
+        let (send_seq, recv_seq) = (ring.send_seq, ring.recv_seq);
+        let Ring { next, prev, .. } = ring;
+        let scratch = &mut self.scratch;
+        let (sent, received) = thread::scope(|s| {
+            let sender = s.spawn(move || send_msg(next, epoch, send_seq, out));
+            let received = recv_msg(prev, epoch, recv_seq, scratch);
+            // If the receive failed, the sender may be blocked on a peer that
+            // is gone too; shutting our end releases it.
+            if received.is_err() {
+                let _ = streams[0].shutdown(Shutdown::Both);
+            }
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(io::Error::other("collective send thread panicked").into())
+            });
+            (sent, received)
+        });
+        let aborted = self.aborted.load(Ordering::SeqCst);
+        let wrap = |e: MsgError, op: &'static str, peer: usize| {
+            if aborted {
+                return CollectiveError::Aborted { epoch };
+            }
+            match e {
+                MsgError::Io(source) => CollectiveError::Io {
+                    epoch,
+                    op,
+                    peer,
+                    source,
+                },
+                MsgError::Protocol(detail) => CollectiveError::Protocol {
+                    epoch,
+                    peer,
+                    detail,
+                },
+            }
+        };
+        received.map_err(|e| wrap(e, "receive", prev_rank))?;
+        sent.map_err(|e| wrap(e, "send", next_rank))?;
+        ring.send_seq = ring.send_seq.wrapping_add(1);
+        ring.recv_seq = ring.recv_seq.wrapping_add(1);
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+enum MsgError {
+    Io(io::Error),
+    Protocol(String),
+}
+
+impl From<io::Error> for MsgError {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+fn send_msg(s: &mut TcpStream, epoch: u64, seq: u32, payload: &[u8]) -> Result<(), MsgError> {
+    let len = u32::try_from(payload.len())
+        .map_err(|_| MsgError::Protocol(format!("message of {} bytes too large", payload.len())))?;
+    let mut h = [0u8; MSG_HEADER];
+    h[0..4].copy_from_slice(&MAGIC);
+    h[4..12].copy_from_slice(&epoch.to_le_bytes());
+    h[12..16].copy_from_slice(&seq.to_le_bytes());
+    h[16..20].copy_from_slice(&len.to_le_bytes());
+    s.write_all(&h)?;
+    s.write_all(payload)?;
+    Ok(())
+}
+
+fn recv_msg(s: &mut TcpStream, epoch: u64, seq: u32, out: &mut [u8]) -> Result<(), MsgError> {
+    let mut h = [0u8; MSG_HEADER];
+    s.read_exact(&mut h)?;
+    let their_epoch = u64::from_le_bytes(h[4..12].try_into().expect("8 bytes"));
+    let their_seq = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
+    if h[0..4] != MAGIC || their_epoch != epoch || their_seq != seq || len != out.len() {
+        return Err(MsgError::Protocol(format!(
+            "expected message {seq} of epoch {epoch} with {} bytes, got message {their_seq} of epoch {their_epoch} with {len} bytes",
+            out.len()
+        )));
+    }
+    s.read_exact(out)?;
+    Ok(())
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+/// Accepts one connection before `deadline`; `Err(None)` on timeout.
+fn accept_until(listener: &TcpListener, deadline: Instant) -> Result<TcpStream, Option<io::Error>> {
+    listener.set_nonblocking(true).map_err(Some)?;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(Some)?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(None);
+                }
+                thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Some(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::StoreServer;
+    use proptest::prelude::*;
+
+    /// Runs the reduce-scatter schedule on in-memory ranks.
+    fn simulate_reduce_scatter(inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let w = inputs.len();
+        let n = inputs[0].len();
+        let mut bufs = inputs.to_vec();
+        for step in 0..w.saturating_sub(1) {
+            let sent: Vec<Vec<f32>> = (0..w)
+                .map(|r| bufs[r][shard_range(n, w, reduce_scatter_send(r, step, w))].to_vec())
+                .collect();
+            for r in 0..w {
+                let prev = (r + w - 1) % w;
+                let chunk = reduce_scatter_recv(r, step, w);
+                assert_eq!(chunk, reduce_scatter_send(prev, step, w), "schedule mismatch");
+                let range = shard_range(n, w, chunk);
+                for (a, b) in bufs[r][range].iter_mut().zip(&sent[prev]) {
+                    *a += b;
+                }
+            }
+        }
+        bufs
+    }
+
+    proptest! {
+        #[test]
+        fn ring_schedule_reduces_every_chunk_once(world in 1usize..9, n in 0usize..200) {
+            // Integers in f32 add exactly, so the result must equal the sum.
+            let inputs: Vec<Vec<f32>> = (0..world)
+                .map(|r| (0..n).map(|i| ((r * 1000 + i) % 977) as f32).collect())
+                .collect();
+            let out = simulate_reduce_scatter(&inputs);
+            for r in 0..world {
+                for i in shard_range(n, world, r) {
+                    let want: f32 = inputs.iter().map(|b| b[i]).sum();
+                    prop_assert_eq!(out[r][i], want);
+                }
+            }
+            for r in 0..world {
+                for step in 0..world.saturating_sub(1) {
+                    let prev = (r + world - 1) % world;
+                    prop_assert_eq!(all_gather_recv(r, step, world), all_gather_send(prev, step, world));
+                }
+            }
+        }
+    }
+
+    fn run_ranks<T: Send + 'static>(
+        world: usize,
+        f: impl Fn(Communicator) -> T + Send + Sync + Clone + 'static,
+    ) -> Vec<T> {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr();
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let f = f.clone();
+                thread::spawn(move || {
+                    let mut store = StoreClient::connect(addr, Duration::from_secs(5)).unwrap();
+                    let comm =
+                        Communicator::connect(&mut store, rank, world, 7, Duration::from_secs(10))
+                            .unwrap();
+                    f(comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn tcp_ring_reduce_scatter_and_all_gather() {
+        for world in [1, 2, 3, 4] {
+            let n = 300_001; // large enough to fill the socket buffers
+            let out = run_ranks(world, move |mut c| {
+                let r = c.rank();
+                let mut buf: Vec<f32> = (0..n).map(|i| ((i + r) % 5) as f32).collect();
+                let mine = c.reduce_scatter_sum(&mut buf).unwrap();
+                let mut full = vec![0f32; n];
+                full[mine.clone()].copy_from_slice(&buf[mine]);
+                c.all_gather(&mut full).unwrap();
+                let losses = c.all_gather_f64(r as f64 * 1.5).unwrap();
+                (full, losses)
+            });
+            let want: Vec<f32> = (0..n)
+                .map(|i| (0..world).map(|r| ((i + r) % 5) as f32).sum())
+                .collect();
+            for (full, losses) in out {
+                assert_eq!(full, want, "world {world}");
+                assert_eq!(losses, (0..world).map(|r| r as f64 * 1.5).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn abort_releases_a_blocked_collective() {
+        let out = run_ranks(2, |mut c| {
+            if c.rank() == 0 {
+                // Rank 0 waits on a peer that never sends; an abort from
+                // another thread must release it.
+                let h = c.abort_handle();
+                let t = thread::spawn(move || {
+                    thread::sleep(Duration::from_millis(100));
+                    h.abort();
+                });
+                let mut buf = vec![0f32; 10];
+                let r = c.all_gather(&mut buf);
+                t.join().unwrap();
+                Some(r.unwrap_err().to_string())
+            } else {
+                thread::sleep(Duration::from_millis(500));
+                None
+            }
+        });
+        let e = out[0].as_ref().unwrap();
+        assert!(e.contains("aborted"), "{e}");
+    }
+}
