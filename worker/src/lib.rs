@@ -12,3 +12,4 @@ pub mod data;
 pub mod model;
 pub mod optim;
 pub mod rendezvous;
+pub mod trainer;

@@ -1,0 +1,13 @@
+//! `hatrain-train`: the reference trainer (see `hatrain_worker::trainer`).
+
+use clap::Parser;
+use hatrain_worker::trainer::{self, TrainArgs};
+use std::process::ExitCode;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() -> ExitCode {
+    let args = TrainArgs::parse();
+    trainer::main(args)
+}

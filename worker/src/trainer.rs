@@ -1,0 +1,764 @@
+//! `hatrain-train`, the reference trainer: a small language model trained
+//! with AdamW on a synthetic Markov-chain token stream, data-parallel over
+//! `WORLD_SIZE` processes with a ZeRO-1 sharded optimizer.
+//!
+//! One step, on every rank:
+//! 1. draw the global batch's sequence seeds from the sampler RNG (every rank
+//!    draws all of them, so the RNG state is the same everywhere) and build
+//!    this rank's slice of the batch;
+//! 2. forward and backward over the full parameters;
+//! 3. reduce-scatter the gradients (sum, then divide by `W`);
+//! 4. AdamW on this rank's shard only: its moments exist on no other rank;
+//! 5. all-gather the updated parameters.
+//!
+//! Everything is bit-for-bit deterministic for a given seed and world size.
+//! The training state is [`TrainState`]: the flat parameters, this rank's two
+//! moment shards, the step, the sampler RNG and the data position.
+
+use crate::collective::{CollectiveError, Communicator};
+use crate::data::{MarkovChain, SplitMix64};
+use crate::model::{Model, ModelError};
+use crate::optim::AdamW;
+use crate::rendezvous::{RendezvousError, StoreClient, StoreServer};
+use clap::Parser;
+use hatrain_shared::checkpoint::{self, CheckpointError, ShardData, ShardHeader};
+use hatrain_shared::model::{ModelConfig, ModelSize, shard_range};
+use hatrain_shared::rendezvous::ENV_AGENT_STORE;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Seeds of the independent random streams, derived from `--seed`.
+const STREAM_INIT: u64 = 0x1A17;
+const STREAM_DATA: u64 = 0xDA7A;
+const STREAM_SAMPLER: u64 = 0x5A3B;
+
+/// How long building a communicator may take before the rank gives up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Clone, Parser, serde::Serialize)]
+#[command(
+    name = "hatrain-train",
+    about = "Reference trainer: a small language model on a synthetic token stream, \
+             data-parallel with a ZeRO-1 sharded AdamW. Ranks come from RANK/WORLD_SIZE."
+)]
+pub struct TrainArgs {
+    /// Named model size: tiny, small, 10m or 100m.
+    #[arg(long, default_value = "small", value_parser = parse_size)]
+    #[serde(skip)]
+    pub model_size: ModelSize,
+    /// Override: vocabulary size.
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Override: tokens of context the model sees.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Override: embedding width.
+    #[arg(long)]
+    pub d_embed: Option<usize>,
+    /// Override: model width.
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// Override: hidden width of the MLP blocks.
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// Override: number of MLP blocks.
+    #[arg(long)]
+    pub layers: Option<usize>,
+
+    /// Train until this many steps are complete.
+    #[arg(long, default_value_t = 200)]
+    pub train_iters: u64,
+    /// Sequences per step, over all ranks (must divide by the world size).
+    #[arg(long, default_value_t = 32)]
+    pub global_batch: usize,
+    /// Predicted tokens per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub seq_len: usize,
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    #[arg(long, default_value_t = 10)]
+    pub warmup: u64,
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f32,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f32,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f32,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f32,
+    /// Seed of the model initialisation, the data chain and the sampler.
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// Successors per state of the data's Markov chain.
+    #[arg(long, default_value_t = 4)]
+    pub branching: usize,
+
+    /// Save checkpoints into this directory.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Save every N steps (and at the end) when --save is given.
+    #[arg(long, default_value_t = 0)]
+    pub save_interval: u64,
+    /// Resume from the newest checkpoint in this directory.
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Load only the weights: start at step 0 with fresh optimizer and RNG.
+    #[arg(long)]
+    pub finetune: bool,
+    /// Do not load the optimizer moments.
+    #[arg(long)]
+    pub no_load_optim: bool,
+    /// Do not load the sampler RNG state.
+    #[arg(long)]
+    pub no_load_rng: bool,
+
+    /// Append machine-readable JSON lines here (rank 0 only).
+    #[arg(long)]
+    pub log_jsonl: Option<PathBuf>,
+    /// Print a progress line every N steps (rank 0 only).
+    #[arg(long, default_value_t = 10)]
+    pub log_interval: u64,
+    /// Compute threads per rank (sets RAYON_NUM_THREADS; default: the
+    /// environment's value, else all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+fn parse_size(s: &str) -> Result<ModelSize, String> {
+    s.parse()
+}
+
+impl TrainArgs {
+    pub fn model_config(&self) -> ModelConfig {
+        let mut c = self.model_size.config();
+        let over = |slot: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        };
+        over(&mut c.vocab, self.vocab);
+        over(&mut c.context, self.context);
+        over(&mut c.d_embed, self.d_embed);
+        over(&mut c.d_model, self.d_model);
+        over(&mut c.d_ff, self.d_ff);
+        over(&mut c.layers, self.layers);
+        c
+    }
+
+    fn optimizer(&self) -> AdamW {
+        AdamW {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            warmup: self.warmup,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("invalid environment: {0}")]
+    Env(String),
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("cannot load the checkpoint")]
+    Load(#[source] CheckpointError),
+    #[error("saving iteration {iteration} failed; the previous checkpoint is intact")]
+    Save {
+        iteration: u64,
+        #[source]
+        source: CheckpointError,
+    },
+    #[error("saving iteration {iteration} failed on rank(s) {ranks:?}; the previous checkpoint is intact")]
+    SaveElsewhere { iteration: u64, ranks: Vec<usize> },
+    #[error("cannot write the log {path}")]
+    Log {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Where this process sits in the job, from the torchrun-style environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DistEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub master: Option<SocketAddr>,
+    /// The launcher hosts the rendezvous store (else rank 0 does).
+    pub agent_store: bool,
+}
+
+impl DistEnv {
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`.
+    /// Without `WORLD_SIZE` the process is a job of one.
+    pub fn from_env() -> Result<Self, TrainError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, TrainError> {
+        let num = |k: &str, default: usize| -> Result<usize, TrainError> {
+            match get(k) {
+                None => Ok(default),
+                Some(v) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| TrainError::Env(format!("{k}={v:?} is not a number"))),
+            }
+        };
+        let world_size = num("WORLD_SIZE", 1)?;
+        let rank = num("RANK", 0)?;
+        let local_rank = num("LOCAL_RANK", rank)?;
+        if world_size == 0 || rank >= world_size {
+            return Err(TrainError::Env(format!(
+                "RANK={rank} is outside WORLD_SIZE={world_size}"
+            )));
+        }
+        let master = if world_size > 1 {
+            let addr = get("MASTER_ADDR").ok_or_else(|| {
+                TrainError::Env("MASTER_ADDR is required when WORLD_SIZE > 1".into())
+            })?;
+            let port = num("MASTER_PORT", usize::MAX)?;
+            let port = u16::try_from(port).map_err(|_| {
+                TrainError::Env("MASTER_PORT (1-65535) is required when WORLD_SIZE > 1".into())
+            })?;
+            let resolved = (addr.as_str(), port)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| {
+                    TrainError::Env(format!("MASTER_ADDR={addr:?} does not resolve"))
+                })?;
+            Some(resolved)
+        } else {
+            None
+        };
+        Ok(Self {
+            rank,
+            world_size,
+            local_rank,
+            master,
+            agent_store: get(ENV_AGENT_STORE).is_some_and(|v| v == "1"),
+        })
+    }
+}
+
+/// Everything that must survive for training to resume exactly.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainState {
+    /// The full flat parameter buffer (identical on every rank).
+    pub params: Vec<f32>,
+    /// This rank's shard of the first AdamW moment.
+    pub exp_avg: Vec<f32>,
+    /// This rank's shard of the second AdamW moment.
+    pub exp_avg_sq: Vec<f32>,
+    /// Completed steps.
+    pub step: u64,
+    /// The sampler RNG.
+    pub rng: SplitMix64,
+    /// Sequences consumed.
+    pub data_position: u64,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub final_step: u64,
+    pub final_loss: Option<f64>,
+    pub param_xxh3: String,
+    pub entropy_floor: f64,
+}
+
+/// xxh3-64 of the flat parameter buffer: the run's fingerprint.
+pub fn param_checksum(params: &[f32]) -> String {
+    checkpoint::digest_hex(bytemuck::cast_slice(params))
+}
+
+struct JsonLog {
+    path: PathBuf,
+    file: Option<File>,
+}
+
+impl JsonLog {
+    fn open(path: Option<&Path>, enabled: bool) -> Result<Self, TrainError> {
+        let path = path.map(Path::to_path_buf).unwrap_or_default();
+        let file = match (enabled, path.as_os_str().is_empty()) {
+            (true, false) => Some(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(|source| TrainError::Log {
+                        path: path.clone(),
+                        source,
+                    })?,
+            ),
+            _ => None,
+        };
+        Ok(Self { path, file })
+    }
+
+    fn write(&mut self, value: serde_json::Value) -> Result<(), TrainError> {
+        if let Some(f) = self.file.as_mut() {
+            let mut line = value.to_string();
+            line.push('\n');
+            f.write_all(line.as_bytes()).map_err(|source| TrainError::Log {
+                path: self.path.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// The store and communicator of a job.
+struct Dist {
+    env: DistEnv,
+    _server: Option<StoreServer>,
+    store: Option<StoreClient>,
+}
+
+impl Dist {
+    fn start(env: DistEnv) -> Result<Self, TrainError> {
+        let Some(master) = env.master else {
+            return Ok(Self {
+                env,
+                _server: None,
+                store: None,
+            });
+        };
+        // Under another launcher rank 0 hosts the store itself.
+        let server = if !env.agent_store && env.rank == 0 {
+            Some(StoreServer::bind(master)?)
+        } else {
+            None
+        };
+        let store = StoreClient::connect(master, CONNECT_TIMEOUT)?;
+        Ok(Self {
+            env,
+            _server: server,
+            store: Some(store),
+        })
+    }
+
+    fn communicator(&mut self, epoch: u64) -> Result<Communicator, TrainError> {
+        match self.store.as_mut() {
+            None => Ok(Communicator::single(epoch)),
+            Some(store) => Ok(Communicator::connect(
+                store,
+                self.env.rank,
+                self.env.world_size,
+                epoch,
+                CONNECT_TIMEOUT,
+            )?),
+        }
+    }
+}
+
+/// Runs the trainer to `--train-iters` and returns its summary.
+pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
+    let cfg = args.model_config();
+    cfg.validate().map_err(TrainError::Args)?;
+    let (rank, world) = (env.rank, env.world_size);
+    if args.global_batch == 0 || args.global_batch % world != 0 {
+        return Err(TrainError::Args(format!(
+            "--global-batch {} must be a positive multiple of the world size {world}",
+            args.global_batch
+        )));
+    }
+    if args.finetune && args.load.is_none() {
+        return Err(TrainError::Args("--finetune needs --load".into()));
+    }
+    let lead = rank == 0;
+    let model = Model::new(cfg);
+    let numel = model.numel();
+    let shard = shard_range(numel, world, rank);
+    let chain = MarkovChain::new(args.seed ^ STREAM_DATA, cfg.vocab, args.branching);
+    let floor = chain.entropy_rate();
+    let mut log = JsonLog::open(args.log_jsonl.as_deref(), lead)?;
+    let mut dist = Dist::start(env.clone())?;
+    let mut comm = dist.communicator(0)?;
+
+    let mut state = TrainState {
+        params: model.init(args.seed ^ STREAM_INIT),
+        exp_avg: vec![0.0; shard.len()],
+        exp_avg_sq: vec![0.0; shard.len()],
+        step: 0,
+        rng: SplitMix64::new(args.seed ^ STREAM_SAMPLER),
+        data_position: 0,
+    };
+    let mut resumed_from = None;
+    if let Some(dir) = &args.load {
+        resumed_from = Some(load(args, dir, &cfg, &shard, &mut state, &mut comm, lead)?);
+    }
+    if lead {
+        println!(
+            "hatrain-train: {numel} parameters ({cfg:?}), {world} rank(s), global batch {} × {} tokens",
+            args.global_batch, args.seq_len
+        );
+        println!(
+            "data: Markov chain over {} tokens, branching {}; entropy rate {floor:.4} nats/token \
+             is the loss floor (a uniform guess scores ln {} = {:.4})",
+            cfg.vocab,
+            args.branching,
+            cfg.vocab,
+            (cfg.vocab as f64).ln()
+        );
+    }
+    log.write(serde_json::json!({
+        "event": "start", "world_size": world, "params": numel, "model": cfg,
+        "entropy_floor": floor, "start_step": state.step, "resumed_from": resumed_from,
+        "args": args,
+    }))?;
+
+    let opt = args.optimizer();
+    let local_batch = args.global_batch / world;
+    let ctx = cfg.context;
+    let mut grads = vec![0f32; numel];
+    let mut inputs = Vec::with_capacity(local_batch * args.seq_len * ctx);
+    let mut targets = Vec::with_capacity(local_batch * args.seq_len);
+    let mut tokens = Vec::with_capacity(args.seq_len + ctx);
+    let mut last_loss = None;
+    let tokens_per_step = (args.global_batch * args.seq_len) as f64;
+
+    while state.step < args.train_iters {
+        let t0 = Instant::now();
+        let step = state.step + 1;
+        // 1. The global batch's seeds; this rank's slice of them.
+        inputs.clear();
+        targets.clear();
+        for i in 0..args.global_batch {
+            let seed = state.rng.next_u64();
+            if i / local_batch != rank {
+                continue;
+            }
+            tokens.clear();
+            chain.sequence(seed, args.seq_len + ctx, &mut tokens);
+            for t in ctx..tokens.len() {
+                inputs.extend_from_slice(&tokens[t - ctx..t]);
+                targets.push(tokens[t]);
+            }
+        }
+        // 2. Forward and backward.
+        let loss = model.loss_and_grad(&state.params, &inputs, &targets, &mut grads)?;
+        // 3. Gradients summed, each rank keeping its shard.
+        let mine = comm.reduce_scatter_sum(&mut grads)?;
+        let scale = 1.0 / world as f32;
+        grads[mine.clone()].iter_mut().for_each(|g| *g *= scale);
+        // 4. AdamW on this rank's shard.
+        opt.step(
+            step,
+            &mut state.params[mine.clone()],
+            &grads[mine],
+            &mut state.exp_avg,
+            &mut state.exp_avg_sq,
+        );
+        // 5. Everyone gets the new parameters.
+        comm.all_gather(&mut state.params)?;
+        let losses = comm.all_gather_f64(f64::from(loss))?;
+        let mean_loss = losses.iter().sum::<f64>() / world as f64;
+        state.step = step;
+        state.data_position += args.global_batch as u64;
+        last_loss = Some(mean_loss);
+
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = tokens_per_step / dt;
+        if lead && (step == 1 || step % args.log_interval.max(1) == 0 || step == args.train_iters) {
+            println!(
+                "step {step:>6}/{} | loss {mean_loss:.4} (floor {floor:.4}) | lr {:.2e} | {:>8.0} tok/s | {:>8.1} ms/step",
+                args.train_iters,
+                opt.lr_at(step),
+                tps,
+                dt * 1e3
+            );
+        }
+        log.write(serde_json::json!({
+            "event": "step", "step": step, "loss": mean_loss, "lr": opt.lr_at(step),
+            "tokens_per_s": tps, "step_time_s": dt,
+        }))?;
+
+        let due = args.save_interval > 0 && step % args.save_interval == 0;
+        if let Some(dir) = &args.save
+            && (due || step == args.train_iters)
+        {
+            let t = Instant::now();
+            let path = save(args, dir, &cfg, &state, &shard, &mut comm, env.rank, world)?;
+            let secs = t.elapsed().as_secs_f64();
+            if lead {
+                println!("saved iteration {step} to {} in {secs:.3} s", path.display());
+            }
+            log.write(serde_json::json!({
+                "event": "checkpoint", "step": step, "dir": path, "seconds": secs,
+            }))?;
+        }
+    }
+
+    let sum = param_checksum(&state.params);
+    if lead {
+        println!(
+            "done: step {} | final loss {} | floor {floor:.4} | params xxh3 {sum}",
+            state.step,
+            last_loss.map_or("-".into(), |l| format!("{l:.4}"))
+        );
+    }
+    log.write(serde_json::json!({
+        "event": "final", "step": state.step, "loss": last_loss, "param_xxh3": sum,
+        "entropy_floor": floor,
+    }))?;
+    Ok(TrainSummary {
+        final_step: state.step,
+        final_loss: last_loss,
+        param_xxh3: sum,
+        entropy_floor: floor,
+    })
+}
+
+fn load(
+    args: &TrainArgs,
+    dir: &Path,
+    cfg: &ModelConfig,
+    shard: &Range<usize>,
+    state: &mut TrainState,
+    comm: &mut Communicator,
+    lead: bool,
+) -> Result<u64, TrainError> {
+    let iteration = checkpoint::read_tracker(dir).map_err(TrainError::Load)?;
+    let with_moments = !args.finetune && !args.no_load_optim;
+    let loaded = checkpoint::load_shard(dir, iteration, cfg, shard.clone(), with_moments)
+        .map_err(TrainError::Load)?;
+    state.params[shard.clone()].copy_from_slice(&loaded.params);
+    comm.all_gather(&mut state.params)?;
+    let warn = |what: &str| {
+        if lead {
+            eprintln!("warning: {what}; this resume is NOT exact: the run will differ from an uninterrupted one");
+        }
+    };
+    if args.finetune {
+        warn("--finetune loads only the weights and starts at step 0 with fresh optimizer state and RNG");
+        return Ok(iteration);
+    }
+    state.step = loaded.iteration;
+    state.data_position = loaded.data_position;
+    match loaded.moments {
+        Some((m, v)) => {
+            state.exp_avg = m;
+            state.exp_avg_sq = v;
+        }
+        None => warn("--no-load-optim starts AdamW's moments from zero"),
+    }
+    if args.no_load_rng {
+        warn("--no-load-rng restarts the data sampler's RNG from the seed");
+    } else {
+        state.rng = SplitMix64::new(loaded.rng_state);
+    }
+    if lead {
+        println!(
+            "resumed from {} at iteration {iteration} (saved by {} rank(s))",
+            dir.display(),
+            loaded.saved_world_size
+        );
+    }
+    Ok(iteration)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn save(
+    args: &TrainArgs,
+    dir: &Path,
+    cfg: &ModelConfig,
+    state: &TrainState,
+    shard: &Range<usize>,
+    comm: &mut Communicator,
+    rank: usize,
+    world: usize,
+) -> Result<PathBuf, TrainError> {
+    let iteration = state.step;
+    let save_err = |source| TrainError::Save { iteration, source };
+    // Rank 0 prepares the directory; the others wait for it.
+    let prepared = if rank == 0 {
+        checkpoint::begin_save(dir, iteration).map(|_| ())
+    } else {
+        Ok(())
+    };
+    let ok = comm.all_gather_f64(if prepared.is_ok() { 1.0 } else { 0.0 })?;
+    prepared.map_err(save_err)?;
+    if ok[0] != 1.0 {
+        return Err(TrainError::SaveElsewhere {
+            iteration,
+            ranks: vec![0],
+        });
+    }
+    let header = ShardHeader {
+        iteration,
+        world_size: world,
+        rank,
+        model: *cfg,
+        rng_state: state.rng.state,
+        data_position: state.data_position,
+        args: serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
+    };
+    let data = ShardData {
+        params: &state.params[shard.clone()],
+        exp_avg: &state.exp_avg,
+        exp_avg_sq: &state.exp_avg_sq,
+    };
+    let tmp = checkpoint::tmp_iter_dir(dir, iteration);
+    let written = checkpoint::write_shard(&tmp, &header, data);
+    let status = comm.all_gather_f64(if written.is_ok() { 1.0 } else { 0.0 })?;
+    written.map_err(save_err)?;
+    let failed: Vec<usize> = (0..world).filter(|&r| status[r] != 1.0).collect();
+    if !failed.is_empty() {
+        return Err(TrainError::SaveElsewhere { iteration, ranks: failed });
+    }
+    // Rank 0 publishes; everyone learns whether it worked.
+    let committed = if rank == 0 {
+        checkpoint::commit_save(dir, iteration, world).map(|_| ())
+    } else {
+        Ok(())
+    };
+    let status = comm.all_gather_f64(if committed.is_ok() { 1.0 } else { 0.0 })?;
+    committed.map_err(save_err)?;
+    if status[0] != 1.0 {
+        return Err(TrainError::SaveElsewhere {
+            iteration,
+            ranks: vec![0],
+        });
+    }
+    Ok(checkpoint::iter_dir(dir, iteration))
+}
+
+/// Exit codes of `hatrain-train`.
+pub mod exit {
+    /// Bad flags or environment.
+    pub const USAGE: u8 = 2;
+    /// The checkpoint to resume from is missing or corrupt.
+    pub const LOAD: u8 = 3;
+    /// A checkpoint could not be saved (the previous one is intact).
+    pub const SAVE: u8 = 4;
+    /// A collective, the rendezvous or the model failed.
+    pub const FAILED: u8 = 1;
+}
+
+impl TrainError {
+    /// The documented exit code for this error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Env(_) | Self::Args(_) => exit::USAGE,
+            Self::Load(_) => exit::LOAD,
+            Self::Save { .. } | Self::SaveElsewhere { .. } => exit::SAVE,
+            Self::Rendezvous(_) | Self::Collective(_) | Self::Model(_) | Self::Log { .. } => {
+                exit::FAILED
+            }
+        }
+    }
+}
+
+/// Entry point of the `hatrain-train` binary (and of `hatrain-agent train`).
+///
+/// Must run before the process starts any thread: it may set
+/// `RAYON_NUM_THREADS`, which candle reads.
+pub fn main(args: TrainArgs) -> std::process::ExitCode {
+    if let Some(n) = args.threads {
+        // SAFETY: called first thing in `main`, before any other thread
+        // exists, so nothing reads the environment concurrently.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string()) };
+    }
+    let env = match DistEnv::from_env() {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("error: {}", error_chain(&e));
+            return std::process::ExitCode::from(e.exit_code());
+        }
+    };
+    let rank = env.rank;
+    match run(&args, env) {
+        Ok(_) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {rank}: error: {}", error_chain(&e));
+            std::process::ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// An error and its sources, joined with ": ".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<DistEnv, TrainError> {
+        let map: HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        DistEnv::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn environment_is_validated() {
+        let single = env(&[]).unwrap();
+        assert_eq!((single.rank, single.world_size, single.master), (0, 1, None));
+        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "2")]).unwrap_err().to_string();
+        assert!(e.contains("RANK=2 is outside WORLD_SIZE=2"), "{e}");
+        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "0")]).unwrap_err().to_string();
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let e = env(&[("WORLD_SIZE", "two")]).unwrap_err().to_string();
+        assert!(e.contains("WORLD_SIZE=\"two\""), "{e}");
+        let ok = env(&[
+            ("WORLD_SIZE", "4"),
+            ("RANK", "3"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            (ENV_AGENT_STORE, "1"),
+        ])
+        .unwrap();
+        assert_eq!(ok.master, Some("127.0.0.1:29500".parse().unwrap()));
+        assert!(ok.agent_store && ok.local_rank == 1);
+    }
+
+    fn tiny(iters: u64) -> TrainArgs {
+        let mut a = TrainArgs::parse_from(["hatrain-train", "--model-size", "tiny"]);
+        a.train_iters = iters;
+        a.global_batch = 8;
+        a.seq_len = 16;
+        a.log_interval = 1000;
+        a
+    }
+
+    #[test]
+    fn single_rank_resume_is_exact() {
+        let d = tempfile::tempdir().unwrap();
+        let straight = run(&tiny(12), env(&[]).unwrap()).unwrap();
+        let mut first = tiny(6);
+        first.save = Some(d.path().to_path_buf());
+        run(&first, env(&[]).unwrap()).unwrap();
+        let mut second = tiny(12);
+        second.load = Some(d.path().to_path_buf());
+        let resumed = run(&second, env(&[]).unwrap()).unwrap();
+        assert_eq!(resumed.param_xxh3, straight.param_xxh3);
+        assert_eq!(resumed.final_loss, straight.final_loss);
+    }
+}
