@@ -1,1 +1,113 @@
-fn main(){}
+//! `hatrain-agent`: parses the command line and hands over to the library.
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use hatrain_agent::cli::{Cli, Command, LaunchArgs};
+use hatrain_agent::launch::{self, LaunchConfig, LaunchError};
+use hatrain_agent::supervisor::Outcome;
+use hatrain_agent::{demo, exit};
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::Duration;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::Train(args) = cli.command {
+        // The trainer runs here, before any runtime or thread exists.
+        return hatrain_worker::trainer::main(args);
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    match run(cli.command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("hatrain-agent: error: {e:#}");
+            let usage = e
+                .downcast_ref::<LaunchError>()
+                .is_some_and(|e| matches!(e, LaunchError::Config(_)));
+            ExitCode::from(if usage { exit::USAGE } else { exit::INTERNAL })
+        }
+    }
+}
+
+fn run(command: Command) -> Result<ExitCode> {
+    // One thread: workers are forked from it, and PR_SET_PDEATHSIG fires when
+    // the *thread* that forked a child exits, so that thread must live as
+    // long as the agent.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async {
+        let shutdown = CancellationToken::new();
+        let signaled = Arc::new(AtomicI32::new(0));
+        watch_signals(shutdown.clone(), Arc::clone(&signaled))?;
+        let outcome = match command {
+            Command::Launch(args) => launch::run(&launch_config(args)?, shutdown).await?,
+            Command::Demo(args) => demo::run(&args, shutdown).await?,
+            Command::Train(_) => unreachable!("handled before the runtime starts"),
+        };
+        Ok(match outcome {
+            Outcome::Succeeded => ExitCode::SUCCESS,
+            Outcome::WorkerFailed { rank, status } => {
+                eprintln!("hatrain-agent: rank {rank} failed ({status}); job stopped");
+                ExitCode::from(exit::worker(status.code()))
+            }
+            Outcome::Interrupted => {
+                ExitCode::from(exit::signaled(signaled.load(Ordering::SeqCst)))
+            }
+        })
+    })
+}
+
+/// SIGTERM and SIGINT cancel the root shutdown token.
+fn watch_signals(shutdown: CancellationToken, signaled: Arc<AtomicI32>) -> Result<()> {
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    tokio::spawn(async move {
+        let sig = tokio::select! {
+            _ = term.recv() => libc::SIGTERM,
+            _ = int.recv() => libc::SIGINT,
+        };
+        signaled.store(sig, Ordering::SeqCst);
+        shutdown.cancel();
+    });
+    Ok(())
+}
+
+fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
+    let node_rank = launch::resolve_node_rank(a.node_rank, |k| std::env::var(k).ok())?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !(a.stop_grace_secs.is_finite() && a.stop_grace_secs >= 0.0) {
+        return Err(LaunchError::Config(format!(
+            "--stop-grace-secs {} must be a non-negative number",
+            a.stop_grace_secs
+        )));
+    }
+    Ok(LaunchConfig {
+        nnodes: a.nnodes,
+        node_rank,
+        nproc_per_node: a.nproc_per_node,
+        master_addr: a.master_addr,
+        master_port: a.master_port,
+        job_id: a.job_id,
+        threads_per_worker: a
+            .threads_per_worker
+            .unwrap_or((cores / a.nproc_per_node.max(1)).max(1)),
+        stop_grace: Duration::from_secs_f64(a.stop_grace_secs),
+        command: a.command,
+    })
+}
