@@ -19,7 +19,8 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
     let ckpt = work.join("checkpoints");
     let log = work.join("train.jsonl");
     if ckpt.exists() {
-        std::fs::remove_dir_all(&ckpt).with_context(|| format!("cannot clear {}", ckpt.display()))?;
+        std::fs::remove_dir_all(&ckpt)
+            .with_context(|| format!("cannot clear {}", ckpt.display()))?;
     }
     std::fs::create_dir_all(work).with_context(|| format!("cannot create {}", work.display()))?;
     let _ = std::fs::remove_file(&log);
@@ -65,29 +66,46 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
 }
 
 fn summarise(log: &Path, ckpt: &Path, args: &DemoArgs) -> Result<()> {
-    let text = std::fs::read_to_string(log).with_context(|| format!("cannot read {}", log.display()))?;
+    let text =
+        std::fs::read_to_string(log).with_context(|| format!("cannot read {}", log.display()))?;
     let events: Vec<serde_json::Value> = text
         .lines()
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()
         .with_context(|| format!("{} is not JSON lines", log.display()))?;
     let of = |kind: &'static str| events.iter().filter(move |e| e["event"] == kind);
-    let Some(start) = of("start").next() else { bail!("{} has no start event", log.display()) };
-    let Some(fin) = of("final").last() else { bail!("{} has no final event", log.display()) };
+    let Some(start) = of("start").next() else {
+        bail!("{} has no start event", log.display())
+    };
+    let Some(fin) = of("final").next_back() else {
+        bail!("{} has no final event", log.display())
+    };
     let floor = start["entropy_floor"].as_f64().unwrap_or(f64::NAN);
-    let first = of("step").next().and_then(|e| e["loss"].as_f64()).unwrap_or(f64::NAN);
+    let first = of("step")
+        .next()
+        .and_then(|e| e["loss"].as_f64())
+        .unwrap_or(f64::NAN);
     let last = fin["loss"].as_f64().unwrap_or(f64::NAN);
     let saved: Vec<String> = of("checkpoint").map(|e| e["step"].to_string()).collect();
     let tracker = hatrain_shared::checkpoint::read_tracker(ckpt)?;
     println!();
     println!("demo summary");
-    println!("  ranks {}, parameters {}, steps {}", args.nproc, start["params"], fin["step"]);
+    println!(
+        "  ranks {}, parameters {}, steps {}",
+        args.nproc, start["params"], fin["step"]
+    );
     println!(
         "  loss {first:.4} -> {last:.4}, floor {floor:.4}: {:.0}% of the way to the entropy floor",
         100.0 * (first - last) / (first - floor)
     );
-    println!("  checkpoints at steps {} (tracker: {tracker})", saved.join(", "));
-    println!("  final parameters xxh3 {}", fin["param_xxh3"].as_str().unwrap_or("?"));
+    println!(
+        "  checkpoints at steps {} (tracker: {tracker})",
+        saved.join(", ")
+    );
+    println!(
+        "  final parameters xxh3 {}",
+        fin["param_xxh3"].as_str().unwrap_or("?")
+    );
     println!("  log: {}", log.display());
     Ok(())
 }

@@ -59,9 +59,10 @@ pub fn resolve_node_rank(
     }
     for var in NODE_RANK_VARS {
         if let Some(v) = get(var) {
-            return v.trim().parse().map_err(|_| {
-                LaunchError::Config(format!("{var}={v:?} is not a node rank"))
-            });
+            return v
+                .trim()
+                .parse()
+                .map_err(|_| LaunchError::Config(format!("{var}={v:?} is not a node rank")));
         }
     }
     Ok(0)
@@ -111,7 +112,10 @@ impl LaunchConfig {
                     ("HATRAIN_RESTART_COUNT".into(), "0".into()),
                 ];
                 if !inherited_threads {
-                    env.push(("RAYON_NUM_THREADS".into(), self.threads_per_worker.to_string()));
+                    env.push((
+                        "RAYON_NUM_THREADS".into(),
+                        self.threads_per_worker.to_string(),
+                    ));
                 }
                 WorkerSpec {
                     rank,
@@ -136,7 +140,10 @@ pub async fn run(cfg: &LaunchConfig, shutdown: CancellationToken) -> Result<Outc
         tracing::info!(addr = %store.local_addr(), "rendezvous store listening");
         (Some(store), port)
     } else {
-        (None, cfg.master_port.expect("validated: set with several nodes"))
+        (
+            None,
+            cfg.master_port.expect("validated: set with several nodes"),
+        )
     };
     let reaper = Reaper::start(shutdown.child_token())?;
     let specs = cfg.worker_specs(port);
@@ -179,14 +186,25 @@ mod tests {
     #[test]
     fn node_rank_precedence() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
         };
-        assert_eq!(resolve_node_rank(Some(3), env(&[("SLURM_NODEID", "1")])).unwrap(), 3);
+        assert_eq!(
+            resolve_node_rank(Some(3), env(&[("SLURM_NODEID", "1")])).unwrap(),
+            3
+        );
         assert_eq!(
             resolve_node_rank(None, env(&[("PMI_RANK", "2"), ("SLURM_NODEID", "1")])).unwrap(),
             1
         );
-        assert_eq!(resolve_node_rank(None, env(&[("OMPI_COMM_WORLD_RANK", "4")])).unwrap(), 4);
+        assert_eq!(
+            resolve_node_rank(None, env(&[("OMPI_COMM_WORLD_RANK", "4")])).unwrap(),
+            4
+        );
         assert_eq!(resolve_node_rank(None, env(&[])).unwrap(), 0);
         let e = resolve_node_rank(None, env(&[("PMI_RANK", "x")])).unwrap_err();
         assert!(e.to_string().contains("PMI_RANK=\"x\""), "{e}");
@@ -197,7 +215,11 @@ mod tests {
         let specs = cfg().worker_specs(29500);
         assert_eq!(specs.len(), 3);
         let get = |s: &WorkerSpec, k: &str| {
-            s.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap()
+            s.env
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+                .unwrap()
         };
         assert_eq!(get(&specs[2], "RANK"), "5");
         assert_eq!(get(&specs[2], "LOCAL_RANK"), "2");
@@ -211,12 +233,27 @@ mod tests {
     fn bad_configurations_are_named() {
         let mut c = cfg();
         c.node_rank = 2;
-        assert!(c.validate().unwrap_err().to_string().contains("outside --nnodes 2"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("outside --nnodes 2")
+        );
         let mut c = cfg();
         c.master_port = None;
-        assert!(c.validate().unwrap_err().to_string().contains("--master-port is required"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--master-port is required")
+        );
         let mut c = cfg();
         c.command.clear();
-        assert!(c.validate().unwrap_err().to_string().contains("no worker command"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("no worker command")
+        );
     }
 }

@@ -31,6 +31,9 @@ pub mod exit {
 
     /// The code for a job whose worker ended with shell code `code`.
     pub fn worker(code: i32) -> u8 {
-        u8::try_from(code).ok().filter(|c| *c != 0).unwrap_or(INTERNAL)
+        u8::try_from(code)
+            .ok()
+            .filter(|c| *c != 0)
+            .unwrap_or(INTERNAL)
     }
 }

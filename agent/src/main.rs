@@ -25,8 +25,7 @@ fn main() -> ExitCode {
     }
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
@@ -66,9 +65,7 @@ fn run(command: Command) -> Result<ExitCode> {
                 eprintln!("hatrain-agent: rank {rank} failed ({status}); job stopped");
                 ExitCode::from(exit::worker(status.code()))
             }
-            Outcome::Interrupted => {
-                ExitCode::from(exit::signaled(signaled.load(Ordering::SeqCst)))
-            }
+            Outcome::Interrupted => ExitCode::from(exit::signaled(signaled.load(Ordering::SeqCst))),
         })
     })
 }

@@ -146,6 +146,9 @@ mod tests {
         assert_eq!(ExitStatus::Signaled(9).code(), 137);
         assert!(ExitStatus::Exited(0).success());
         assert!(!ExitStatus::Signaled(15).success());
-        assert_eq!(ExitStatus::Signaled(9).to_string(), "killed by signal 9 (SIGKILL)");
+        assert_eq!(
+            ExitStatus::Signaled(9).to_string(),
+            "killed by signal 9 (SIGKILL)"
+        );
     }
 }

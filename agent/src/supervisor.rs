@@ -89,7 +89,10 @@ pub fn on_exit(workers: &[WorkerState], rank: usize, status: ExitStatus) -> (Dec
         .filter(|w| matches!(w, WorkerState::Running { .. }))
         .count();
     if running == 0 {
-        (Decision::Finished, "every worker finished successfully".into())
+        (
+            Decision::Finished,
+            "every worker finished successfully".into(),
+        )
     } else {
         (
             Decision::Wait,
@@ -169,7 +172,12 @@ impl Supervisor {
             source,
         })?;
         let pid = i32::try_from(child.id()).expect("pids fit in i32");
-        tracing::info!(rank = spec.rank, local_rank = spec.local_rank, pid, "worker started");
+        tracing::info!(
+            rank = spec.rank,
+            local_rank = spec.local_rank,
+            pid,
+            "worker started"
+        );
         let idx = self.states.len();
         self.states.push(WorkerState::Running { pid });
         self.ranks.push(spec.rank);

@@ -140,13 +140,17 @@ pub enum CheckpointError {
     MissingRank { path: PathBuf, world_size: usize },
     #[error("{path}: not a valid meta.json: {detail}")]
     BadMeta { path: PathBuf, detail: String },
-    #[error("{path}: file is truncated or resized: meta.json records {expected} bytes, found {found}")]
+    #[error(
+        "{path}: file is truncated or resized: meta.json records {expected} bytes, found {found}"
+    )]
     SizeMismatch {
         path: PathBuf,
         expected: u64,
         found: u64,
     },
-    #[error("{path}: checksum mismatch (xxh3 {found}, meta.json records {expected}): the file is corrupt")]
+    #[error(
+        "{path}: checksum mismatch (xxh3 {found}, meta.json records {expected}): the file is corrupt"
+    )]
     ChecksumMismatch {
         path: PathBuf,
         expected: String,
@@ -389,12 +393,17 @@ pub fn read_meta(path: &Path) -> Result<Meta> {
     };
     let len = fs::metadata(path).map_err(io_err(path))?.len();
     if len > MAX_META_BYTES {
-        return Err(bad(format!("{len} bytes, more than the {MAX_META_BYTES} allowed")));
+        return Err(bad(format!(
+            "{len} bytes, more than the {MAX_META_BYTES} allowed"
+        )));
     }
     let bytes = fs::read(path).map_err(io_err(path))?;
     let meta: Meta = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
     if meta.format != FORMAT {
-        return Err(bad(format!("format is {:?}, expected {FORMAT:?}", meta.format)));
+        return Err(bad(format!(
+            "format is {:?}, expected {FORMAT:?}",
+            meta.format
+        )));
     }
     if meta.version.0 != VERSION.0 || meta.version.1 > VERSION.1 {
         return Err(bad(format!(
@@ -426,10 +435,13 @@ pub fn read_meta(path: &Path) -> Result<Meta> {
 /// Reads a data file, checking its size and digest against `meta.json`.
 fn read_verified(dir: &Path, meta: &Meta, file: &str) -> Result<Vec<u8>> {
     let path = dir.join(file);
-    let digest = meta.files.get(file).ok_or_else(|| CheckpointError::BadMeta {
-        path: dir.join(META_FILE),
-        detail: format!("no digest recorded for {file}"),
-    })?;
+    let digest = meta
+        .files
+        .get(file)
+        .ok_or_else(|| CheckpointError::BadMeta {
+            path: dir.join(META_FILE),
+            detail: format!("no digest recorded for {file}"),
+        })?;
     let bytes = fs::read(&path).map_err(io_err(&path))?;
     if bytes.len() as u64 != digest.bytes {
         return Err(CheckpointError::SizeMismatch {
@@ -466,7 +478,9 @@ fn copy_tensor(
         detail,
     };
     let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
-    let t = st.tensor(name).map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
+    let t = st
+        .tensor(name)
+        .map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
     if t.dtype() != Dtype::F32 || t.shape() != [shard.len()] {
         return Err(bad(format!(
             "tensor {name:?} is {:?}{:?}, expected F32[{}]",
@@ -575,8 +589,24 @@ pub fn load_shard(
         if let Some((m, v)) = moments.as_mut() {
             let path = dir.join(OPTIM_FILE);
             let optim_bytes = read_verified(&dir, &meta, OPTIM_FILE)?;
-            copy_tensor(&path, &optim_bytes, "exp_avg", &shard, want.clone(), m, range.start)?;
-            copy_tensor(&path, &optim_bytes, "exp_avg_sq", &shard, want, v, range.start)?;
+            copy_tensor(
+                &path,
+                &optim_bytes,
+                "exp_avg",
+                &shard,
+                want.clone(),
+                m,
+                range.start,
+            )?;
+            copy_tensor(
+                &path,
+                &optim_bytes,
+                "exp_avg_sq",
+                &shard,
+                want,
+                v,
+                range.start,
+            )?;
         }
     }
     Ok(LoadedShard {
@@ -655,8 +685,14 @@ mod tests {
         }
         let l = load_shard(d.path(), 20, &model(), 100..900, true).unwrap();
         let (lm, lv) = l.moments.unwrap();
-        assert_eq!((&l.params[..], &lm[..], &lv[..]), (&p[100..900], &m[100..900], &v[100..900]));
-        assert_eq!((l.rng_state, l.data_position, l.saved_world_size), (62, 160, 4));
+        assert_eq!(
+            (&l.params[..], &lm[..], &lv[..]),
+            (&p[100..900], &m[100..900], &v[100..900])
+        );
+        assert_eq!(
+            (l.rng_state, l.data_position, l.saved_world_size),
+            (62, 160, 4)
+        );
     }
 
     #[test]
@@ -672,10 +708,16 @@ mod tests {
     fn tracker_errors_name_the_file() {
         let d = tempfile::tempdir().unwrap();
         let e = read_tracker(d.path()).unwrap_err().to_string();
-        assert!(e.contains(TRACKER_FILE) && e.contains("no checkpoint tracker"), "{e}");
+        assert!(
+            e.contains(TRACKER_FILE) && e.contains("no checkpoint tracker"),
+            "{e}"
+        );
         fs::write(d.path().join(TRACKER_FILE), "fifty\n").unwrap();
         let e = read_tracker(d.path()).unwrap_err().to_string();
-        assert!(e.contains(TRACKER_FILE) && e.contains("garbled") && e.contains("fifty"), "{e}");
+        assert!(
+            e.contains(TRACKER_FILE) && e.contains("garbled") && e.contains("fifty"),
+            "{e}"
+        );
         fs::write(d.path().join(TRACKER_FILE), "50\n").unwrap();
         let e = load_all(d.path(), 1).unwrap_err().to_string();
         assert!(e.contains("iter_0000050") && e.contains("missing"), "{e}");
@@ -694,7 +736,10 @@ mod tests {
         bytes[mid] ^= 0x10;
         fs::write(&optim, &bytes).unwrap();
         let e = load_all(d.path(), 2).unwrap_err().to_string();
-        assert!(e.contains("rank_00001/optim.safetensors") && e.contains("checksum mismatch"), "{e}");
+        assert!(
+            e.contains("rank_00001/optim.safetensors") && e.contains("checksum mismatch"),
+            "{e}"
+        );
         bytes[mid] ^= 0x10;
         fs::write(&optim, &bytes).unwrap();
 
@@ -703,26 +748,40 @@ mod tests {
         let good = fs::read(&model_path).unwrap();
         fs::write(&model_path, &good[..good.len() - 100]).unwrap();
         let e = load_all(d.path(), 2).unwrap_err().to_string();
-        assert!(e.contains("rank_00000/model.safetensors") && e.contains("truncated"), "{e}");
+        assert!(
+            e.contains("rank_00000/model.safetensors") && e.contains("truncated"),
+            "{e}"
+        );
         fs::write(&model_path, &good).unwrap();
 
         // A missing rank directory.
         fs::rename(rank_dir(&it, 1), d.path().join("elsewhere")).unwrap();
         let e = load_all(d.path(), 2).unwrap_err().to_string();
-        assert!(e.contains("rank_00001") && e.contains("rank directory missing"), "{e}");
+        assert!(
+            e.contains("rank_00001") && e.contains("rank directory missing"),
+            "{e}"
+        );
         fs::rename(d.path().join("elsewhere"), rank_dir(&it, 1)).unwrap();
 
         // Another model shape.
         let other = ModelSize::Small.config();
-        let e = load_shard(d.path(), 5, &other, 0..10, false).unwrap_err().to_string();
-        assert!(e.contains("rank_00000/meta.json") && e.contains("another model shape"), "{e}");
+        let e = load_shard(d.path(), 5, &other, 0..10, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank_00000/meta.json") && e.contains("another model shape"),
+            "{e}"
+        );
 
         // A garbled meta.json.
         let meta = rank_dir(&it, 0).join(META_FILE);
         let good_meta = fs::read(&meta).unwrap();
         fs::write(&meta, b"{\"format\": 3").unwrap();
         let e = load_all(d.path(), 2).unwrap_err().to_string();
-        assert!(e.contains("rank_00000/meta.json") && e.contains("not a valid meta.json"), "{e}");
+        assert!(
+            e.contains("rank_00000/meta.json") && e.contains("not a valid meta.json"),
+            "{e}"
+        );
         fs::write(&meta, &good_meta).unwrap();
 
         assert_eq!(load_all(d.path(), 2).unwrap(), buffers(0.0).0);

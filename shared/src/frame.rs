@@ -146,7 +146,10 @@ impl Protocol {
                 protocol: self.name,
                 source: io::Error::new(
                     io::ErrorKind::InvalidData,
-                    format!("frame announces {len} payload bytes but {} follow", body.len()),
+                    format!(
+                        "frame announces {len} payload bytes but {} follow",
+                        body.len()
+                    ),
                 ),
             });
         }
@@ -169,7 +172,11 @@ impl Protocol {
         let mut got = 0;
         while got < HEADER_LEN {
             match r.read(&mut h[got..]) {
-                Ok(0) if got == 0 => return Err(FrameError::Closed { protocol: self.name }),
+                Ok(0) if got == 0 => {
+                    return Err(FrameError::Closed {
+                        protocol: self.name,
+                    });
+                }
                 Ok(0) => {
                     return Err(FrameError::ShortHeader {
                         protocol: self.name,
@@ -183,12 +190,17 @@ impl Protocol {
         }
         let len = self.parse_header(&h)?;
         let mut payload = vec![0u8; len];
-        r.read_exact(&mut payload).map_err(|source| self.io(source))?;
+        r.read_exact(&mut payload)
+            .map_err(|source| self.io(source))?;
         Ok(payload)
     }
 
     /// Serialises `msg` as JSON and writes it as one frame.
-    pub fn send_json<W: Write, T: serde::Serialize>(&self, w: &mut W, msg: &T) -> Result<(), FrameError> {
+    pub fn send_json<W: Write, T: serde::Serialize>(
+        &self,
+        w: &mut W,
+        msg: &T,
+    ) -> Result<(), FrameError> {
         let payload = serde_json::to_vec(msg).map_err(|source| FrameError::Decode {
             protocol: self.name,
             source,
@@ -197,13 +209,19 @@ impl Protocol {
     }
 
     /// Reads one frame and parses its payload as the JSON of `T`.
-    pub fn recv_json<R: Read, T: serde::de::DeserializeOwned>(&self, r: &mut R) -> Result<T, FrameError> {
+    pub fn recv_json<R: Read, T: serde::de::DeserializeOwned>(
+        &self,
+        r: &mut R,
+    ) -> Result<T, FrameError> {
         let payload = self.read_frame(r)?;
         self.parse_json(&payload)
     }
 
     /// Parses a payload as the JSON of `T`.
-    pub fn parse_json<T: serde::de::DeserializeOwned>(&self, payload: &[u8]) -> Result<T, FrameError> {
+    pub fn parse_json<T: serde::de::DeserializeOwned>(
+        &self,
+        payload: &[u8],
+    ) -> Result<T, FrameError> {
         serde_json::from_slice(payload).map_err(|source| FrameError::Decode {
             protocol: self.name,
             source,
@@ -237,16 +255,28 @@ mod tests {
         let mut h = P.header(3).unwrap();
         h[0] = b'X';
         h[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(P.parse_header(&h), Err(FrameError::TooLarge { .. })));
+        assert!(matches!(
+            P.parse_header(&h),
+            Err(FrameError::TooLarge { .. })
+        ));
         let mut h = P.header(3).unwrap();
         h[0] = b'X';
-        assert!(matches!(P.parse_header(&h), Err(FrameError::BadMagic { .. })));
+        assert!(matches!(
+            P.parse_header(&h),
+            Err(FrameError::BadMagic { .. })
+        ));
         let mut h = P.header(3).unwrap();
         h[4..6].copy_from_slice(&2u16.to_le_bytes());
-        assert!(matches!(P.parse_header(&h), Err(FrameError::Version { major: 2, .. })));
+        assert!(matches!(
+            P.parse_header(&h),
+            Err(FrameError::Version { major: 2, .. })
+        ));
         let mut h = P.header(3).unwrap();
         h[6..8].copy_from_slice(&3u16.to_le_bytes());
-        assert!(matches!(P.parse_header(&h), Err(FrameError::Version { minor: 3, .. })));
+        assert!(matches!(
+            P.parse_header(&h),
+            Err(FrameError::Version { minor: 3, .. })
+        ));
         // An older minor is accepted.
         let mut h = P.header(3).unwrap();
         h[6..8].copy_from_slice(&0u16.to_le_bytes());
@@ -261,7 +291,10 @@ mod tests {
         let mut r = &buf[..];
         assert_eq!(P.read_frame(&mut r).unwrap(), b"hello");
         assert_eq!(P.read_frame(&mut r).unwrap(), b"");
-        assert!(matches!(P.read_frame(&mut r), Err(FrameError::Closed { .. })));
+        assert!(matches!(
+            P.read_frame(&mut r),
+            Err(FrameError::Closed { .. })
+        ));
     }
 
     proptest! {

@@ -104,9 +104,15 @@ impl ModelConfig {
         ];
         for l in 0..self.layers {
             shapes.push((format!("blocks.{l}.norm.weight"), vec![self.d_model]));
-            shapes.push((format!("blocks.{l}.fc1.weight"), vec![self.d_model, self.d_ff]));
+            shapes.push((
+                format!("blocks.{l}.fc1.weight"),
+                vec![self.d_model, self.d_ff],
+            ));
             shapes.push((format!("blocks.{l}.fc1.bias"), vec![self.d_ff]));
-            shapes.push((format!("blocks.{l}.fc2.weight"), vec![self.d_ff, self.d_model]));
+            shapes.push((
+                format!("blocks.{l}.fc2.weight"),
+                vec![self.d_ff, self.d_model],
+            ));
             shapes.push((format!("blocks.{l}.fc2.bias"), vec![self.d_model]));
         }
         shapes.push(("final_norm.weight".into(), vec![self.d_model]));
@@ -160,7 +166,10 @@ impl ModelConfig {
 /// contiguous, in rank order, cover `0..numel` exactly and differ in length by
 /// at most one.
 pub fn shard_range(numel: usize, world: usize, rank: usize) -> Range<usize> {
-    assert!(world > 0 && rank < world, "rank {rank} outside world {world}");
+    assert!(
+        world > 0 && rank < world,
+        "rank {rank} outside world {world}"
+    );
     let base = numel / world;
     let rem = numel % world;
     let start = rank * base + rank.min(rem);

@@ -39,12 +39,20 @@ pub enum Request {
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum Response {
     Done,
-    Value { value: String },
-    Counter { value: i64 },
+    Value {
+        value: String,
+    },
+    Counter {
+        value: i64,
+    },
     /// The key did not appear within the wait.
-    Timeout { key: String },
+    Timeout {
+        key: String,
+    },
     /// The request was refused; the message says why.
-    Refused { message: String },
+    Refused {
+        message: String,
+    },
 }
 
 /// The key under which `rank` publishes its ring listener for `epoch`.

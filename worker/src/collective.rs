@@ -208,9 +208,9 @@ impl Communicator {
             addr: next_addr.clone(),
             source,
         };
-        let addr: SocketAddr = next_addr.parse().map_err(|e| {
-            connect_err(io::Error::new(io::ErrorKind::InvalidData, format!("{e}")))
-        })?;
+        let addr: SocketAddr = next_addr
+            .parse()
+            .map_err(|e| connect_err(io::Error::new(io::ErrorKind::InvalidData, format!("{e}"))))?;
         let mut next =
             TcpStream::connect_timeout(&addr, remaining(deadline).max(Duration::from_millis(1)))
                 .map_err(connect_err)?;
@@ -233,12 +233,13 @@ impl Communicator {
         prev.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(1))))
             .map_err(listen_err)?;
         let mut got = [0u8; 20];
-        prev.read_exact(&mut got).map_err(|source| CollectiveError::Io {
-            epoch,
-            op: "handshake",
-            peer: prev_rank,
-            source,
-        })?;
+        prev.read_exact(&mut got)
+            .map_err(|source| CollectiveError::Io {
+                epoch,
+                op: "handshake",
+                peer: prev_rank,
+                source,
+            })?;
         prev.set_read_timeout(None).map_err(listen_err)?;
         prev.set_nodelay(true).map_err(listen_err)?;
         let their_epoch = u64::from_le_bytes(got[4..12].try_into().expect("8 bytes"));
@@ -354,7 +355,10 @@ impl Communicator {
             (self.rank + self.world - 1) % self.world,
         );
         let streams = Arc::clone(&self.abort.streams);
-        let ring = self.ring.as_mut().expect("exchange needs a ring of 2 or more ranks");
+        let ring = self
+            .ring
+            .as_mut()
+            .expect("exchange needs a ring of 2 or more ranks");
         self.scratch.resize(in_len, 0);
         let (send_seq, recv_seq) = (ring.send_seq, ring.recv_seq);
         let Ring { next, prev, .. } = ring;
@@ -480,12 +484,16 @@ mod tests {
             let sent: Vec<Vec<f32>> = (0..w)
                 .map(|r| bufs[r][shard_range(n, w, reduce_scatter_send(r, step, w))].to_vec())
                 .collect();
-            for r in 0..w {
+            for (r, buf) in bufs.iter_mut().enumerate() {
                 let prev = (r + w - 1) % w;
                 let chunk = reduce_scatter_recv(r, step, w);
-                assert_eq!(chunk, reduce_scatter_send(prev, step, w), "schedule mismatch");
+                assert_eq!(
+                    chunk,
+                    reduce_scatter_send(prev, step, w),
+                    "schedule mismatch"
+                );
                 let range = shard_range(n, w, chunk);
-                for (a, b) in bufs[r][range].iter_mut().zip(&sent[prev]) {
+                for (a, b) in buf[range].iter_mut().zip(&sent[prev]) {
                     *a += b;
                 }
             }
@@ -501,10 +509,10 @@ mod tests {
                 .map(|r| (0..n).map(|i| ((r * 1000 + i) % 977) as f32).collect())
                 .collect();
             let out = simulate_reduce_scatter(&inputs);
-            for r in 0..world {
+            for (r, out_r) in out.iter().enumerate() {
                 for i in shard_range(n, world, r) {
                     let want: f32 = inputs.iter().map(|b| b[i]).sum();
-                    prop_assert_eq!(out[r][i], want);
+                    prop_assert_eq!(out_r[i], want);
                 }
             }
             for r in 0..world {
@@ -556,7 +564,10 @@ mod tests {
                 .collect();
             for (full, losses) in out {
                 assert_eq!(full, want, "world {world}");
-                assert_eq!(losses, (0..world).map(|r| r as f64 * 1.5).collect::<Vec<_>>());
+                assert_eq!(
+                    losses,
+                    (0..world).map(|r| r as f64 * 1.5).collect::<Vec<_>>()
+                );
             }
         }
     }

@@ -78,7 +78,12 @@ impl MarkovChain {
             // Squared uniforms give a skewed, low-entropy distribution.
             let w: Vec<f64> = next.iter().map(|_| rng.next_f64().powi(2) + 0.02).collect();
             let total: f64 = w.iter().sum();
-            probs.push(next.iter().zip(&w).map(|(&t, &w)| (t as u32, w / total)).collect());
+            probs.push(
+                next.iter()
+                    .zip(&w)
+                    .map(|(&t, &w)| (t as u32, w / total))
+                    .collect(),
+            );
         }
 
         // Stationary distribution by power iteration.
@@ -180,6 +185,10 @@ mod tests {
         };
         let est: f64 =
             toks.windows(2).map(|w| -p(w[0], w[1]).ln()).sum::<f64>() / (toks.len() - 1) as f64;
-        assert!((est - c.entropy_rate()).abs() < 0.02, "{est} vs {}", c.entropy_rate());
+        assert!(
+            (est - c.entropy_rate()).abs() < 0.02,
+            "{est} vs {}",
+            c.entropy_rate()
+        );
     }
 }

@@ -24,7 +24,9 @@ const RMS_EPS: f64 = 1e-5;
 pub enum ModelError {
     #[error("model computation failed")]
     Candle(#[from] candle_core::Error),
-    #[error("batch of {inputs} context tokens does not match {targets} targets × context {context}")]
+    #[error(
+        "batch of {inputs} context tokens does not match {targets} targets × context {context}"
+    )]
     BatchShape {
         inputs: usize,
         targets: usize,
@@ -74,7 +76,11 @@ impl Model {
                 1.0
             } else {
                 let s = 1.0 / (t.shape[0] as f64).sqrt();
-                if t.name.ends_with("fc2.weight") { s * residual_scale } else { s }
+                if t.name.ends_with("fc2.weight") {
+                    s * residual_scale
+                } else {
+                    s
+                }
             };
             for x in dst.iter_mut() {
                 *x = (rng.normal() * std) as f32;
@@ -126,7 +132,12 @@ impl Model {
         // log-sum-exp with the row maximum held constant: the gradient does
         // not depend on it, and it keeps exp() in range.
         let max = logits.max_keepdim(D::Minus1)?.detach();
-        let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?;
+        let lse = (logits
+            .broadcast_sub(&max)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?
+            + max)?;
         let picked = logits.gather(&tgt, D::Minus1)?;
         let loss = (lse - picked)?.mean_all()?;
 
@@ -146,7 +157,9 @@ impl Model {
 }
 
 fn rms_norm(x: &Tensor, gain: &Tensor) -> candle_core::Result<Tensor> {
-    let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + RMS_EPS)?.sqrt()?.recip()?;
+    let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + RMS_EPS)?
+        .sqrt()?
+        .recip()?;
     x.broadcast_mul(&inv)?.broadcast_mul(gain)
 }
 
@@ -175,11 +188,19 @@ mod tests {
             let h = 1e-2f32;
             let mut p = params.clone();
             p[i] += h;
-            let up = m.loss_and_grad(&p, &inputs, &targets, &mut scratch).unwrap();
+            let up = m
+                .loss_and_grad(&p, &inputs, &targets, &mut scratch)
+                .unwrap();
             p[i] -= 2.0 * h;
-            let down = m.loss_and_grad(&p, &inputs, &targets, &mut scratch).unwrap();
+            let down = m
+                .loss_and_grad(&p, &inputs, &targets, &mut scratch)
+                .unwrap();
             let fd = (up - down) / (2.0 * h);
-            assert!((fd - g[i]).abs() < 2e-3 + 0.05 * g[i].abs(), "param {i}: fd {fd} vs {}", g[i]);
+            assert!(
+                (fd - g[i]).abs() < 2e-3 + 0.05 * g[i].abs(),
+                "param {i}: fd {fd} vs {}",
+                g[i]
+            );
         }
     }
 

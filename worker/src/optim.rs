@@ -35,7 +35,12 @@ impl AdamW {
         let bc1 = 1.0 - self.beta1.powi(t);
         let bc2 = 1.0 - self.beta2.powi(t);
         let decay = 1.0 - lr * self.weight_decay;
-        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
+        for (((p, &g), m), v) in params
+            .iter_mut()
+            .zip(grads)
+            .zip(m.iter_mut())
+            .zip(v.iter_mut())
+        {
             *m = self.beta1 * *m + (1.0 - self.beta1) * g;
             *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
             let update = (*m / bc1) / ((*v / bc2).sqrt() + self.eps);
@@ -61,7 +66,10 @@ mod tests {
         let mut p = vec![1.0, 1.0];
         let (mut m, mut v) = (vec![0.0; 2], vec![0.0; 2]);
         opt.step(1, &mut p, &[2.0, -3.0], &mut m, &mut v);
-        assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6, "{p:?}");
+        assert!(
+            (p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6,
+            "{p:?}"
+        );
     }
 
     #[test]
@@ -74,9 +82,6 @@ mod tests {
             weight_decay: 0.0,
             warmup: 4,
         };
-        assert_eq!(
-            [1, 2, 4, 9].map(|t| opt.lr_at(t)),
-            [0.25, 0.5, 1.0, 1.0]
-        );
+        assert_eq!([1, 2, 4, 9].map(|t| opt.lr_at(t)), [0.25, 0.5, 1.0, 1.0]);
     }
 }

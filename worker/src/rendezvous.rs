@@ -148,9 +148,11 @@ fn serve(mut stream: TcpStream, shared: &Shared) {
                 message: format!("malformed request: {source}"),
             },
             // Bad framing leaves the stream out of sync: answer once, hang up.
-            Err(e @ (FrameError::TooLarge { .. }
-            | FrameError::BadMagic { .. }
-            | FrameError::Version { .. })) => {
+            Err(
+                e @ (FrameError::TooLarge { .. }
+                | FrameError::BadMagic { .. }
+                | FrameError::Version { .. }),
+            ) => {
                 let _ = PROTOCOL.send_json(
                     &mut stream,
                     &Response::Refused {
@@ -334,7 +336,10 @@ mod tests {
         let mut raw = TcpStream::connect(addr).unwrap();
         raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         let reply: Response = PROTOCOL.recv_json(&mut raw).unwrap();
-        assert!(matches!(reply, Response::Refused { ref message } if message.contains("exceeds the limit")), "{reply:?}");
+        assert!(
+            matches!(reply, Response::Refused { ref message } if message.contains("exceeds the limit")),
+            "{reply:?}"
+        );
         // A well-framed but malformed request is answered and the connection kept.
         let mut raw = TcpStream::connect(addr).unwrap();
         PROTOCOL.write_frame(&mut raw, b"{\"nope\":1}").unwrap();

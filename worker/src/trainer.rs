@@ -181,7 +181,9 @@ pub enum TrainError {
         #[source]
         source: CheckpointError,
     },
-    #[error("saving iteration {iteration} failed on rank(s) {ranks:?}; the previous checkpoint is intact")]
+    #[error(
+        "saving iteration {iteration} failed on rank(s) {ranks:?}; the previous checkpoint is intact"
+    )]
     SaveElsewhere { iteration: u64, ranks: Vec<usize> },
     #[error("cannot write the log {path}")]
     Log {
@@ -239,9 +241,7 @@ impl DistEnv {
                 .to_socket_addrs()
                 .ok()
                 .and_then(|mut a| a.next())
-                .ok_or_else(|| {
-                    TrainError::Env(format!("MASTER_ADDR={addr:?} does not resolve"))
-                })?;
+                .ok_or_else(|| TrainError::Env(format!("MASTER_ADDR={addr:?} does not resolve")))?;
             Some(resolved)
         } else {
             None
@@ -315,10 +315,11 @@ impl JsonLog {
         if let Some(f) = self.file.as_mut() {
             let mut line = value.to_string();
             line.push('\n');
-            f.write_all(line.as_bytes()).map_err(|source| TrainError::Log {
-                path: self.path.clone(),
-                source,
-            })?;
+            f.write_all(line.as_bytes())
+                .map_err(|source| TrainError::Log {
+                    path: self.path.clone(),
+                    source,
+                })?;
         }
         Ok(())
     }
@@ -373,7 +374,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     let cfg = args.model_config();
     cfg.validate().map_err(TrainError::Args)?;
     let (rank, world) = (env.rank, env.world_size);
-    if args.global_batch == 0 || args.global_batch % world != 0 {
+    if args.global_batch == 0 || !args.global_batch.is_multiple_of(world) {
         return Err(TrainError::Args(format!(
             "--global-batch {} must be a positive multiple of the world size {world}",
             args.global_batch
@@ -476,7 +477,11 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
 
         let dt = t0.elapsed().as_secs_f64();
         let tps = tokens_per_step / dt;
-        if lead && (step == 1 || step % args.log_interval.max(1) == 0 || step == args.train_iters) {
+        if lead
+            && (step == 1
+                || step.is_multiple_of(args.log_interval.max(1))
+                || step == args.train_iters)
+        {
             println!(
                 "step {step:>6}/{} | loss {mean_loss:.4} (floor {floor:.4}) | lr {:.2e} | {:>8.0} tok/s | {:>8.1} ms/step",
                 args.train_iters,
@@ -490,7 +495,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             "tokens_per_s": tps, "step_time_s": dt,
         }))?;
 
-        let due = args.save_interval > 0 && step % args.save_interval == 0;
+        let due = args.save_interval > 0 && step.is_multiple_of(args.save_interval);
         if let Some(dir) = &args.save
             && (due || step == args.train_iters)
         {
@@ -498,7 +503,10 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             let path = save(args, dir, &cfg, &state, &shard, &mut comm, env.rank, world)?;
             let secs = t.elapsed().as_secs_f64();
             if lead {
-                println!("saved iteration {step} to {} in {secs:.3} s", path.display());
+                println!(
+                    "saved iteration {step} to {} in {secs:.3} s",
+                    path.display()
+                );
             }
             log.write(serde_json::json!({
                 "event": "checkpoint", "step": step, "dir": path, "seconds": secs,
@@ -543,11 +551,15 @@ fn load(
     comm.all_gather(&mut state.params)?;
     let warn = |what: &str| {
         if lead {
-            eprintln!("warning: {what}; this resume is NOT exact: the run will differ from an uninterrupted one");
+            eprintln!(
+                "warning: {what}; this resume is NOT exact: the run will differ from an uninterrupted one"
+            );
         }
     };
     if args.finetune {
-        warn("--finetune loads only the weights and starts at step 0 with fresh optimizer state and RNG");
+        warn(
+            "--finetune loads only the weights and starts at step 0 with fresh optimizer state and RNG",
+        );
         return Ok(iteration);
     }
     state.step = loaded.iteration;
@@ -621,7 +633,10 @@ fn save(
     written.map_err(save_err)?;
     let failed: Vec<usize> = (0..world).filter(|&r| status[r] != 1.0).collect();
     if !failed.is_empty() {
-        return Err(TrainError::SaveElsewhere { iteration, ranks: failed });
+        return Err(TrainError::SaveElsewhere {
+            iteration,
+            ranks: failed,
+        });
     }
     // Rank 0 publishes; everyone learns whether it worked.
     let committed = if rank == 0 {
@@ -711,18 +726,27 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> Result<DistEnv, TrainError> {
-        let map: HashMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         DistEnv::from_lookup(|k| map.get(k).cloned())
     }
 
     #[test]
     fn environment_is_validated() {
         let single = env(&[]).unwrap();
-        assert_eq!((single.rank, single.world_size, single.master), (0, 1, None));
-        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "2")]).unwrap_err().to_string();
+        assert_eq!(
+            (single.rank, single.world_size, single.master),
+            (0, 1, None)
+        );
+        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "2")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("RANK=2 is outside WORLD_SIZE=2"), "{e}");
-        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "0")]).unwrap_err().to_string();
+        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "0")])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("MASTER_ADDR"), "{e}");
         let e = env(&[("WORLD_SIZE", "two")]).unwrap_err().to_string();
         assert!(e.contains("WORLD_SIZE=\"two\""), "{e}");

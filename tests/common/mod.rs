@@ -1,0 +1,244 @@
+//! Helpers shared by the scenario tests: start the real binaries, read their
+//! JSON logs, and make sure no process of a test outlives it.
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn agent() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"))
+}
+
+/// A job id unique to this test process and call, so the orphan check finds
+/// exactly this test's processes.
+pub fn job_id(name: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "t-{name}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// Trainer arguments for a small, quick run.
+pub fn tiny_args(iters: u64) -> Vec<String> {
+    [
+        "--model-size",
+        "tiny",
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "16",
+        "--log-interval",
+        "1000",
+        "--train-iters",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([iters.to_string()])
+    .collect()
+}
+
+/// `hatrain-agent launch --nproc-per-node n -- hatrain-agent train <args>`.
+pub fn launch_cmd(nproc: usize, job: &str, train: &[String]) -> Command {
+    let mut c = Command::new(agent());
+    c.args([
+        "launch",
+        "--nproc-per-node",
+        &nproc.to_string(),
+        "--job-id",
+        job,
+    ])
+    .args(["--threads-per-worker", "1", "--stop-grace-secs", "3", "--"])
+    .arg(agent())
+    .arg("train")
+    .args(train)
+    .env_remove("RAYON_NUM_THREADS")
+    .env("RUST_LOG", "info");
+    c
+}
+
+/// Runs a launch to completion (bounded) and returns its output.
+pub fn run_launch(nproc: usize, name: &str, train: &[String]) -> Output {
+    let job = job_id(name);
+    let mut guard = Job::spawn(launch_cmd(nproc, &job, train), &job);
+    guard.wait_output(Duration::from_secs(300))
+}
+
+/// A running launcher; dropping it kills the launcher and every process that
+/// carries its job id, so a failing test leaves nothing behind.
+pub struct Job {
+    pub child: Option<Child>,
+    pub job: String,
+}
+
+impl Job {
+    pub fn spawn(mut cmd: Command, job: &str) -> Self {
+        let child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start hatrain-agent");
+        Self {
+            child: Some(child),
+            job: job.to_string(),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().expect("running").id() as i32
+    }
+
+    /// Waits up to `limit` for the launcher to exit; panics (after killing
+    /// everything) if it does not.
+    pub fn wait_output(&mut self, limit: Duration) -> Output {
+        let child = self.child.take().expect("not yet waited");
+        let pid = child.id() as i32;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait_with_output());
+        });
+        match rx.recv_timeout(limit) {
+            Ok(out) => out.expect("wait for hatrain-agent"),
+            Err(_) => {
+                kill(pid, libc::SIGKILL);
+                kill_job(&self.job);
+                panic!("hatrain-agent (pid {pid}) did not exit within {limit:?}");
+            }
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        kill_job(&self.job);
+    }
+}
+
+pub fn kill(pid: i32, sig: i32) {
+    // SAFETY: kill(2) takes plain integers.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// Pids of live (not zombie) processes whose environment carries
+/// `HATRAIN_JOB_ID=<job>`.
+pub fn job_pids(job: &str) -> Vec<i32> {
+    let needle = format!("HATRAIN_JOB_ID={job}");
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(e.path().join("environ")) else {
+            continue;
+        };
+        if !env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
+            continue;
+        }
+        let zombie = std::fs::read_to_string(e.path().join("stat"))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(false);
+        if !zombie {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn kill_job(job: &str) {
+    for pid in job_pids(job) {
+        kill(pid, libc::SIGKILL);
+    }
+}
+
+/// Direct children of `pid`.
+pub fn children(pid: i32) -> HashSet<i32> {
+    let mut out = HashSet::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+                out.extend(s.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+            }
+        }
+    }
+    out
+}
+
+/// The `RANK` of a process, from its environment.
+pub fn rank_of(pid: i32) -> Option<usize> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}
+
+/// Polls `cond` every 20 ms until it holds or `limit` passes.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cond()
+}
+
+pub fn read_log(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("log line is JSON"))
+        .collect()
+}
+
+/// Losses by step from a log.
+pub fn losses(log: &[serde_json::Value]) -> Vec<(u64, f64)> {
+    log.iter()
+        .filter(|e| e["event"] == "step")
+        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+pub fn final_checksum(log: &[serde_json::Value]) -> String {
+    log.iter()
+        .rev()
+        .find(|e| e["event"] == "final")
+        .and_then(|e| e["param_xxh3"].as_str())
+        .expect("final event")
+        .to_string()
+}
+
+pub fn assert_success(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed: {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn code(status: &ExitStatus) -> Option<i32> {
+    status.code()
+}
+
+pub fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| x.to_string()).collect()
+}
