@@ -33,7 +33,8 @@
 //! saved by `W` ranks loads at any other world size.
 
 use crate::model::{ModelConfig, shard_range};
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -237,19 +238,60 @@ pub fn begin_save(save: &Path, iteration: u64) -> Result<PathBuf> {
     Ok(tmp)
 }
 
-fn f32_view(data: &[f32]) -> std::result::Result<TensorView<'_>, safetensors::SafeTensorError> {
-    TensorView::new(Dtype::F32, vec![data.len()], bytemuck::cast_slice(data))
-}
+/// Bytes hashed and written per piece: small enough to stay in cache
+/// between the hash and the write, so the data is read from memory once.
+const WRITE_PIECE: usize = 1 << 20;
 
-fn serialize_tensors(path: &Path, tensors: &[(&str, &[f32])]) -> Result<Vec<u8>> {
-    let views = tensors
-        .iter()
-        .map(|(name, data)| f32_view(data).map(|v| (name.to_string(), v)))
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .and_then(|views| safetensors::serialize(views, None));
-    views.map_err(|e| CheckpointError::BadTensorFile {
+/// Writes a safetensors file of `F32[len]` tensors straight from the slices
+/// (no serialised copy of the data), hashing in the same pass, and fsyncs
+/// it. Returns its size and digest.
+fn write_tensor_file(path: &Path, tensors: &[(&str, &[f32])]) -> Result<FileDigest> {
+    let bad = |detail: String| CheckpointError::BadTensorFile {
         path: path.to_path_buf(),
-        detail: e.to_string(),
+        detail,
+    };
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut offset = 0;
+    for (name, data) in tensors {
+        let len = data.len() * 4;
+        infos.push((
+            name.to_string(),
+            TensorInfo {
+                dtype: Dtype::F32,
+                shape: vec![data.len()],
+                data_offsets: (offset, offset + len),
+            },
+        ));
+        offset += len;
+    }
+    let meta = Metadata::new(None, infos).map_err(|e| bad(e.to_string()))?;
+    let mut header = serde_json::to_vec(&meta).map_err(|e| bad(e.to_string()))?;
+    // The safetensors format pads the header with spaces to 8-byte alignment.
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let header_len = (header.len() as u64).to_le_bytes();
+
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(io_err(path))?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut put = |bytes: &[u8]| -> Result<()> {
+        hasher.update(bytes);
+        f.write_all(bytes).map_err(io_err(path))
+    };
+    put(&header_len)?;
+    put(&header)?;
+    for (_, data) in tensors {
+        for piece in bytemuck::cast_slice::<f32, u8>(data).chunks(WRITE_PIECE) {
+            put(piece)?;
+        }
+    }
+    f.sync_all().map_err(io_err(path))?;
+    Ok(FileDigest {
+        bytes: (8 + header.len() + offset) as u64,
+        xxh3: format!("{:016x}", hasher.digest()),
     })
 }
 
@@ -283,16 +325,8 @@ pub fn write_shard(tmp_dir: &Path, header: &ShardHeader, data: ShardData<'_>) ->
             vec![("exp_avg", data.exp_avg), ("exp_avg_sq", data.exp_avg_sq)],
         ),
     ] {
-        let path = dir.join(file);
-        let bytes = serialize_tensors(&path, &tensors)?;
-        write_synced(&path, &bytes)?;
-        files.insert(
-            file.to_string(),
-            FileDigest {
-                bytes: bytes.len() as u64,
-                xxh3: digest_hex(&bytes),
-            },
-        );
+        let digest = write_tensor_file(&dir.join(file), &tensors)?;
+        files.insert(file.to_string(), digest);
     }
     let meta = Meta {
         format: FORMAT.to_string(),
