@@ -14,3 +14,4 @@ pub mod checkpoint;
 pub mod frame;
 pub mod model;
 pub mod rendezvous;
+pub mod shm;
