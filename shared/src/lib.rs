@@ -11,7 +11,9 @@
 //! worker runtime's business.
 
 pub mod checkpoint;
+pub mod control;
 pub mod frame;
+pub mod ha;
 pub mod model;
 pub mod rendezvous;
 pub mod shm;

@@ -1,0 +1,184 @@
+//! The agent's control protocol: one Unix socket per job, spoken by the
+//! job's workers (registration) and by `agentctl`.
+//!
+//! Every request and reply is one [`frame`](crate::frame) of [`PROTOCOL`]
+//! carrying JSON; requests are refused with [`Response::Error`] when they do
+//! not parse. Requests that change anything are accepted only from the
+//! socket owner's uid or root (checked with SO_PEERCRED by the agent).
+
+use crate::frame::Protocol;
+use crate::ha::HaModes;
+use crate::shm::Phase;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+pub const PROTOCOL: Protocol = Protocol {
+    name: "control",
+    magic: *b"HTCL",
+    major: 1,
+    minor: 0,
+    max_payload: 1 << 20,
+};
+
+/// Environment variable naming the control socket, set for workers.
+pub const ENV_SOCKET: &str = "HATRAIN_AGENT_SOCKET";
+
+/// One named part of a rank's state, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatePart {
+    pub name: String,
+    pub bytes: u64,
+}
+
+/// A hash that identifies a layout (names and sizes, in order).
+pub fn layout_hash(parts: &[StatePart]) -> u64 {
+    let mut s = String::new();
+    for p in parts {
+        s.push_str(&p.name);
+        s.push(':');
+        s.push_str(&p.bytes.to_string());
+        s.push(';');
+    }
+    crate::shm::hash_str(&s)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum Request {
+    /// A worker announces itself and its state layout.
+    Register {
+        rank: usize,
+        pid: u32,
+        parts: Vec<StatePart>,
+    },
+    /// Job overview.
+    Status,
+    /// Per-rank details.
+    Workers,
+    /// Fault history.
+    Faults,
+}
+
+impl Request {
+    /// Whether the request changes the job (and so needs the owner's uid).
+    pub fn mutates(&self) -> bool {
+        matches!(self, Self::Register { .. })
+    }
+}
+
+/// How a registered worker starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartMode {
+    /// Start (or `--load`) normally under `epoch`.
+    Fresh { epoch: u64 },
+    /// A replacement: wait for the agent's directive, which names the step
+    /// to restore and the epoch to join.
+    AwaitDirective,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum Response {
+    Registered {
+        store: PathBuf,
+        start: StartMode,
+        /// Whether a failed collective should wait for recovery (else the
+        /// worker exits, as without high availability).
+        recover: bool,
+    },
+    Status(StatusReport),
+    Workers(Vec<WorkerReport>),
+    Faults(Vec<FaultRecord>),
+    Error { message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotReport {
+    pub step: u64,
+    pub age_s: f64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerReport {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub pid: Option<i32>,
+    pub phase: Phase,
+    pub step: u64,
+    pub epoch: u64,
+    pub heartbeat: u64,
+    pub restarts: u64,
+    pub last_snapshot: Option<SnapshotReport>,
+    /// Duration of the last snapshot commit, and how long it blocked the
+    /// training loop, in milliseconds.
+    pub last_commit_ms: Option<f64>,
+    pub last_commit_blocking_ms: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultRecord {
+    pub id: u64,
+    pub ranks: Vec<usize>,
+    /// What was seen: "crash", "hang", "uce"...
+    pub kind: String,
+    /// How it was seen (exit status, signal...).
+    pub detail: String,
+    pub detected_unix_s: f64,
+    /// The consistent step restored to, once decided.
+    pub s_star: Option<u64>,
+    pub action: String,
+    /// Detection to the first step completed after recovery.
+    pub recovery_s: Option<f64>,
+    /// Steps that had to be computed again.
+    pub steps_lost: Option<u64>,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatusReport {
+    pub job: String,
+    pub world_size: usize,
+    pub local_ranks: usize,
+    pub epoch: u64,
+    pub modes: HaModes,
+    pub uptime_s: f64,
+    pub recovering: bool,
+    pub workers: Vec<WorkerReport>,
+    pub faults: Vec<FaultRecord>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn only_registration_mutates() {
+        assert!(Request::Register { rank: 0, pid: 1, parts: vec![] }.mutates());
+        assert!(!Request::Status.mutates());
+    }
+
+    proptest! {
+        #[test]
+        fn requests_round_trip(rank in 0usize..100_000, pid in any::<u32>(), name in "[a-z_]{0,12}", bytes in any::<u64>()) {
+            let req = Request::Register { rank, pid, parts: vec![StatePart { name, bytes }] };
+            let mut buf = Vec::new();
+            PROTOCOL.send_json(&mut buf, &req).unwrap();
+            let back: Request = PROTOCOL.recv_json(&mut &buf[..]).unwrap();
+            prop_assert_eq!(back, req);
+        }
+
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = PROTOCOL.recv_json::<_, Request>(&mut &bytes[..]);
+            let _ = PROTOCOL.parse_json::<Response>(&bytes);
+        }
+    }
+}
