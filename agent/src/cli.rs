@@ -55,9 +55,47 @@ pub struct LaunchArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(long, default_value_t = 5.0)]
     pub stop_grace_secs: f64,
+    #[command(flatten)]
+    pub ha: HaArgs,
     /// The worker command and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<OsString>,
+}
+
+/// High-availability switches (named as in MindSpeed-LLM). The
+/// HIGH_AVAILABILITY environment variable (a comma-separated set of dump,
+/// retry, recover, elastic-training) turns features on as well.
+#[derive(Debug, Args)]
+pub struct HaArgs {
+    /// Master switch: high availability, with the last-words dump.
+    #[arg(long)]
+    pub enable_high_availability: bool,
+    /// Repair uncorrectable memory errors by recomputing the step.
+    #[arg(long)]
+    pub enable_hbmfault_repair: bool,
+    /// Restart a failed worker in place and refill it from memory.
+    #[arg(long)]
+    pub enable_worker_reboot: bool,
+    /// Scale down and back up by data-parallel ranks.
+    #[arg(long)]
+    pub enable_elastic_training: bool,
+    /// Restarts allowed per rank over the job.
+    #[arg(long, default_value_t = 10)]
+    pub max_restarts: u32,
+    /// Restarts allowed per rank within --restart-window-secs.
+    #[arg(long, default_value_t = 5)]
+    pub max_restarts_in_window: u32,
+    #[arg(long, default_value_t = 60.0)]
+    pub restart_window_secs: f64,
+    /// Root directory of the shared-memory snapshot stores.
+    #[arg(long, default_value = "/dev/shm/hatrain")]
+    pub shm_root: PathBuf,
+    /// Snapshot slots per rank.
+    #[arg(long, default_value_t = 2)]
+    pub snapshot_slots: usize,
+    /// Seconds every rank has to pause during a recovery.
+    #[arg(long, default_value_t = 60.0)]
+    pub pause_timeout_secs: f64,
 }
 
 #[derive(Debug, Args)]
@@ -77,4 +115,13 @@ pub struct DemoArgs {
     /// Directory for the demo's checkpoints and log (replaced on each run).
     #[arg(long, default_value = "hatrain-demo")]
     pub workdir: PathBuf,
+    /// Workers to kill (SIGKILL) during the run, at steps and ranks drawn
+    /// from --fault-seed.
+    #[arg(long, default_value_t = 3)]
+    pub kills: usize,
+    #[arg(long, default_value_t = 7)]
+    pub fault_seed: u64,
+    /// Root directory of the shared-memory snapshot stores.
+    #[arg(long, default_value = "/dev/shm/hatrain")]
+    pub shm_root: PathBuf,
 }

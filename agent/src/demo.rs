@@ -49,6 +49,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         threads_per_worker: (cores / args.nproc.max(1)).max(1),
         stop_grace: Duration::from_secs(5),
         command,
+        ha: crate::launch::HaSettings::default(),
     };
     println!(
         "demo: training the {} model on {} local ranks for {} steps, checkpoint every {} steps into {}",
@@ -58,7 +59,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         args.save_interval,
         ckpt.display()
     );
-    let outcome = launch::run(&cfg, shutdown).await?;
+    let outcome = launch::run(&cfg, shutdown).await?.outcome;
     if outcome == Outcome::Succeeded {
         summarise(&log, &ckpt, args)?;
     }

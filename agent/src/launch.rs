@@ -6,10 +6,14 @@
 //! `MASTER_ADDR`, `MASTER_PORT`), and supervises them until they all finish,
 //! one fails, or the agent is asked to stop.
 
-use crate::reaper::{Reaper, ReaperError};
-use crate::supervisor::{Outcome, Supervisor, SupervisorError, WorkerSpec};
+use crate::control::ControlError;
+use crate::job::{self, JobReport};
+use crate::reaper::ReaperError;
+use crate::recovery::RestartPolicy;
+use crate::supervisor::{SupervisorError, WorkerSpec};
+use hatrain_shared::ha::HaModes;
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
-use hatrain_worker::rendezvous::{RendezvousError, StoreServer};
+use hatrain_worker::rendezvous::RendezvousError;
 use std::ffi::OsString;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -35,6 +39,33 @@ pub struct LaunchConfig {
     pub stop_grace: Duration,
     /// The worker command: program and arguments.
     pub command: Vec<OsString>,
+    pub ha: HaSettings,
+}
+
+/// High-availability settings of a launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HaSettings {
+    pub modes: HaModes,
+    pub policy: RestartPolicy,
+    /// Root of the snapshot stores: `<root>/<job>/rank_NNNNN.shm`.
+    pub shm_root: PathBuf,
+    /// Snapshot slots per rank (at least 2).
+    pub slots: usize,
+    /// How long every rank has to pause (and, doubled, to resume) in a
+    /// recovery.
+    pub pause_timeout: Duration,
+}
+
+impl Default for HaSettings {
+    fn default() -> Self {
+        Self {
+            modes: HaModes::default(),
+            policy: RestartPolicy::default(),
+            shm_root: PathBuf::from("/dev/shm/hatrain"),
+            slots: 2,
+            pause_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +78,14 @@ pub enum LaunchError {
     Reaper(#[from] ReaperError),
     #[error(transparent)]
     Supervisor(#[from] SupervisorError),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("{path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Picks the node rank: the flag, else the first of [`NODE_RANK_VARS`] set.
@@ -85,6 +124,20 @@ impl LaunchConfig {
         }
         if self.command.is_empty() {
             return bad("no worker command given (put it after `--`)".into());
+        }
+        if self.ha.modes.recover && self.nnodes > 1 {
+            return bad(
+                "worker reboot recovers the ranks of one host; across hosts it needs the job controller, \
+                 which this agent does not have yet: use --nnodes 1"
+                    .into(),
+            );
+        }
+        if !(2..=hatrain_shared::shm::MAX_SLOTS).contains(&self.ha.slots) {
+            return bad(format!(
+                "--snapshot-slots {} must be between 2 and {}",
+                self.ha.slots,
+                hatrain_shared::shm::MAX_SLOTS
+            ));
         }
         Ok(())
     }
@@ -130,34 +183,14 @@ impl LaunchConfig {
 }
 
 /// Runs one host's part of the job until it ends or `shutdown` fires.
-pub async fn run(cfg: &LaunchConfig, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
-    cfg.validate()?;
-    // The store lives as long as this function: it outlives every worker.
-    let (_store, port) = if cfg.node_rank == 0 {
-        let addr = resolve(&cfg.master_addr, cfg.master_port.unwrap_or(0))?;
-        let store = StoreServer::bind(addr).map_err(LaunchError::Store)?;
-        let port = store.local_addr().port();
-        tracing::info!(addr = %store.local_addr(), "rendezvous store listening");
-        (Some(store), port)
-    } else {
-        (
-            None,
-            cfg.master_port.expect("validated: set with several nodes"),
-        )
-    };
-    let reaper = Reaper::start(shutdown.child_token())?;
-    let specs = cfg.worker_specs(port);
-    tracing::info!(
-        world_size = cfg.world_size(),
-        node_rank = cfg.node_rank,
-        nproc = cfg.nproc_per_node,
-        "starting workers"
-    );
-    let sup = Supervisor::start(&specs, &reaper, cfg.stop_grace).await?;
-    Ok(sup.run(shutdown).await)
+pub async fn run(
+    cfg: &LaunchConfig,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
+    job::run(cfg, shutdown).await
 }
 
-fn resolve(host: &str, port: u16) -> Result<SocketAddr, LaunchError> {
+pub(crate) fn resolve(host: &str, port: u16) -> Result<SocketAddr, LaunchError> {
     (host, port)
         .to_socket_addrs()
         .ok()
@@ -180,6 +213,7 @@ mod tests {
             threads_per_worker: 1,
             stop_grace: Duration::from_secs(1),
             command: vec!["train".into(), "--x".into()],
+            ha: HaSettings::default(),
         }
     }
 

@@ -1,17 +1,21 @@
 //! `hatrain-agent`: the per-host agent.
 //!
 //! - [`reaper`]: the one SIGCHLD reaper;
-//! - [`supervisor`]: spawns, follows and stops one host's workers, with the
-//!   pure decision function [`supervisor::on_exit`];
-//! - [`launch`]: the torchrun-style launcher, which also hosts the
-//!   rendezvous store;
+//! - [`supervisor`]: spawns, follows, restarts and stops one host's workers;
+//! - [`launch`]: the torchrun-style launcher's configuration;
+//! - [`job`]: one host's job: the event loop, snapshot stores, recovery;
+//! - [`recovery`]: the pure decision functions (restart or stop, s\*);
+//! - [`control`]: the control socket for workers and `agentctl`;
 //! - [`demo`]: the main job on its embedded default;
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
 
 pub mod cli;
+pub mod control;
 pub mod demo;
+pub mod job;
 pub mod launch;
 pub mod reaper;
+pub mod recovery;
 pub mod supervisor;
 
 /// Exit codes of `hatrain-agent`.
@@ -23,6 +27,9 @@ pub mod exit {
     pub const INTERNAL: u8 = 1;
     /// Bad flags or configuration.
     pub const USAGE: u8 = 2;
+    /// A fault could not be recovered from (the reason is logged and in
+    /// `agentctl faults`).
+    pub const RECOVERY_FAILED: u8 = 3;
 
     /// The code for an agent stopped by signal `sig` (128+N).
     pub fn signaled(sig: i32) -> u8 {

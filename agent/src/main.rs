@@ -3,9 +3,11 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use hatrain_agent::cli::{Cli, Command, LaunchArgs};
-use hatrain_agent::launch::{self, LaunchConfig, LaunchError};
+use hatrain_agent::launch::{self, HaSettings, LaunchConfig, LaunchError};
+use hatrain_agent::recovery::RestartPolicy;
 use hatrain_agent::supervisor::Outcome;
 use hatrain_agent::{demo, exit};
+use hatrain_shared::ha::{self, HaFlags};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -55,7 +57,7 @@ fn run(command: Command) -> Result<ExitCode> {
         let signaled = Arc::new(AtomicI32::new(0));
         watch_signals(shutdown.clone(), Arc::clone(&signaled))?;
         let outcome = match command {
-            Command::Launch(args) => launch::run(&launch_config(args)?, shutdown).await?,
+            Command::Launch(args) => launch::run(&launch_config(args)?, shutdown).await?.outcome,
             Command::Demo(args) => demo::run(&args, shutdown).await?,
             Command::Train(_) => unreachable!("handled before the runtime starts"),
         };
@@ -64,6 +66,12 @@ fn run(command: Command) -> Result<ExitCode> {
             Outcome::WorkerFailed { rank, status } => {
                 eprintln!("hatrain-agent: rank {rank} failed ({status}); job stopped");
                 ExitCode::from(exit::worker(status.code()))
+            }
+            Outcome::RecoveryFailed => {
+                eprintln!(
+                    "hatrain-agent: recovery failed; job stopped (see the log above for why)"
+                );
+                ExitCode::from(exit::RECOVERY_FAILED)
             }
             Outcome::Interrupted => ExitCode::from(exit::signaled(signaled.load(Ordering::SeqCst))),
         })
@@ -85,15 +93,39 @@ fn watch_signals(shutdown: CancellationToken, signaled: Arc<AtomicI32>) -> Resul
     Ok(())
 }
 
+fn seconds(flag: &str, v: f64) -> Result<Duration, LaunchError> {
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        LaunchError::Config(format!(
+            "{flag} {v} must be a non-negative number of seconds"
+        ))
+    })
+}
+
 fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
     let node_rank = launch::resolve_node_rank(a.node_rank, |k| std::env::var(k).ok())?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if !(a.stop_grace_secs.is_finite() && a.stop_grace_secs >= 0.0) {
-        return Err(LaunchError::Config(format!(
-            "--stop-grace-secs {} must be a non-negative number",
-            a.stop_grace_secs
-        )));
-    }
+    let h = &a.ha;
+    let flags = HaFlags {
+        enable_high_availability: h.enable_high_availability,
+        enable_hbmfault_repair: h.enable_hbmfault_repair,
+        enable_worker_reboot: h.enable_worker_reboot,
+        enable_elastic_training: h.enable_elastic_training,
+    };
+    let env = std::env::var(ha::ENV).ok();
+    let modes = ha::resolve(flags, env.as_deref(), a.nnodes * a.nproc_per_node)
+        .map_err(|e| LaunchError::Config(e.to_string()))?;
+    let ha = HaSettings {
+        modes,
+        policy: RestartPolicy {
+            max_restarts: h.max_restarts,
+            window: seconds("--restart-window-secs", h.restart_window_secs)?,
+            max_in_window: h.max_restarts_in_window,
+            ..RestartPolicy::default()
+        },
+        shm_root: h.shm_root.clone(),
+        slots: h.snapshot_slots,
+        pause_timeout: seconds("--pause-timeout-secs", h.pause_timeout_secs)?,
+    };
     Ok(LaunchConfig {
         nnodes: a.nnodes,
         node_rank,
@@ -104,7 +136,8 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         threads_per_worker: a
             .threads_per_worker
             .unwrap_or((cores / a.nproc_per_node.max(1)).max(1)),
-        stop_grace: Duration::from_secs_f64(a.stop_grace_secs),
+        stop_grace: seconds("--stop-grace-secs", a.stop_grace_secs)?,
         command: a.command,
+        ha,
     })
 }

@@ -1,8 +1,8 @@
 //! The supervisor: spawns one host's workers, forwards their output with a
 //! rank prefix, follows their exits through the [`Reaper`], and stops them.
 //!
-//! What to do on an exit is decided by [`on_exit`], a pure function of the
-//! workers' states; the supervisor only carries the decision out. Stopping is
+//! What to do on an exit is decided elsewhere (`recovery::on_exit`, a pure
+//! function); the supervisor only carries decisions out. Stopping is
 //! always SIGTERM, a grace period, then SIGKILL, and waits until every worker
 //! has been reaped, so no worker outlives the supervisor. Workers also get
 //! `PR_SET_PDEATHSIG = SIGKILL`, so they die with an agent that is killed
@@ -23,7 +23,6 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::broadcast;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// How to start one worker.
@@ -53,65 +52,31 @@ pub enum SupervisorError {
     },
 }
 
-/// A worker as the decision function sees it.
+/// A worker's process state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerState {
     Running { pid: i32 },
     Exited(ExitStatus),
 }
 
-/// What to do after an exit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
-    /// Others are still running normally.
-    Wait,
-    /// Every worker finished successfully.
-    Finished,
-    /// A worker failed: stop the rest and end with its exit code.
-    StopAll { failed_rank: usize, code: i32 },
-}
-
-/// Decides what the exit of `rank` with `status` means, given all workers'
-/// states (already updated with this exit). Returns the decision and the
-/// reason to log.
-pub fn on_exit(workers: &[WorkerState], rank: usize, status: ExitStatus) -> (Decision, String) {
-    if !status.success() {
-        return (
-            Decision::StopAll {
-                failed_rank: rank,
-                code: status.code(),
-            },
-            format!("rank {rank} failed ({status}) and no recovery is enabled: stopping the job"),
-        );
-    }
-    let running = workers
-        .iter()
-        .filter(|w| matches!(w, WorkerState::Running { .. }))
-        .count();
-    if running == 0 {
-        (
-            Decision::Finished,
-            "every worker finished successfully".into(),
-        )
-    } else {
-        (
-            Decision::Wait,
-            format!("rank {rank} finished; {running} worker(s) still running"),
-        )
-    }
-}
-
 /// How supervision ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Succeeded,
-    WorkerFailed { rank: usize, status: ExitStatus },
+    WorkerFailed {
+        rank: usize,
+        status: ExitStatus,
+    },
+    /// A recovery could not be completed; the reason is logged and in the
+    /// fault history.
+    RecoveryFailed,
     Interrupted,
 }
 
 /// One host's workers.
 #[derive(Debug)]
 pub struct Supervisor {
+    specs: Vec<WorkerSpec>,
     states: Vec<WorkerState>,
     ranks: Vec<usize>,
     by_pid: HashMap<i32, usize>,
@@ -132,6 +97,7 @@ impl Supervisor {
         // INVARIANT: subscribe before the first spawn, so no exit is missed.
         let exits = reaper.subscribe();
         let mut sup = Self {
+            specs: specs.to_vec(),
             states: Vec::with_capacity(specs.len()),
             ranks: Vec::with_capacity(specs.len()),
             by_pid: HashMap::new(),
@@ -141,15 +107,74 @@ impl Supervisor {
             grace,
         };
         for spec in specs {
-            if let Err(e) = sup.spawn(spec) {
-                sup.stop_all().await;
-                return Err(e);
+            match sup.spawn(spec) {
+                Ok(pid) => {
+                    sup.states.push(WorkerState::Running { pid });
+                    sup.ranks.push(spec.rank);
+                    sup.by_pid.insert(pid, sup.states.len() - 1);
+                }
+                Err(e) => {
+                    sup.stop_all().await;
+                    return Err(e);
+                }
             }
         }
         Ok(sup)
     }
 
-    fn spawn(&mut self, spec: &WorkerSpec) -> Result<(), SupervisorError> {
+    /// Starts `rank` again, with `HATRAIN_RESTART_COUNT=restarts`. The old
+    /// process must have been reaped.
+    pub fn respawn(&mut self, rank: usize, restarts: u32) -> Result<i32, SupervisorError> {
+        let idx = self.index(rank).expect("respawn of a rank of this host");
+        debug_assert!(matches!(self.states[idx], WorkerState::Exited(_)));
+        let mut spec = self.specs[idx].clone();
+        for (k, v) in spec.env.iter_mut() {
+            if k == "HATRAIN_RESTART_COUNT" {
+                *v = restarts.to_string();
+            }
+        }
+        let pid = self.spawn(&spec)?;
+        self.states[idx] = WorkerState::Running { pid };
+        self.by_pid.insert(pid, idx);
+        Ok(pid)
+    }
+
+    fn index(&self, rank: usize) -> Option<usize> {
+        self.ranks.iter().position(|&r| r == rank)
+    }
+
+    /// The ranks of this host, in local-rank order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// The pid of `rank` if it runs.
+    pub fn pid(&self, rank: usize) -> Option<i32> {
+        match self.states[self.index(rank)?] {
+            WorkerState::Running { pid } => Some(pid),
+            WorkerState::Exited(_) => None,
+        }
+    }
+
+    /// Waits for the next exit of one of our workers: its rank and event.
+    /// `None` if the reaper is gone.
+    pub async fn next_exit(&mut self) -> Option<(usize, ExitEvent)> {
+        loop {
+            match self.exits.recv().await {
+                Ok(ev) => {
+                    if let Some(idx) = self.record(ev) {
+                        return Some((self.ranks[idx], ev));
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::error!(missed = n, "exit events were dropped");
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+
+    fn spawn(&mut self, spec: &WorkerSpec) -> Result<i32, SupervisorError> {
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -178,10 +203,6 @@ impl Supervisor {
             pid,
             "worker started"
         );
-        let idx = self.states.len();
-        self.states.push(WorkerState::Running { pid });
-        self.ranks.push(spec.rank);
-        self.by_pid.insert(pid, idx);
         let out_err = |source| SupervisorError::Output {
             rank: spec.rank,
             source,
@@ -195,7 +216,7 @@ impl Supervisor {
                 self.output.spawn(forward(rx, spec.rank, to_stderr));
             }
         }
-        Ok(())
+        Ok(pid)
     }
 
     /// Pids of the workers still running, by rank.
@@ -215,49 +236,6 @@ impl Supervisor {
         let idx = self.by_pid.remove(&ev.pid)?;
         self.states[idx] = WorkerState::Exited(ev.status);
         Some(idx)
-    }
-
-    /// Follows the workers until the job ends or `shutdown` fires, then
-    /// makes sure none is left running.
-    pub async fn run(mut self, shutdown: CancellationToken) -> Outcome {
-        let outcome = loop {
-            let ev = tokio::select! {
-                _ = shutdown.cancelled() => {
-                    tracing::warn!("shutdown requested: stopping the workers");
-                    break Outcome::Interrupted;
-                }
-                ev = self.exits.recv() => ev,
-            };
-            let ev = match ev {
-                Ok(ev) => ev,
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::error!(missed = n, "exit events were dropped");
-                    continue;
-                }
-                Err(broadcast::error::RecvError::Closed) => break Outcome::Interrupted,
-            };
-            let Some(idx) = self.record(ev) else { continue };
-            let rank = self.ranks[idx];
-            let (decision, reason) = on_exit(&self.states, rank, ev.status);
-            match decision {
-                Decision::Wait => {
-                    tracing::info!(rank, pid = ev.pid, status = %ev.status, %reason, "worker exited");
-                }
-                Decision::Finished => {
-                    tracing::info!(rank, pid = ev.pid, %reason, "job finished");
-                    break Outcome::Succeeded;
-                }
-                Decision::StopAll { failed_rank, .. } => {
-                    tracing::error!(rank = failed_rank, pid = ev.pid, status = %ev.status, %reason, "worker failed");
-                    break Outcome::WorkerFailed {
-                        rank: failed_rank,
-                        status: ev.status,
-                    };
-                }
-            }
-        };
-        self.stop_all().await;
-        outcome
     }
 
     /// SIGTERM to every running worker, SIGKILL to those still running after
@@ -311,7 +289,7 @@ impl Supervisor {
 }
 
 /// Sends `sig`; a process that is already gone (ESRCH) counts as success.
-fn signal(pid: i32, sig: Signal) {
+pub fn signal(pid: i32, sig: Signal) {
     match kill(Pid::from_raw(pid), sig) {
         Ok(()) | Err(Errno::ESRCH) => {}
         Err(e) => tracing::error!(pid, ?sig, error = %e, "kill failed"),
@@ -335,35 +313,6 @@ async fn forward(rx: tokio::net::unix::pipe::Receiver, rank: usize, to_stderr: b
                 } else {
                     io::stdout().lock().write_all(out.as_bytes())
                 };
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const RUN: WorkerState = WorkerState::Running { pid: 1 };
-
-    #[test]
-    fn decisions_cover_every_case() {
-        let ok = ExitStatus::Exited(0);
-        let done = WorkerState::Exited(ok);
-        assert_eq!(on_exit(&[done, done], 1, ok).0, Decision::Finished);
-        assert_eq!(on_exit(&[done, RUN], 0, ok).0, Decision::Wait);
-        for status in [ExitStatus::Exited(3), ExitStatus::Signaled(9)] {
-            let failed = WorkerState::Exited(status);
-            for others in [RUN, done] {
-                let (d, reason) = on_exit(&[others, failed], 1, status);
-                assert_eq!(
-                    d,
-                    Decision::StopAll {
-                        failed_rank: 1,
-                        code: status.code()
-                    }
-                );
-                assert!(reason.contains("rank 1 failed"), "{reason}");
             }
         }
     }

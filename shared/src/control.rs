@@ -91,7 +91,9 @@ pub enum Response {
     Status(StatusReport),
     Workers(Vec<WorkerReport>),
     Faults(Vec<FaultRecord>),
-    Error { message: String },
+    Error {
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -161,7 +163,14 @@ mod tests {
 
     #[test]
     fn only_registration_mutates() {
-        assert!(Request::Register { rank: 0, pid: 1, parts: vec![] }.mutates());
+        assert!(
+            Request::Register {
+                rank: 0,
+                pid: 1,
+                parts: vec![]
+            }
+            .mutates()
+        );
         assert!(!Request::Status.mutates());
     }
 

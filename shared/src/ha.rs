@@ -69,9 +69,13 @@ impl HaModes {
 pub enum HaError {
     #[error("{flag} needs --enable-high-availability (or {ENV} set)")]
     NoMasterSwitch { flag: &'static str },
-    #[error("{ENV}={value:?}: unknown value {item:?}; expected a comma-separated set of dump, retry, recover, elastic-training")]
+    #[error(
+        "{ENV}={value:?}: unknown value {item:?}; expected a comma-separated set of dump, retry, recover, elastic-training"
+    )]
     UnknownValue { value: String, item: String },
-    #[error("high availability needs a data-parallel size above 1 (a replica must exist), but the job has {dp}")]
+    #[error(
+        "high availability needs a data-parallel size above 1 (a replica must exist), but the job has {dp}"
+    )]
     NoReplica { dp: usize },
 }
 
@@ -183,7 +187,9 @@ mod tests {
                         (Err("master"), Err(HaError::NoMasterSwitch { .. }))
                         | (Err("unknown"), Err(HaError::UnknownValue { .. }))
                         | (Err("replica"), Err(HaError::NoReplica { .. })) => {}
-                        (want, got) => panic!("{bits:04b} {env:?} dp {dp}: want {want:?}, got {got:?}"),
+                        (want, got) => {
+                            panic!("{bits:04b} {env:?} dp {dp}: want {want:?}, got {got:?}")
+                        }
                     }
                     checked += 1;
                 }
@@ -195,8 +201,13 @@ mod tests {
     #[test]
     fn messages_name_what_is_wrong() {
         let e = resolve(flags(4), None, 4).unwrap_err().to_string();
-        assert!(e.contains("--enable-worker-reboot needs --enable-high-availability"), "{e}");
-        let e = resolve(flags(0), Some("retry,oops"), 4).unwrap_err().to_string();
+        assert!(
+            e.contains("--enable-worker-reboot needs --enable-high-availability"),
+            "{e}"
+        );
+        let e = resolve(flags(0), Some("retry,oops"), 4)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown value \"oops\""), "{e}");
         let e = resolve(flags(1), None, 1).unwrap_err().to_string();
         assert!(e.contains("a replica must exist"), "{e}");

@@ -156,11 +156,16 @@ pub enum Directive {
     None,
     /// Abort the communicator, finish any commit, wait for the next
     /// directive. `epoch` is the epoch being formed.
-    Pause { epoch: u64 },
+    Pause {
+        epoch: u64,
+    },
     /// Roll back to `step` (restoring from the sealed slot of that step
     /// unless the live state is exactly there) and rebuild the communicator
     /// under `epoch`.
-    Resume { epoch: u64, step: u64 },
+    Resume {
+        epoch: u64,
+        step: u64,
+    },
     /// Leave the training loop and exit.
     Stop,
 }
@@ -296,7 +301,10 @@ impl Mapping {
     }
 
     fn word(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset % 8 == 0 && offset + 8 <= self.len, "word offset {offset} out of bounds");
+        assert!(
+            offset.is_multiple_of(8) && offset + 8 <= self.len,
+            "word offset {offset} out of bounds"
+        );
         // SAFETY: in bounds (checked), 8-byte aligned (the mapping is page
         // aligned and offset is a multiple of 8), and AtomicU64 has the
         // layout of u64. Shared memory is only ever accessed atomically at
@@ -367,7 +375,10 @@ impl Store {
         if !(2..=MAX_SLOTS).contains(&geometry.slots) {
             return Err(ShmError::Format {
                 path: path.to_path_buf(),
-                detail: format!("{} slots requested; 2 to {MAX_SLOTS} allowed", geometry.slots),
+                detail: format!(
+                    "{} slots requested; 2 to {MAX_SLOTS} allowed",
+                    geometry.slots
+                ),
             });
         }
         let file = OpenOptions::new()
@@ -405,7 +416,10 @@ impl Store {
         ] {
             store.map.word(off).store(v, Ordering::Relaxed);
         }
-        store.map.word(ctl::MAGIC).store(CONTROL_MAGIC, Ordering::Release);
+        store
+            .map
+            .word(ctl::MAGIC)
+            .store(CONTROL_MAGIC, Ordering::Release);
         Ok(store)
     }
 
@@ -447,10 +461,17 @@ impl Store {
         let slots = map.word(ctl::SLOTS).load(Ordering::Relaxed);
         let capacity = map.word(ctl::CAPACITY).load(Ordering::Relaxed);
         let geometry = match (usize::try_from(slots), usize::try_from(capacity)) {
-            (Ok(s), Ok(c)) if (2..=MAX_SLOTS).contains(&s) && c % PAGE == 0 && c > 0 => {
-                Geometry { slots: s, capacity: c }
+            (Ok(s), Ok(c)) if (2..=MAX_SLOTS).contains(&s) && c.is_multiple_of(PAGE) && c > 0 => {
+                Geometry {
+                    slots: s,
+                    capacity: c,
+                }
             }
-            _ => return Err(fmt(format!("impossible geometry: {slots} slots of {capacity} bytes"))),
+            _ => {
+                return Err(fmt(format!(
+                    "impossible geometry: {slots} slots of {capacity} bytes"
+                )));
+            }
         };
         if geometry.file_len() != len {
             return Err(fmt(format!(
@@ -527,10 +548,14 @@ impl Store {
     pub fn restarts(&self) -> u64 {
         self.ctl(ctl::RESTARTS).load(Ordering::Acquire)
     }
-    pub fn record_commit(&self, total_ns: u64, blocking_ns: u64) {
+    /// Records a sealed commit and how long its copy took.
+    pub fn record_commit(&self, total_ns: u64) {
         self.ctl(ctl::COMMIT_NS).store(total_ns, Ordering::Relaxed);
-        self.ctl(ctl::COMMIT_BLOCK_NS).store(blocking_ns, Ordering::Relaxed);
         self.ctl(ctl::COMMITS).fetch_add(1, Ordering::Release);
+    }
+    /// Records how long the training loop last waited for a commit.
+    pub fn record_commit_blocking(&self, ns: u64) {
+        self.ctl(ctl::COMMIT_BLOCK_NS).store(ns, Ordering::Relaxed);
     }
     /// (last commit ns, last blocking ns, commits)
     pub fn commit_stats(&self) -> (u64, u64, u64) {
@@ -544,7 +569,8 @@ impl Store {
     pub fn record_fault(&self, flags: u64, addr: u64, detail: u64) {
         self.ctl(ctl::FAULT_ADDR).store(addr, Ordering::Relaxed);
         self.ctl(ctl::FAULT_DETAIL).store(detail, Ordering::Relaxed);
-        self.ctl(ctl::FAULT_FLAGS).fetch_or(flags, Ordering::Release);
+        self.ctl(ctl::FAULT_FLAGS)
+            .fetch_or(flags, Ordering::Release);
     }
     pub fn fault(&self) -> (u64, u64, u64) {
         (
@@ -634,7 +660,11 @@ impl Store {
         let mut v: Vec<SlotInfo> = (0..self.geometry.slots)
             .filter_map(|s| self.slot_info(s))
             .collect();
-        v.sort_by(|a, b| b.step.cmp(&a.step).then(b.sealed_at_unix_ns.cmp(&a.sealed_at_unix_ns)));
+        v.sort_by(|a, b| {
+            b.step
+                .cmp(&a.step)
+                .then(b.sealed_at_unix_ns.cmp(&a.sealed_at_unix_ns))
+        });
         v
     }
 
@@ -642,7 +672,8 @@ impl Store {
     /// one; an unsealed slot if there is one, else the oldest sealed.
     pub fn writable_slot(&self) -> usize {
         let sealed = self.sealed();
-        if let Some(free) = (0..self.geometry.slots).find(|s| !sealed.iter().any(|i| i.slot == *s)) {
+        if let Some(free) = (0..self.geometry.slots).find(|s| !sealed.iter().any(|i| i.slot == *s))
+        {
             return free;
         }
         sealed.last().map_or(0, |i| i.slot)
@@ -661,7 +692,11 @@ impl Store {
         let w = |off| self.slot_word(slot, off);
         let magic = w(hdr::MAGIC).load(Ordering::Acquire);
         if magic != SLOT_MAGIC {
-            return Err(bad(if magic == 0 { "empty".into() } else { format!("bad magic {magic:#018x}") }));
+            return Err(bad(if magic == 0 {
+                "empty".into()
+            } else {
+                format!("bad magic {magic:#018x}")
+            }));
         }
         if w(hdr::VERSION).load(Ordering::Relaxed) != VERSION_WORD {
             return Err(bad("unknown slot version".into()));
@@ -670,10 +705,15 @@ impl Store {
         if seq % 2 == 1 || w(hdr::STATE).load(Ordering::Relaxed) != STATE_SEALED {
             return Err(bad("torn: its writer did not finish".into()));
         }
-        let info = self.slot_info(slot).ok_or_else(|| bad("changed while read".into()))?;
+        let info = self
+            .slot_info(slot)
+            .ok_or_else(|| bad("changed while read".into()))?;
         let len = usize::try_from(info.len).unwrap_or(usize::MAX);
         if len > self.geometry.capacity {
-            return Err(bad(format!("length {len} exceeds capacity {}", self.geometry.capacity)));
+            return Err(bad(format!(
+                "length {len} exceeds capacity {}",
+                self.geometry.capacity
+            )));
         }
         // SAFETY: reading sealed bytes; a concurrent writer would first make
         // seq odd, which the re-check below detects.
@@ -733,7 +773,10 @@ impl Store {
 
         // SAFETY: this slot is not the newest sealed one and we are the only
         // writer; readers see seq odd and ignore its bytes.
-        let dst = unsafe { self.map.bytes_mut(self.geometry.slot_offset(slot) + PAGE, len) };
+        let dst = unsafe {
+            self.map
+                .bytes_mut(self.geometry.slot_offset(slot) + PAGE, len)
+        };
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         let mut at = 0;
         for part in parts {
@@ -777,10 +820,16 @@ impl Store {
             detail,
         };
         if total as u64 != info.len {
-            return Err(bad(format!("holds {} bytes, the state has {total}", info.len)));
+            return Err(bad(format!(
+                "holds {} bytes, the state has {total}",
+                info.len
+            )));
         }
         // SAFETY: as in `verify`; the checksum of the copy is checked below.
-        let src = unsafe { self.map.bytes(self.geometry.slot_offset(slot) + PAGE, total) };
+        let src = unsafe {
+            self.map
+                .bytes(self.geometry.slot_offset(slot) + PAGE, total)
+        };
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         let mut at = 0;
         for o in out.iter_mut() {
@@ -804,7 +853,10 @@ impl Store {
     pub unsafe fn slot_bytes(&self, slot: usize) -> Result<&[u8], ShmError> {
         let info = self.verify(slot)?;
         // SAFETY: verified bounds; rewrites are excluded by the caller.
-        Ok(unsafe { self.map.bytes(self.geometry.slot_offset(slot) + PAGE, info.len as usize) })
+        Ok(unsafe {
+            self.map
+                .bytes(self.geometry.slot_offset(slot) + PAGE, info.len as usize)
+        })
     }
 
     /// Flips one bit of a slot's data (test and fault-injection use only:
@@ -812,7 +864,9 @@ impl Store {
     pub fn corrupt_slot_byte(&self, slot: usize, offset: usize) {
         let off = self.geometry.slot_offset(slot) + PAGE + (offset % self.geometry.capacity);
         let word = off & !7;
-        self.map.word(word).fetch_xor(1 << ((off % 8) * 8), Ordering::AcqRel);
+        self.map
+            .word(word)
+            .fetch_xor(1 << ((off % 8) * 8), Ordering::AcqRel);
     }
 }
 
@@ -851,12 +905,23 @@ mod tests {
             if let Some(newest) = s.sealed().first() {
                 assert_ne!(slot, newest.slot);
             }
-            s.write_slot(slot, 3, step, 0, &[&data[..400], &data[400..]], &mut |_, _| {}).unwrap();
+            s.write_slot(
+                slot,
+                3,
+                step,
+                0,
+                &[&data[..400], &data[400..]],
+                &mut |_, _| {},
+            )
+            .unwrap();
             slots.push(slot);
         }
         assert_eq!(slots, vec![0, 1, 0, 1, 0]);
         let sealed = s.sealed();
-        assert_eq!(sealed.iter().map(|i| i.step).collect::<Vec<_>>(), vec![5, 4]);
+        assert_eq!(
+            sealed.iter().map(|i| i.step).collect::<Vec<_>>(),
+            vec![5, 4]
+        );
         let mut a = vec![0u8; 300];
         let mut b = vec![0u8; 700];
         s.read_slot(sealed[0].slot, &mut [&mut a, &mut b]).unwrap();
@@ -901,9 +966,12 @@ mod tests {
         let seq = s.post(Directive::Pause { epoch: 2 });
         assert_eq!(s.directive(), (seq, Directive::Pause { epoch: 2 }));
         let seq2 = s.post(Directive::Resume { epoch: 2, step: 40 });
-        assert!(seq2 > seq && seq2 % 2 == 0);
+        assert!(seq2 > seq && seq2.is_multiple_of(2));
         let w = Store::open(s.path()).unwrap();
-        assert_eq!(w.directive(), (seq2, Directive::Resume { epoch: 2, step: 40 }));
+        assert_eq!(
+            w.directive(),
+            (seq2, Directive::Resume { epoch: 2, step: 40 })
+        );
         w.acknowledge(seq2);
         assert_eq!(s.acknowledged(), seq2);
     }
@@ -912,7 +980,7 @@ mod tests {
         #[test]
         fn slot_offsets_never_overlap(slots in 2usize..=MAX_SLOTS, len in 0usize..1_000_000) {
             let g = Geometry::new(slots, len);
-            prop_assert!(g.capacity >= len && g.capacity % PAGE == 0);
+            prop_assert!(g.capacity >= len && g.capacity.is_multiple_of(PAGE));
             for i in 0..slots {
                 let start = g.slot_offset(i);
                 prop_assert_eq!(start % PAGE, 0);

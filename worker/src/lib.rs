@@ -12,4 +12,5 @@ pub mod data;
 pub mod model;
 pub mod optim;
 pub mod rendezvous;
+pub mod runtime;
 pub mod trainer;

@@ -20,15 +20,18 @@ use crate::data::{MarkovChain, SplitMix64};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
 use crate::rendezvous::{RendezvousError, StoreClient, StoreServer};
+use crate::runtime::{Runtime, RuntimeError, SharedBuf, Start};
 use clap::Parser;
 use hatrain_shared::checkpoint::{self, CheckpointError, ShardData, ShardHeader};
 use hatrain_shared::model::{ModelConfig, ModelSize, shard_range};
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
+use hatrain_shared::shm::Directive;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 /// Seeds of the independent random streams, derived from `--seed`.
@@ -122,6 +125,9 @@ pub struct TrainArgs {
     /// Print a progress line every N steps (rank 0 only).
     #[arg(long, default_value_t = 10)]
     pub log_interval: u64,
+    /// Snapshot the state into shared memory every N steps (with an agent).
+    #[arg(long, default_value_t = 1)]
+    pub snapshot_interval: u64,
     /// Compute threads per rank (sets RAYON_NUM_THREADS; default: the
     /// environment's value, else all cores).
     #[arg(long)]
@@ -185,6 +191,10 @@ pub enum TrainError {
         "saving iteration {iteration} failed on rank(s) {ranks:?}; the previous checkpoint is intact"
     )]
     SaveElsewhere { iteration: u64, ranks: Vec<usize> },
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("stopped by the agent")]
+    Stopped,
     #[error("cannot write the log {path}")]
     Log {
         path: PathBuf,
@@ -256,21 +266,65 @@ impl DistEnv {
     }
 }
 
-/// Everything that must survive for training to resume exactly.
-#[derive(Debug, Clone, PartialEq)]
+/// Everything that must survive for training to resume exactly. The large
+/// buffers are shared with the runtime, which snapshots them.
+#[derive(Debug, Clone)]
 pub struct TrainState {
     /// The full flat parameter buffer (identical on every rank).
-    pub params: Vec<f32>,
+    pub params: SharedBuf,
     /// This rank's shard of the first AdamW moment.
-    pub exp_avg: Vec<f32>,
+    pub exp_avg: SharedBuf,
     /// This rank's shard of the second AdamW moment.
-    pub exp_avg_sq: Vec<f32>,
+    pub exp_avg_sq: SharedBuf,
+    pub scalars: Scalars,
+}
+
+/// The small part of the state: it lives in the snapshot's metadata block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scalars {
     /// Completed steps.
     pub step: u64,
     /// The sampler RNG.
     pub rng: SplitMix64,
     /// Sequences consumed.
     pub data_position: u64,
+}
+
+/// Size of [`Scalars`] in a snapshot: three little-endian u64.
+pub const META_LEN: usize = 24;
+
+impl Scalars {
+    pub fn encode(&self) -> Vec<u8> {
+        [self.step, self.rng.state, self.data_position]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect()
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let word = |i: usize| {
+            Some(u64::from_le_bytes(
+                b.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+            ))
+        };
+        Some(Self {
+            step: word(0)?,
+            rng: SplitMix64::new(word(1)?),
+            data_position: word(2)?,
+        })
+    }
+}
+
+fn shared(v: Vec<f32>) -> SharedBuf {
+    Arc::new(RwLock::new(v))
+}
+
+fn read(b: &SharedBuf) -> RwLockReadGuard<'_, Vec<f32>> {
+    b.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write(b: &SharedBuf) -> RwLockWriteGuard<'_, Vec<f32>> {
+    b.write().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The outcome of a run.
@@ -369,6 +423,49 @@ impl Dist {
     }
 }
 
+/// Why a step did not complete.
+enum StepError {
+    /// A collective failed: a peer died or the agent paused the job.
+    Collective(CollectiveError),
+    /// Anything else ends the run.
+    Fatal(TrainError),
+}
+
+impl From<TrainError> for StepError {
+    fn from(e: TrainError) -> Self {
+        match e {
+            TrainError::Collective(c) => Self::Collective(c),
+            other => Self::Fatal(other),
+        }
+    }
+}
+
+impl From<CollectiveError> for StepError {
+    fn from(e: CollectiveError) -> Self {
+        Self::Collective(e)
+    }
+}
+
+/// The parts of a run that a step needs.
+struct Trainer<'a> {
+    args: &'a TrainArgs,
+    cfg: ModelConfig,
+    model: Model,
+    chain: MarkovChain,
+    opt: AdamW,
+    rank: usize,
+    world: usize,
+    shard: Range<usize>,
+    state: TrainState,
+    grads: Vec<f32>,
+    log: JsonLog,
+    floor: f64,
+    epoch: u64,
+    /// Between the update fences: the live state cannot be trusted.
+    torn: bool,
+    last_loss: Option<f64>,
+}
+
 /// Runs the trainer to `--train-iters` and returns its summary.
 pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     let cfg = args.model_config();
@@ -383,29 +480,73 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     if args.finetune && args.load.is_none() {
         return Err(TrainError::Args("--finetune needs --load".into()));
     }
-    let lead = rank == 0;
     let model = Model::new(cfg);
     let numel = model.numel();
     let shard = shard_range(numel, world, rank);
     let chain = MarkovChain::new(args.seed ^ STREAM_DATA, cfg.vocab, args.branching);
     let floor = chain.entropy_rate();
-    let mut log = JsonLog::open(args.log_jsonl.as_deref(), lead)?;
-    let mut dist = Dist::start(env.clone())?;
-    let mut comm = dist.communicator(0)?;
-
-    let mut state = TrainState {
-        params: model.init(args.seed ^ STREAM_INIT),
-        exp_avg: vec![0.0; shard.len()],
-        exp_avg_sq: vec![0.0; shard.len()],
-        step: 0,
-        rng: SplitMix64::new(args.seed ^ STREAM_SAMPLER),
-        data_position: 0,
+    let state = TrainState {
+        params: shared(model.init(args.seed ^ STREAM_INIT)),
+        exp_avg: shared(vec![0.0; shard.len()]),
+        exp_avg_sq: shared(vec![0.0; shard.len()]),
+        scalars: Scalars {
+            step: 0,
+            rng: SplitMix64::new(args.seed ^ STREAM_SAMPLER),
+            data_position: 0,
+        },
     };
+    let (mut rt, start) = Runtime::connect(
+        rank,
+        vec![
+            ("params".into(), Arc::clone(&state.params)),
+            ("exp_avg".into(), Arc::clone(&state.exp_avg)),
+            ("exp_avg_sq".into(), Arc::clone(&state.exp_avg_sq)),
+        ],
+        META_LEN,
+        args.snapshot_interval,
+    )?;
+    let mut t = Trainer {
+        args,
+        cfg,
+        opt: args.optimizer(),
+        model,
+        chain,
+        rank,
+        world,
+        shard,
+        state,
+        grads: vec![0f32; numel],
+        log: JsonLog::open(args.log_jsonl.as_deref(), rank == 0)?,
+        floor,
+        epoch: 0,
+        torn: false,
+        last_loss: None,
+    };
+    let mut dist = Dist::start(env.clone())?;
+
     let mut resumed_from = None;
-    if let Some(dir) = &args.load {
-        resumed_from = Some(load(args, dir, &cfg, &shard, &mut state, &mut comm, lead)?);
-    }
-    if lead {
+    let mut comm = match start {
+        Start::Standalone | Start::Fresh { .. } => {
+            if let Start::Fresh { epoch } = start {
+                t.epoch = epoch;
+            }
+            let mut comm = dist.communicator(t.epoch)?;
+            rt.set_communicator(&comm);
+            if let Some(dir) = &args.load {
+                resumed_from = Some(t.load(dir, &mut comm)?);
+            }
+            // The starting state is snapshot 0 of this run, so even a fault
+            // in the first step has a consistent step to return to.
+            rt.commit(t.state.scalars.step, t.epoch, t.state.scalars.encode());
+            comm
+        }
+        Start::AwaitDirective => {
+            // A replacement: its state comes from shared memory.
+            t.torn = true;
+            t.recover(&mut rt, &mut dist)?
+        }
+    };
+    if rank == 0 {
         println!(
             "hatrain-train: {numel} parameters ({cfg:?}), {world} rank(s), global batch {} × {} tokens",
             args.global_batch, args.seq_len
@@ -419,240 +560,333 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             (cfg.vocab as f64).ln()
         );
     }
-    log.write(serde_json::json!({
+    t.log.write(serde_json::json!({
         "event": "start", "world_size": world, "params": numel, "model": cfg,
-        "entropy_floor": floor, "start_step": state.step, "resumed_from": resumed_from,
+        "entropy_floor": floor, "start_step": t.state.scalars.step, "resumed_from": resumed_from,
+        "restart_count": std::env::var(crate::runtime::ENV_RESTART_COUNT).ok(),
         "args": args,
     }))?;
 
-    let opt = args.optimizer();
-    let local_batch = args.global_batch / world;
-    let ctx = cfg.context;
-    let mut grads = vec![0f32; numel];
-    let mut inputs = Vec::with_capacity(local_batch * args.seq_len * ctx);
-    let mut targets = Vec::with_capacity(local_batch * args.seq_len);
-    let mut tokens = Vec::with_capacity(args.seq_len + ctx);
-    let mut last_loss = None;
-    let tokens_per_step = (args.global_batch * args.seq_len) as f64;
+    while t.state.scalars.step < args.train_iters {
+        let result = if rt.directive_pending() {
+            Err(StepError::Collective(CollectiveError::Aborted {
+                epoch: t.epoch,
+            }))
+        } else {
+            t.step(&mut rt, &mut comm)
+        };
+        match result {
+            Ok(()) => {}
+            Err(StepError::Fatal(e)) => return Err(e),
+            Err(StepError::Collective(e)) if rt.recovers() => {
+                eprintln!(
+                    "rank {rank}: {}; waiting for the agent to recover",
+                    error_chain(&e)
+                );
+                comm = t.recover(&mut rt, &mut dist)?;
+            }
+            Err(StepError::Collective(e)) => return Err(e.into()),
+        }
+    }
+    rt.finish();
 
-    while state.step < args.train_iters {
+    let sum = param_checksum(&read(&t.state.params));
+    if rank == 0 {
+        println!(
+            "done: step {} | final loss {} | floor {floor:.4} | params xxh3 {sum}",
+            t.state.scalars.step,
+            t.last_loss.map_or("-".into(), |l| format!("{l:.4}"))
+        );
+    }
+    t.log.write(serde_json::json!({
+        "event": "final", "step": t.state.scalars.step, "loss": t.last_loss, "param_xxh3": sum,
+        "entropy_floor": floor,
+    }))?;
+    Ok(TrainSummary {
+        final_step: t.state.scalars.step,
+        final_loss: t.last_loss,
+        param_xxh3: sum,
+        entropy_floor: floor,
+    })
+}
+
+impl Trainer<'_> {
+    /// One training step, from the batch to the snapshot commit.
+    fn step(&mut self, rt: &mut Runtime, comm: &mut Communicator) -> Result<(), StepError> {
+        let args = self.args;
         let t0 = Instant::now();
-        let step = state.step + 1;
-        // 1. The global batch's seeds; this rank's slice of them.
-        inputs.clear();
-        targets.clear();
+        let step = self.state.scalars.step + 1;
+        rt.begin_step(step);
+        // 1. The global batch's seeds (drawn from a copy of the RNG, which
+        //    becomes the state only when the step is complete).
+        let local_batch = args.global_batch / self.world;
+        let ctx = self.cfg.context;
+        let mut rng = self.state.scalars.rng;
+        let mut inputs = Vec::with_capacity(local_batch * args.seq_len * ctx);
+        let mut targets = Vec::with_capacity(local_batch * args.seq_len);
+        let mut tokens = Vec::with_capacity(args.seq_len + ctx);
         for i in 0..args.global_batch {
-            let seed = state.rng.next_u64();
-            if i / local_batch != rank {
+            let seed = rng.next_u64();
+            if i / local_batch != self.rank {
                 continue;
             }
             tokens.clear();
-            chain.sequence(seed, args.seq_len + ctx, &mut tokens);
+            self.chain.sequence(seed, args.seq_len + ctx, &mut tokens);
             for t in ctx..tokens.len() {
                 inputs.extend_from_slice(&tokens[t - ctx..t]);
                 targets.push(tokens[t]);
             }
         }
         // 2. Forward and backward.
-        let loss = model.loss_and_grad(&state.params, &inputs, &targets, &mut grads)?;
+        let loss = {
+            let params = read(&self.state.params);
+            self.model
+                .loss_and_grad(&params, &inputs, &targets, &mut self.grads)
+                .map_err(|e| StepError::Fatal(e.into()))?
+        };
         // 3. Gradients summed, each rank keeping its shard.
-        let mine = comm.reduce_scatter_sum(&mut grads)?;
-        let scale = 1.0 / world as f32;
-        grads[mine.clone()].iter_mut().for_each(|g| *g *= scale);
-        // 4. AdamW on this rank's shard.
-        opt.step(
+        let mine = comm.reduce_scatter_sum(&mut self.grads)?;
+        let scale = 1.0 / self.world as f32;
+        self.grads[mine.clone()]
+            .iter_mut()
+            .for_each(|g| *g *= scale);
+        // 4. and 5. AdamW on this rank's shard, then everyone gets the new
+        //    parameters: the update fences enclose both.
+        rt.start_update(step);
+        self.torn = true;
+        {
+            let mut params = write(&self.state.params);
+            let mut m = write(&self.state.exp_avg);
+            let mut v = write(&self.state.exp_avg_sq);
+            self.opt.step(
+                step,
+                &mut params[mine.clone()],
+                &self.grads[mine],
+                &mut m,
+                &mut v,
+            );
+            comm.all_gather(&mut params)?;
+        }
+        self.state.scalars = Scalars {
             step,
-            &mut state.params[mine.clone()],
-            &grads[mine],
-            &mut state.exp_avg,
-            &mut state.exp_avg_sq,
-        );
-        // 5. Everyone gets the new parameters.
-        comm.all_gather(&mut state.params)?;
-        let losses = comm.all_gather_f64(f64::from(loss))?;
-        let mean_loss = losses.iter().sum::<f64>() / world as f64;
-        state.step = step;
-        state.data_position += args.global_batch as u64;
-        last_loss = Some(mean_loss);
+            rng,
+            data_position: self.state.scalars.data_position + args.global_batch as u64,
+        };
+        self.torn = false;
+        rt.end_update(step);
 
+        let losses = comm.all_gather_f64(f64::from(loss))?;
+        let mean_loss = losses.iter().sum::<f64>() / self.world as f64;
+        self.last_loss = Some(mean_loss);
         let dt = t0.elapsed().as_secs_f64();
-        let tps = tokens_per_step / dt;
-        if lead
+        let tps = (args.global_batch * args.seq_len) as f64 / dt;
+        if self.rank == 0
             && (step == 1
                 || step.is_multiple_of(args.log_interval.max(1))
                 || step == args.train_iters)
         {
             println!(
-                "step {step:>6}/{} | loss {mean_loss:.4} (floor {floor:.4}) | lr {:.2e} | {:>8.0} tok/s | {:>8.1} ms/step",
+                "step {step:>6}/{} | loss {mean_loss:.4} (floor {:.4}) | lr {:.2e} | {:>8.0} tok/s | {:>8.1} ms/step",
                 args.train_iters,
-                opt.lr_at(step),
+                self.floor,
+                self.opt.lr_at(step),
                 tps,
                 dt * 1e3
             );
         }
-        log.write(serde_json::json!({
-            "event": "step", "step": step, "loss": mean_loss, "lr": opt.lr_at(step),
-            "tokens_per_s": tps, "step_time_s": dt,
+        // Logged before the snapshot: a step whose snapshot is sealed has
+        // been logged, and a step logged but not sealed is redone (and
+        // logged again with the same values).
+        self.log.write(serde_json::json!({
+            "event": "step", "step": step, "loss": mean_loss, "lr": self.opt.lr_at(step),
+            "tokens_per_s": tps, "step_time_s": dt, "epoch": self.epoch,
         }))?;
+        rt.commit(step, self.epoch, self.state.scalars.encode());
 
         let due = args.save_interval > 0 && step.is_multiple_of(args.save_interval);
         if let Some(dir) = &args.save
             && (due || step == args.train_iters)
         {
             let t = Instant::now();
-            let path = save(args, dir, &cfg, &state, &shard, &mut comm, env.rank, world)?;
+            let path = self.save(dir, comm)?;
             let secs = t.elapsed().as_secs_f64();
-            if lead {
+            if self.rank == 0 {
                 println!(
                     "saved iteration {step} to {} in {secs:.3} s",
                     path.display()
                 );
             }
-            log.write(serde_json::json!({
+            self.log.write(serde_json::json!({
                 "event": "checkpoint", "step": step, "dir": path, "seconds": secs,
             }))?;
         }
+        Ok(())
     }
 
-    let sum = param_checksum(&state.params);
-    if lead {
-        println!(
-            "done: step {} | final loss {} | floor {floor:.4} | params xxh3 {sum}",
-            state.step,
-            last_loss.map_or("-".into(), |l| format!("{l:.4}"))
-        );
+    /// Waits for the agent's directive and carries it out: restores the
+    /// snapshot of the step it names (unless the live state is exactly that
+    /// step) and joins the new epoch's communicator.
+    fn recover(&mut self, rt: &mut Runtime, dist: &mut Dist) -> Result<Communicator, TrainError> {
+        loop {
+            match rt.await_directive() {
+                Directive::Resume { epoch, step } => {
+                    let live = !self.torn && self.state.scalars.step == step;
+                    if !live {
+                        let meta = rt.restore(step)?;
+                        self.state.scalars = Scalars::decode(&meta).ok_or_else(|| {
+                            TrainError::Args("snapshot metadata block is malformed".into())
+                        })?;
+                        self.torn = false;
+                    }
+                    self.epoch = epoch;
+                    match dist.communicator(epoch) {
+                        Ok(comm) => {
+                            rt.set_communicator(&comm);
+                            eprintln!(
+                                "rank {}: resumed at step {step} under epoch {epoch} ({})",
+                                self.rank,
+                                if live {
+                                    "live state kept"
+                                } else {
+                                    "restored from shared memory"
+                                }
+                            );
+                            self.log.write(serde_json::json!({
+                                "event": "resume", "step": step, "epoch": epoch, "restored": !live,
+                            }))?;
+                            return Ok(comm);
+                        }
+                        Err(e) => eprintln!(
+                            "rank {}: rebuilding the communicator for epoch {epoch} failed: {}; waiting",
+                            self.rank,
+                            error_chain(&e)
+                        ),
+                    }
+                }
+                Directive::Stop | Directive::Pause { .. } | Directive::None => {
+                    return Err(TrainError::Stopped);
+                }
+            }
+        }
     }
-    log.write(serde_json::json!({
-        "event": "final", "step": state.step, "loss": last_loss, "param_xxh3": sum,
-        "entropy_floor": floor,
-    }))?;
-    Ok(TrainSummary {
-        final_step: state.step,
-        final_loss: last_loss,
-        param_xxh3: sum,
-        entropy_floor: floor,
-    })
-}
 
-fn load(
-    args: &TrainArgs,
-    dir: &Path,
-    cfg: &ModelConfig,
-    shard: &Range<usize>,
-    state: &mut TrainState,
-    comm: &mut Communicator,
-    lead: bool,
-) -> Result<u64, TrainError> {
-    let iteration = checkpoint::read_tracker(dir).map_err(TrainError::Load)?;
-    let with_moments = !args.finetune && !args.no_load_optim;
-    let loaded = checkpoint::load_shard(dir, iteration, cfg, shard.clone(), with_moments)
-        .map_err(TrainError::Load)?;
-    state.params[shard.clone()].copy_from_slice(&loaded.params);
-    comm.all_gather(&mut state.params)?;
-    let warn = |what: &str| {
+    fn load(&mut self, dir: &Path, comm: &mut Communicator) -> Result<u64, TrainError> {
+        let args = self.args;
+        let lead = self.rank == 0;
+        let iteration = checkpoint::read_tracker(dir).map_err(TrainError::Load)?;
+        let with_moments = !args.finetune && !args.no_load_optim;
+        let loaded =
+            checkpoint::load_shard(dir, iteration, &self.cfg, self.shard.clone(), with_moments)
+                .map_err(TrainError::Load)?;
+        {
+            let mut params = write(&self.state.params);
+            params[self.shard.clone()].copy_from_slice(&loaded.params);
+            comm.all_gather(&mut params)?;
+        }
+        let warn = |what: &str| {
+            if lead {
+                eprintln!(
+                    "warning: {what}; this resume is NOT exact: the run will differ from an uninterrupted one"
+                );
+            }
+        };
+        if args.finetune {
+            warn(
+                "--finetune loads only the weights and starts at step 0 with fresh optimizer state and RNG",
+            );
+            return Ok(iteration);
+        }
+        let s = &mut self.state.scalars;
+        s.step = loaded.iteration;
+        s.data_position = loaded.data_position;
+        match loaded.moments {
+            Some((m, v)) => {
+                *write(&self.state.exp_avg) = m;
+                *write(&self.state.exp_avg_sq) = v;
+            }
+            None => warn("--no-load-optim starts AdamW's moments from zero"),
+        }
+        if args.no_load_rng {
+            warn("--no-load-rng restarts the data sampler's RNG from the seed");
+        } else {
+            s.rng = SplitMix64::new(loaded.rng_state);
+        }
         if lead {
-            eprintln!(
-                "warning: {what}; this resume is NOT exact: the run will differ from an uninterrupted one"
+            println!(
+                "resumed from {} at iteration {iteration} (saved by {} rank(s))",
+                dir.display(),
+                loaded.saved_world_size
             );
         }
-    };
-    if args.finetune {
-        warn(
-            "--finetune loads only the weights and starts at step 0 with fresh optimizer state and RNG",
-        );
-        return Ok(iteration);
+        Ok(iteration)
     }
-    state.step = loaded.iteration;
-    state.data_position = loaded.data_position;
-    match loaded.moments {
-        Some((m, v)) => {
-            state.exp_avg = m;
-            state.exp_avg_sq = v;
-        }
-        None => warn("--no-load-optim starts AdamW's moments from zero"),
-    }
-    if args.no_load_rng {
-        warn("--no-load-rng restarts the data sampler's RNG from the seed");
-    } else {
-        state.rng = SplitMix64::new(loaded.rng_state);
-    }
-    if lead {
-        println!(
-            "resumed from {} at iteration {iteration} (saved by {} rank(s))",
-            dir.display(),
-            loaded.saved_world_size
-        );
-    }
-    Ok(iteration)
-}
 
-#[allow(clippy::too_many_arguments)]
-fn save(
-    args: &TrainArgs,
-    dir: &Path,
-    cfg: &ModelConfig,
-    state: &TrainState,
-    shard: &Range<usize>,
-    comm: &mut Communicator,
-    rank: usize,
-    world: usize,
-) -> Result<PathBuf, TrainError> {
-    let iteration = state.step;
-    let save_err = |source| TrainError::Save { iteration, source };
-    // Rank 0 prepares the directory; the others wait for it.
-    let prepared = if rank == 0 {
-        checkpoint::begin_save(dir, iteration).map(|_| ())
-    } else {
-        Ok(())
-    };
-    let ok = comm.all_gather_f64(if prepared.is_ok() { 1.0 } else { 0.0 })?;
-    prepared.map_err(save_err)?;
-    if ok[0] != 1.0 {
-        return Err(TrainError::SaveElsewhere {
+    fn save(&mut self, dir: &Path, comm: &mut Communicator) -> Result<PathBuf, TrainError> {
+        let (rank, world) = (self.rank, self.world);
+        let iteration = self.state.scalars.step;
+        let save_err = |source| TrainError::Save { iteration, source };
+        // Rank 0 prepares the directory; the others wait for it.
+        let prepared = if rank == 0 {
+            checkpoint::begin_save(dir, iteration).map(|_| ())
+        } else {
+            Ok(())
+        };
+        let ok = comm.all_gather_f64(if prepared.is_ok() { 1.0 } else { 0.0 })?;
+        prepared.map_err(save_err)?;
+        if ok[0] != 1.0 {
+            return Err(TrainError::SaveElsewhere {
+                iteration,
+                ranks: vec![0],
+            });
+        }
+        let header = ShardHeader {
             iteration,
-            ranks: vec![0],
-        });
+            world_size: world,
+            rank,
+            model: self.cfg,
+            rng_state: self.state.scalars.rng.state,
+            data_position: self.state.scalars.data_position,
+            args: serde_json::to_value(self.args).unwrap_or(serde_json::Value::Null),
+        };
+        let tmp = checkpoint::tmp_iter_dir(dir, iteration);
+        let written = {
+            let (p, m, v) = (
+                read(&self.state.params),
+                read(&self.state.exp_avg),
+                read(&self.state.exp_avg_sq),
+            );
+            let data = ShardData {
+                params: &p[self.shard.clone()],
+                exp_avg: &m,
+                exp_avg_sq: &v,
+            };
+            checkpoint::write_shard(&tmp, &header, data)
+        };
+        let status = comm.all_gather_f64(if written.is_ok() { 1.0 } else { 0.0 })?;
+        written.map_err(save_err)?;
+        let failed: Vec<usize> = (0..world).filter(|&r| status[r] != 1.0).collect();
+        if !failed.is_empty() {
+            return Err(TrainError::SaveElsewhere {
+                iteration,
+                ranks: failed,
+            });
+        }
+        // Rank 0 publishes; everyone learns whether it worked.
+        let committed = if rank == 0 {
+            checkpoint::commit_save(dir, iteration, world).map(|_| ())
+        } else {
+            Ok(())
+        };
+        let status = comm.all_gather_f64(if committed.is_ok() { 1.0 } else { 0.0 })?;
+        committed.map_err(save_err)?;
+        if status[0] != 1.0 {
+            return Err(TrainError::SaveElsewhere {
+                iteration,
+                ranks: vec![0],
+            });
+        }
+        Ok(checkpoint::iter_dir(dir, iteration))
     }
-    let header = ShardHeader {
-        iteration,
-        world_size: world,
-        rank,
-        model: *cfg,
-        rng_state: state.rng.state,
-        data_position: state.data_position,
-        args: serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
-    };
-    let data = ShardData {
-        params: &state.params[shard.clone()],
-        exp_avg: &state.exp_avg,
-        exp_avg_sq: &state.exp_avg_sq,
-    };
-    let tmp = checkpoint::tmp_iter_dir(dir, iteration);
-    let written = checkpoint::write_shard(&tmp, &header, data);
-    let status = comm.all_gather_f64(if written.is_ok() { 1.0 } else { 0.0 })?;
-    written.map_err(save_err)?;
-    let failed: Vec<usize> = (0..world).filter(|&r| status[r] != 1.0).collect();
-    if !failed.is_empty() {
-        return Err(TrainError::SaveElsewhere {
-            iteration,
-            ranks: failed,
-        });
-    }
-    // Rank 0 publishes; everyone learns whether it worked.
-    let committed = if rank == 0 {
-        checkpoint::commit_save(dir, iteration, world).map(|_| ())
-    } else {
-        Ok(())
-    };
-    let status = comm.all_gather_f64(if committed.is_ok() { 1.0 } else { 0.0 })?;
-    committed.map_err(save_err)?;
-    if status[0] != 1.0 {
-        return Err(TrainError::SaveElsewhere {
-            iteration,
-            ranks: vec![0],
-        });
-    }
-    Ok(checkpoint::iter_dir(dir, iteration))
 }
 
 /// Exit codes of `hatrain-train`.
@@ -665,6 +899,8 @@ pub mod exit {
     pub const SAVE: u8 = 4;
     /// A collective, the rendezvous or the model failed.
     pub const FAILED: u8 = 1;
+    /// The agent told the worker to stop.
+    pub const STOPPED: u8 = 5;
 }
 
 impl TrainError {
@@ -674,9 +910,12 @@ impl TrainError {
             Self::Env(_) | Self::Args(_) => exit::USAGE,
             Self::Load(_) => exit::LOAD,
             Self::Save { .. } | Self::SaveElsewhere { .. } => exit::SAVE,
-            Self::Rendezvous(_) | Self::Collective(_) | Self::Model(_) | Self::Log { .. } => {
-                exit::FAILED
-            }
+            Self::Stopped => exit::STOPPED,
+            Self::Rendezvous(_)
+            | Self::Collective(_)
+            | Self::Model(_)
+            | Self::Runtime(_)
+            | Self::Log { .. } => exit::FAILED,
         }
     }
 }

@@ -1,0 +1,578 @@
+//! One host's job: the agent's event loop.
+//!
+//! It owns the workers (through the [`Supervisor`]), their snapshot stores,
+//! the control socket and the recovery state machine, and reacts to four
+//! things: a worker exit, a control request, a tick, and shutdown.
+//!
+//! # Recovery (worker reboot)
+//!
+//! When a worker dies and [`recovery::on_exit`] says to restart it:
+//! 1. the dead rank is started again in place (its store, and so its
+//!    sealed snapshots, survive it);
+//! 2. a new epoch is opened and `Pause` is posted to every rank's control
+//!    page; survivors abort their communicator, finish their snapshot copy
+//!    and acknowledge; the replacement registers and acknowledges;
+//! 3. once every rank is paused, s\* is computed from the verified slots of
+//!    all ranks ([`recovery::consistent_step`]) and `Resume { epoch, s* }`
+//!    is posted: ranks whose live state is not exactly s\* restore it from
+//!    shared memory, and all rebuild their communicator under the new epoch;
+//! 4. recovery is complete when every rank has completed step s\*+1; the
+//!    time from detection to then is the fault's recovery time.
+//!
+//! A second fault during recovery opens another epoch and pauses again. A
+//! recovery that cannot finish (a rank does not pause, no common step) stops
+//! the job with the reason.
+
+use crate::control::{self, ControlMsg};
+use crate::launch::{LaunchConfig, LaunchError};
+use crate::reaper::{ExitEvent, Reaper};
+use crate::recovery::{self, ExitDecision, RankHistory};
+use crate::supervisor::{Outcome, Supervisor};
+use hatrain_shared::control::{
+    FaultRecord, Request, Response, SnapshotReport, StartMode, StatusReport, WorkerReport,
+    layout_hash,
+};
+use hatrain_shared::shm::{self, Directive, Geometry, Phase, Store};
+use hatrain_worker::rendezvous::StoreServer;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// What a finished job reports.
+#[derive(Debug, Clone)]
+pub struct JobReport {
+    pub outcome: Outcome,
+    pub faults: Vec<FaultRecord>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecoveryPhase {
+    Pausing,
+    Resuming { s_star: u64 },
+}
+
+#[derive(Debug)]
+struct Recovery {
+    epoch: u64,
+    phase: RecoveryPhase,
+    /// Indices into the fault list of the faults this recovery repairs.
+    faults: Vec<usize>,
+    /// Highest step any rank had completed when the first fault was seen.
+    max_step: u64,
+    deadline: Instant,
+    pause_seq: HashMap<usize, u64>,
+}
+
+struct JobState<'a> {
+    cfg: &'a LaunchConfig,
+    dir: PathBuf,
+    started: Instant,
+    epoch: u64,
+    stores: HashMap<usize, Arc<Store>>,
+    history: HashMap<usize, RankHistory>,
+    faults: Vec<FaultRecord>,
+    detected: Vec<Instant>,
+    recovery: Option<Recovery>,
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Creates the job's shared-memory directory (mode 0700), clearing what a
+/// killed earlier agent of the same job left there.
+fn prepare_dir(dir: &Path) -> Result<(), LaunchError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let io = |source| LaunchError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    if dir.exists() {
+        tracing::warn!(dir = %dir.display(), "removing a stale store directory of this job");
+        std::fs::remove_dir_all(dir).map_err(io)?;
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io)
+}
+
+/// Runs one host's part of the job until it ends or `shutdown` fires.
+pub async fn run(
+    cfg: &LaunchConfig,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
+    cfg.validate()?;
+    let dir = cfg.ha.shm_root.join(&cfg.job_id);
+    prepare_dir(&dir)?;
+    let result = run_in(cfg, &dir, shutdown).await;
+    // No shared memory is left behind, whatever happened.
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        tracing::error!(dir = %dir.display(), error = %e, "cannot remove the store directory");
+    }
+    result
+}
+
+async fn run_in(
+    cfg: &LaunchConfig,
+    dir: &Path,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
+    // The rendezvous store lives as long as this function: it outlives every
+    // worker.
+    let (_store, port) = if cfg.node_rank == 0 {
+        let addr = crate::launch::resolve(&cfg.master_addr, cfg.master_port.unwrap_or(0))?;
+        let store = StoreServer::bind(addr).map_err(LaunchError::Store)?;
+        let port = store.local_addr().port();
+        tracing::info!(addr = %store.local_addr(), "rendezvous store listening");
+        (Some(store), port)
+    } else {
+        (
+            None,
+            cfg.master_port.expect("validated: set with several nodes"),
+        )
+    };
+    let socket = dir.join("agent.sock");
+    let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
+    let ctl_stop = shutdown.child_token();
+    control::serve(&socket, ctl_tx, ctl_stop.clone())?;
+    let reaper = Reaper::start(shutdown.child_token())?;
+    let mut specs = cfg.worker_specs(port);
+    for s in &mut specs {
+        s.env.push((
+            hatrain_shared::control::ENV_SOCKET.into(),
+            socket.display().to_string(),
+        ));
+    }
+    tracing::info!(
+        world_size = cfg.world_size(),
+        node_rank = cfg.node_rank,
+        nproc = cfg.nproc_per_node,
+        modes = ?cfg.ha.modes.names(),
+        socket = %socket.display(),
+        "starting workers"
+    );
+    let mut sup = Supervisor::start(&specs, &reaper, cfg.stop_grace).await?;
+    let mut st = JobState {
+        cfg,
+        dir: dir.to_path_buf(),
+        started: Instant::now(),
+        epoch: 0,
+        stores: HashMap::new(),
+        history: HashMap::new(),
+        faults: Vec::new(),
+        detected: Vec::new(),
+        recovery: None,
+    };
+
+    enum Event {
+        Shutdown,
+        Exit(Option<(usize, ExitEvent)>),
+        Control(ControlMsg),
+        Tick,
+    }
+    let outcome = loop {
+        let tick = if st.recovery.is_some() {
+            Duration::from_millis(2)
+        } else {
+            Duration::from_millis(200)
+        };
+        let event = tokio::select! {
+            _ = shutdown.cancelled() => Event::Shutdown,
+            ev = sup.next_exit() => Event::Exit(ev),
+            Some(msg) = ctl_rx.recv() => Event::Control(msg),
+            _ = tokio::time::sleep(tick) => Event::Tick,
+        };
+        match event {
+            Event::Shutdown => {
+                tracing::warn!("shutdown requested: stopping the workers");
+                break Outcome::Interrupted;
+            }
+            Event::Exit(None) => break Outcome::Interrupted,
+            Event::Exit(Some((rank, ev))) => {
+                if let Some(outcome) = st.on_exit(&mut sup, rank, ev) {
+                    break outcome;
+                }
+            }
+            Event::Control(msg) => {
+                let response = st.on_request(&sup, msg.request);
+                let _ = msg.reply.send(response);
+            }
+            Event::Tick => {
+                if let Some(outcome) = st.progress(&sup) {
+                    break outcome;
+                }
+            }
+        }
+    };
+    sup.stop_all().await;
+    ctl_stop.cancel();
+    Ok(JobReport {
+        outcome,
+        faults: st.faults,
+    })
+}
+
+impl JobState<'_> {
+    fn on_exit(&mut self, sup: &mut Supervisor, rank: usize, ev: ExitEvent) -> Option<Outcome> {
+        let crash_step = self.stores.get(&rank).map_or(0, |s| s.step());
+        let now = self.started.elapsed();
+        let history = self.history.entry(rank).or_default();
+        let (decision, reason) = recovery::on_exit(
+            now,
+            rank,
+            ev.status,
+            crash_step,
+            sup.running().len(),
+            history,
+            &self.cfg.ha.modes,
+            &self.cfg.ha.policy,
+        );
+        match decision {
+            ExitDecision::Wait => {
+                tracing::info!(rank, pid = ev.pid, status = %ev.status, %reason, "worker exited");
+                None
+            }
+            ExitDecision::Finished => {
+                tracing::info!(rank, pid = ev.pid, %reason, "job finished");
+                Some(Outcome::Succeeded)
+            }
+            ExitDecision::Stop { rank, .. } => {
+                tracing::error!(rank, pid = ev.pid, status = %ev.status, %reason, "worker failed");
+                self.record_fault(
+                    vec![rank],
+                    "crash",
+                    ev.status.to_string(),
+                    "stop the job".into(),
+                    reason,
+                );
+                Some(Outcome::WorkerFailed {
+                    rank,
+                    status: ev.status,
+                })
+            }
+            ExitDecision::Restart { rank } => {
+                history.record_restart(now, crash_step, &self.cfg.ha.policy);
+                let restarts = history.restarts;
+                tracing::warn!(rank, pid = ev.pid, status = %ev.status, %reason, "worker failed: recovering");
+                let fault = self.record_fault(
+                    vec![rank],
+                    "crash",
+                    ev.status.to_string(),
+                    format!("restart rank {rank} in place (restart {restarts})"),
+                    reason,
+                );
+                match sup.respawn(rank, restarts) {
+                    Ok(pid) => tracing::info!(rank, pid, restarts, "replacement started"),
+                    Err(e) => {
+                        tracing::error!(rank, error = %e, "cannot restart the rank");
+                        self.faults[fault].action = format!("stop the job: {e}");
+                        return Some(Outcome::WorkerFailed {
+                            rank,
+                            status: ev.status,
+                        });
+                    }
+                }
+                self.begin_recovery(fault);
+                None
+            }
+        }
+    }
+
+    fn record_fault(
+        &mut self,
+        ranks: Vec<usize>,
+        kind: &str,
+        detail: String,
+        action: String,
+        reason: String,
+    ) -> usize {
+        self.faults.push(FaultRecord {
+            id: self.faults.len() as u64 + 1,
+            ranks,
+            kind: kind.into(),
+            detail,
+            detected_unix_s: unix_now(),
+            s_star: None,
+            action,
+            recovery_s: None,
+            steps_lost: None,
+            reason,
+        });
+        self.detected.push(Instant::now());
+        self.faults.len() - 1
+    }
+
+    /// Opens a new epoch and pauses every rank.
+    fn begin_recovery(&mut self, fault: usize) {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let pause_seq: HashMap<usize, u64> = self
+            .stores
+            .iter()
+            .map(|(&rank, s)| (rank, s.post(Directive::Pause { epoch })))
+            .collect();
+        let max_step = self.stores.values().map(|s| s.step()).max().unwrap_or(0);
+        let deadline = Instant::now() + self.cfg.ha.pause_timeout;
+        tracing::info!(epoch, "pausing every rank for recovery");
+        match self.recovery.as_mut() {
+            Some(r) => {
+                r.faults.push(fault);
+                r.epoch = epoch;
+                r.phase = RecoveryPhase::Pausing;
+                r.pause_seq = pause_seq;
+                r.deadline = deadline;
+            }
+            None => {
+                self.recovery = Some(Recovery {
+                    epoch,
+                    phase: RecoveryPhase::Pausing,
+                    faults: vec![fault],
+                    max_step,
+                    deadline,
+                    pause_seq,
+                });
+            }
+        }
+    }
+
+    /// Advances the recovery state machine; `Some` ends the job.
+    fn progress(&mut self, sup: &Supervisor) -> Option<Outcome> {
+        let r = self.recovery.as_mut()?;
+        let ranks = sup.ranks().to_vec();
+        let now = Instant::now();
+        match r.phase {
+            RecoveryPhase::Pausing => {
+                let waiting: Vec<usize> = ranks
+                    .iter()
+                    .copied()
+                    .filter(|rank| {
+                        let paused = self.stores.get(rank).is_some_and(|s| {
+                            r.pause_seq
+                                .get(rank)
+                                .is_some_and(|seq| s.acknowledged() >= *seq)
+                                && s.phase() == Phase::Paused
+                        });
+                        !(paused && sup.pid(*rank).is_some())
+                    })
+                    .collect();
+                if !waiting.is_empty() {
+                    if now > r.deadline {
+                        return Some(self.fail(format!(
+                            "rank(s) {waiting:?} did not pause within {:?}",
+                            self.cfg.ha.pause_timeout
+                        )));
+                    }
+                    return None;
+                }
+                let per_rank: Vec<Vec<u64>> = ranks
+                    .iter()
+                    .map(|rank| {
+                        let s = &self.stores[rank];
+                        s.sealed()
+                            .into_iter()
+                            .filter_map(|i| match s.verify(i.slot) {
+                                Ok(v) => Some(v.step),
+                                Err(e) => {
+                                    tracing::warn!(rank, error = %e, "snapshot slot rejected");
+                                    None
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let Some(s_star) = recovery::consistent_step(&per_rank) else {
+                    return Some(self.fail(format!(
+                        "no step has a sealed, verified snapshot on every rank (per rank: {per_rank:?})"
+                    )));
+                };
+                let epoch = r.epoch;
+                for rank in &ranks {
+                    self.stores[rank].post(Directive::Resume {
+                        epoch,
+                        step: s_star,
+                    });
+                }
+                for &f in &r.faults {
+                    self.faults[f].s_star = Some(s_star);
+                }
+                tracing::info!(s_star, epoch, snapshots = ?per_rank, "every rank paused: resuming from s*");
+                r.phase = RecoveryPhase::Resuming { s_star };
+                r.deadline = now + self.cfg.ha.pause_timeout * 2;
+                None
+            }
+            RecoveryPhase::Resuming { s_star } => {
+                let done = ranks.iter().all(|rank| {
+                    self.stores
+                        .get(rank)
+                        .is_some_and(|s| s.step() > s_star && s.epoch() == r.epoch)
+                });
+                if !done {
+                    if now > r.deadline {
+                        let why = format!(
+                            "ranks did not complete step {} under epoch {} in time",
+                            s_star + 1,
+                            r.epoch
+                        );
+                        return Some(self.fail(why));
+                    }
+                    return None;
+                }
+                let lost = r.max_step.saturating_sub(s_star);
+                for &f in &r.faults {
+                    let secs = self.detected[f].elapsed().as_secs_f64();
+                    self.faults[f].recovery_s = Some(secs);
+                    self.faults[f].steps_lost = Some(lost);
+                    tracing::info!(
+                        fault = self.faults[f].id,
+                        ranks = ?self.faults[f].ranks,
+                        s_star,
+                        steps_lost = lost,
+                        recovery_s = secs,
+                        "recovered: first step after the fault completed"
+                    );
+                }
+                self.recovery = None;
+                None
+            }
+        }
+    }
+
+    fn fail(&mut self, why: String) -> Outcome {
+        tracing::error!(reason = %why, "recovery failed: stopping the job");
+        if let Some(r) = self.recovery.take() {
+            for f in r.faults {
+                self.faults[f].action =
+                    format!("{}; recovery failed: {why}", self.faults[f].action);
+            }
+        }
+        Outcome::RecoveryFailed
+    }
+
+    fn on_request(&mut self, sup: &Supervisor, req: Request) -> Response {
+        match req {
+            Request::Register { rank, pid, parts } => self.register(sup, rank, pid, &parts),
+            Request::Status => Response::Status(StatusReport {
+                job: self.cfg.job_id.clone(),
+                world_size: self.cfg.world_size(),
+                local_ranks: self.cfg.nproc_per_node,
+                epoch: self.epoch,
+                modes: self.cfg.ha.modes,
+                uptime_s: self.started.elapsed().as_secs_f64(),
+                recovering: self.recovery.is_some(),
+                workers: self.workers(sup),
+                faults: self.faults.clone(),
+            }),
+            Request::Workers => Response::Workers(self.workers(sup)),
+            Request::Faults => Response::Faults(self.faults.clone()),
+        }
+    }
+
+    fn register(
+        &mut self,
+        sup: &Supervisor,
+        rank: usize,
+        pid: u32,
+        parts: &[hatrain_shared::control::StatePart],
+    ) -> Response {
+        if !sup.ranks().contains(&rank) {
+            return Response::Error {
+                message: format!(
+                    "rank {rank} is not one of this host's ranks {:?}",
+                    sup.ranks()
+                ),
+            };
+        }
+        let Some(total) = parts.iter().try_fold(0u64, |a, p| a.checked_add(p.bytes)) else {
+            return Response::Error {
+                message: "state size overflows".into(),
+            };
+        };
+        let Ok(total) = usize::try_from(total) else {
+            return Response::Error {
+                message: format!("state of {total} bytes does not fit this host"),
+            };
+        };
+        let layout = layout_hash(parts);
+        let reuse = self
+            .stores
+            .get(&rank)
+            .is_some_and(|s| s.layout_hash() == layout && s.geometry().capacity >= total);
+        if !reuse {
+            let path = shm::store_path(&self.dir, rank);
+            let geometry = Geometry::new(self.cfg.ha.slots, total);
+            match Store::create(
+                &path,
+                rank,
+                geometry,
+                layout,
+                shm::hash_str(&self.cfg.job_id),
+            ) {
+                Ok(s) => {
+                    tracing::info!(rank, pid, bytes = total, slots = geometry.slots, path = %path.display(), "snapshot store created");
+                    self.stores.insert(rank, Arc::new(s));
+                }
+                Err(e) => {
+                    return Response::Error {
+                        message: e.to_string(),
+                    };
+                }
+            }
+        }
+        let store = &self.stores[&rank];
+        let start = match self.recovery.as_mut() {
+            Some(r) => {
+                if !r.pause_seq.contains_key(&rank) {
+                    let seq = store.post(Directive::Pause { epoch: r.epoch });
+                    r.pause_seq.insert(rank, seq);
+                }
+                StartMode::AwaitDirective
+            }
+            None => StartMode::Fresh { epoch: self.epoch },
+        };
+        tracing::info!(rank, pid, ?start, "worker registered");
+        Response::Registered {
+            store: store.path().to_path_buf(),
+            start,
+            recover: self.cfg.ha.modes.recover,
+        }
+    }
+
+    fn workers(&self, sup: &Supervisor) -> Vec<WorkerReport> {
+        let now_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        sup.ranks()
+            .iter()
+            .enumerate()
+            .map(|(local_rank, &rank)| {
+                let s = self.stores.get(&rank);
+                let last = s.and_then(|s| s.sealed().into_iter().next());
+                let (commit_ns, block_ns, commits) = s.map_or((0, 0, 0), |s| s.commit_stats());
+                WorkerReport {
+                    rank,
+                    local_rank,
+                    pid: sup.pid(rank),
+                    phase: s.map_or(Phase::Starting, |s| s.phase()),
+                    step: s.map_or(0, |s| s.step()),
+                    epoch: s.map_or(0, |s| s.epoch()),
+                    heartbeat: s.map_or(0, |s| s.heartbeat()),
+                    restarts: self.history.get(&rank).map_or(0, |h| u64::from(h.restarts)),
+                    last_snapshot: last.map(|i| SnapshotReport {
+                        step: i.step,
+                        age_s: now_ns.saturating_sub(i.sealed_at_unix_ns) as f64 / 1e9,
+                        bytes: i.len,
+                    }),
+                    last_commit_ms: (commits > 0).then(|| commit_ns as f64 / 1e6),
+                    last_commit_blocking_ms: (commits > 0).then(|| block_ns as f64 / 1e6),
+                }
+            })
+            .collect()
+    }
+}
