@@ -182,10 +182,14 @@ impl Supervisor {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // SAFETY: the closure runs in the child between fork and exec and
-        // only calls prctl(2), which is async-signal-safe.
+        // only calls setpgid(2) and prctl(2), which are async-signal-safe.
         unsafe {
             cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                // Its own process group, so that stopping the worker also
+                // stops whatever it started.
+                if libc::setpgid(0, 0) != 0
+                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
+                {
                     return Err(io::Error::last_os_error());
                 }
                 Ok(())
@@ -235,6 +239,8 @@ impl Supervisor {
     fn record(&mut self, ev: ExitEvent) -> Option<usize> {
         let idx = self.by_pid.remove(&ev.pid)?;
         self.states[idx] = WorkerState::Exited(ev.status);
+        // What the worker started dies with it.
+        signal(-ev.pid, Signal::SIGKILL);
         Some(idx)
     }
 
@@ -245,13 +251,13 @@ impl Supervisor {
         let running = self.running();
         for &(rank, pid) in &running {
             tracing::info!(rank, pid, "sending SIGTERM");
-            signal(pid, Signal::SIGTERM);
+            signal(-pid, Signal::SIGTERM);
         }
         let sent_kill = !self.wait_all(self.grace).await;
         if sent_kill {
             for (rank, pid) in self.running() {
                 tracing::warn!(rank, pid, grace = ?self.grace, "still running after the grace period: SIGKILL");
-                signal(pid, Signal::SIGKILL);
+                signal(-pid, Signal::SIGKILL);
             }
             if !self.wait_all(Duration::from_secs(10)).await {
                 tracing::error!(left = ?self.running(), "workers not reaped after SIGKILL");
@@ -288,7 +294,8 @@ impl Supervisor {
     }
 }
 
-/// Sends `sig`; a process that is already gone (ESRCH) counts as success.
+/// Sends `sig` to a process (or, with a negative pid, to a process group);
+/// one that is already gone (ESRCH) counts as success.
 pub fn signal(pid: i32, sig: Signal) {
     match kill(Pid::from_raw(pid), sig) {
         Ok(()) | Err(Errno::ESRCH) => {}
