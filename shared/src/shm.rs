@@ -679,6 +679,23 @@ impl Store {
         sealed.last().map_or(0, |i| i.slot)
     }
 
+    /// Empties every sealed slot newer than `step` (writer side, while no
+    /// commit runs). After a rollback to `step` those snapshots belong to an
+    /// abandoned timeline; emptied, they are the first to be rewritten, so
+    /// the slot holding `step` survives the next commit.
+    pub fn discard_newer_than(&self, step: u64) {
+        for slot in 0..self.geometry.slots {
+            if self.slot_info(slot).is_some_and(|i| i.step > step) {
+                let w = |off| self.slot_word(slot, off);
+                let seq = w(hdr::SEQ).load(Ordering::Acquire);
+                w(hdr::SEQ).store(seq + 1, Ordering::Relaxed);
+                fence(Ordering::Release);
+                w(hdr::STATE).store(0, Ordering::Relaxed);
+                w(hdr::SEQ).store(seq + 2, Ordering::Release);
+            }
+        }
+    }
+
     /// Fully verifies `slot`: header, bounds and checksum. Returns its info.
     pub fn verify(&self, slot: usize) -> Result<SlotInfo, ShmError> {
         let bad = |detail: String| ShmError::BadSlot {
@@ -956,6 +973,44 @@ mod tests {
         assert!(e.contains("checksum mismatch"), "{e}");
         assert_eq!(s.find_step(2), None);
         assert_eq!(s.find_step(1).unwrap().slot, 0);
+    }
+
+    #[test]
+    fn rollback_discards_the_abandoned_timeline() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::create(&store_path(d.path(), 0), 0, Geometry::new(3, 64), 1, 1).unwrap();
+        for step in 3..=5 {
+            s.write_slot(
+                s.writable_slot(),
+                0,
+                step,
+                0,
+                &[&[step as u8; 64]],
+                &mut |_, _| {},
+            )
+            .unwrap();
+        }
+        s.discard_newer_than(3);
+        assert_eq!(
+            s.sealed().iter().map(|i| i.step).collect::<Vec<_>>(),
+            vec![3]
+        );
+        // Redoing steps 4 and 5 keeps step 3 until newer steps exist.
+        for step in 4..=5 {
+            s.write_slot(
+                s.writable_slot(),
+                0,
+                step,
+                1,
+                &[&[step as u8; 64]],
+                &mut |_, _| {},
+            )
+            .unwrap();
+        }
+        assert_eq!(
+            s.sealed().iter().map(|i| i.step).collect::<Vec<_>>(),
+            vec![5, 4, 3]
+        );
     }
 
     #[test]

@@ -242,3 +242,19 @@ pub fn code(status: &ExitStatus) -> Option<i32> {
 pub fn s(v: &[&str]) -> Vec<String> {
     v.iter().map(|x| x.to_string()).collect()
 }
+
+pub fn agentctl() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_agentctl"))
+}
+
+/// The one-letter state of a process (`R`, `S`, `T` for stopped, `Z`...).
+pub fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}
+
+/// The last logged loss of every step (a step redone after a recovery is
+/// logged again; the last value is the one the run kept).
+pub fn final_losses(log: &[serde_json::Value]) -> std::collections::BTreeMap<u64, f64> {
+    losses(log).into_iter().collect()
+}

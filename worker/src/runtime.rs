@@ -27,7 +27,9 @@
 //! POINT one of `forward`, `update` (inside the fences), `commit` (halfway
 //! through the snapshot copy), ACTION one of `stop` (SIGSTOP itself, for a
 //! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17). An
-//! entry fires once, and only in a rank's first incarnation.
+//! optional fifth field names the incarnation (restart count) the entry
+//! fires in: a number (default 0, the first process) or `*` for every one.
+//! An entry fires at most once per process.
 
 use crate::collective::{AbortHandle, Communicator};
 use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode, StatePart};
@@ -110,8 +112,8 @@ pub struct FaultPlan {
 }
 
 impl FaultPlan {
-    /// Parses a plan, keeping the entries of `rank` (all of them if this is
-    /// not the rank's first incarnation: none fire then).
+    /// Parses a plan, keeping the entries of `rank` that fire in
+    /// `incarnation`.
     pub fn parse(text: &str, rank: usize, incarnation: u64) -> Result<Self, RuntimeError> {
         let mut entries = Vec::new();
         for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
@@ -120,8 +122,18 @@ impl FaultPlan {
                 detail: detail.to_string(),
             };
             let f: Vec<&str> = entry.split(':').collect();
-            let [r, s, p, a] = f[..] else {
-                return Err(bad("expected RANK:STEP:POINT:ACTION"));
+            let (r, s, p, a, inc) = match f[..] {
+                [r, s, p, a] => (r, s, p, a, "0"),
+                [r, s, p, a, inc] => (r, s, p, a, inc),
+                _ => return Err(bad("expected RANK:STEP:POINT:ACTION[:INCARNATION]")),
+            };
+            let fires_now = match inc {
+                "*" => true,
+                n => {
+                    n.parse::<u64>()
+                        .map_err(|_| bad("INCARNATION must be a number or *"))?
+                        == incarnation
+                }
             };
             let e = PlanEntry {
                 rank: r.parse().map_err(|_| bad("RANK is not a number"))?,
@@ -139,7 +151,7 @@ impl FaultPlan {
                     _ => return Err(bad("ACTION must be stop, kill or exit")),
                 },
             };
-            if e.rank == rank && incarnation == 0 {
+            if e.rank == rank && fires_now {
                 entries.push((e, AtomicBool::new(false)));
             }
         }
@@ -460,12 +472,18 @@ impl Runtime {
                         a.handled.store(seq, Ordering::Release);
                         store.acknowledge(seq);
                     }
-                    Directive::Resume { .. } | Directive::Stop => {
+                    Directive::Resume { step, .. } => {
+                        // Snapshots past the step every rank returns to are
+                        // of an abandoned timeline (no commit runs now).
+                        store.discard_newer_than(step);
                         a.handled.store(seq, Ordering::Release);
                         store.acknowledge(seq);
-                        if matches!(d, Directive::Resume { .. }) {
-                            store.set_phase(Phase::Restoring);
-                        }
+                        store.set_phase(Phase::Restoring);
+                        return d;
+                    }
+                    Directive::Stop => {
+                        a.handled.store(seq, Ordering::Release);
+                        store.acknowledge(seq);
                         return d;
                     }
                 }

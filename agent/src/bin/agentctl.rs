@@ -1,0 +1,153 @@
+//! `agentctl`: inspects a running hatrain agent over its control socket.
+//! One small function per verb; `--json` prints the agent's reply as JSON.
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use hatrain_shared::control::{FaultRecord, PROTOCOL, Request, Response, WorkerReport};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "agentctl",
+    version,
+    about = "Inspect and drive a running hatrain agent"
+)]
+struct Cli {
+    /// The agent's control socket (default: <shm-root>/<job>/agent.sock,
+    /// or HATRAIN_AGENT_SOCKET).
+    #[arg(long, env = "HATRAIN_AGENT_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Job id, to find the socket under --shm-root.
+    #[arg(long, default_value = "hatrain")]
+    job: String,
+    #[arg(long, default_value = "/dev/shm/hatrain")]
+    shm_root: PathBuf,
+    /// Print the reply as JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    verb: Verb,
+}
+
+#[derive(Debug, Subcommand)]
+enum Verb {
+    /// The job, its ranks and its recent faults.
+    Status,
+    /// One line per rank.
+    Workers,
+    /// The fault history.
+    Faults,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentctl: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let socket = cli
+        .socket
+        .clone()
+        .unwrap_or_else(|| cli.shm_root.join(&cli.job).join("agent.sock"));
+    let request = match cli.verb {
+        Verb::Status => Request::Status,
+        Verb::Workers => Request::Workers,
+        Verb::Faults => Request::Faults,
+    };
+    let response = call(&socket, &request)?;
+    if cli.json {
+        println!("{}", serde_json::to_string_pretty(&response)?);
+        return Ok(());
+    }
+    match response {
+        Response::Status(s) => {
+            println!(
+                "job {} | world size {} ({} rank(s) here) | epoch {} | modes {} | up {:.1} s{}",
+                s.job,
+                s.world_size,
+                s.local_ranks,
+                s.epoch,
+                if s.modes.any() {
+                    s.modes.names().join(",")
+                } else {
+                    "none".into()
+                },
+                s.uptime_s,
+                if s.recovering { " | RECOVERING" } else { "" }
+            );
+            print_workers(&s.workers);
+            print_faults(&s.faults);
+        }
+        Response::Workers(w) => print_workers(&w),
+        Response::Faults(f) => print_faults(&f),
+        Response::Error { message } => bail!("the agent refused: {message}"),
+        other => bail!("unexpected reply: {other:?}"),
+    }
+    Ok(())
+}
+
+fn call(socket: &PathBuf, request: &Request) -> Result<Response> {
+    let mut s = UnixStream::connect(socket)
+        .with_context(|| format!("cannot connect to the agent at {}", socket.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    PROTOCOL.send_json(&mut s, request)?;
+    Ok(PROTOCOL.recv_json(&mut s)?)
+}
+
+fn print_workers(w: &[WorkerReport]) {
+    println!(
+        "{:>5} {:>8} {:>10} {:>8} {:>6} {:>9} {:>13} {:>10} {:>10}",
+        "rank", "pid", "phase", "step", "epoch", "restarts", "snapshot", "age s", "commit ms"
+    );
+    for r in w {
+        let (snap, age) =
+            r.last_snapshot
+                .as_ref()
+                .map_or(("-".to_string(), "-".to_string()), |s| {
+                    (
+                        format!("{} ({:.1} MB)", s.step, s.bytes as f64 / 1e6),
+                        format!("{:.2}", s.age_s),
+                    )
+                });
+        println!(
+            "{:>5} {:>8} {:>10} {:>8} {:>6} {:>9} {:>13} {:>10} {:>10}",
+            r.rank,
+            r.pid.map_or("-".into(), |p| p.to_string()),
+            format!("{:?}", r.phase).to_lowercase(),
+            r.step,
+            r.epoch,
+            r.restarts,
+            snap,
+            age,
+            r.last_commit_ms.map_or("-".into(), |m| format!("{m:.2}")),
+        );
+    }
+}
+
+fn print_faults(f: &[FaultRecord]) {
+    if f.is_empty() {
+        println!("no faults");
+        return;
+    }
+    for x in f {
+        println!(
+            "fault {} | rank(s) {:?} | {} ({}) | s* {} | {} | recovered in {} | steps lost {}",
+            x.id,
+            x.ranks,
+            x.kind,
+            x.detail,
+            x.s_star.map_or("-".into(), |s| s.to_string()),
+            x.action,
+            x.recovery_s.map_or("-".into(), |s| format!("{:.3} s", s)),
+            x.steps_lost.map_or("-".into(), |s| s.to_string()),
+        );
+    }
+}

@@ -1,0 +1,280 @@
+//! Worker reboot (HIGH_AVAILABILITY=recover): ranks killed with SIGKILL at
+//! chosen instants are restarted in place and refilled from shared memory,
+//! and the run ends bit-identical to a run without faults.
+//!
+//! The runtime's fault plan stops (SIGSTOP) a rank at a named point of a
+//! chosen step; this harness then kills it with a real SIGKILL, the way a
+//! crash would take it.
+
+mod common;
+use common::*;
+use hatrain_shared::control::{Response, StatusReport};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn store_dir(shm: &std::path::Path, job: &str) -> std::path::PathBuf {
+    shm.join(job)
+}
+
+/// Ranks of the job that are stopped by their fault plan.
+fn stopped(job: &str) -> Vec<(usize, i32)> {
+    let mut v: Vec<(usize, i32)> = job_pids(job)
+        .into_iter()
+        .filter(|&p| proc_state(p) == Some('T'))
+        .filter_map(|p| rank_of(p).map(|r| (r, p)))
+        .collect();
+    v.sort();
+    v
+}
+
+fn agentctl_status(socket: &std::path::Path) -> StatusReport {
+    let out = Command::new(agentctl())
+        .arg("--socket")
+        .arg(socket)
+        .args(["--json", "status"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match serde_json::from_slice(&out.stdout).unwrap() {
+        Response::Status(s) => s,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn killed_ranks_recover_bit_identically() {
+    let d = tempfile::tempdir().unwrap();
+    let shm = d.path().join("shm");
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("faulty.jsonl"));
+    let train = |log: &std::path::Path| {
+        let mut a = s(&["--train-iters", "60", "--log-interval", "1000"]);
+        a.extend(["--log-jsonl".into(), log.display().to_string()]);
+        a
+    };
+    assert_success(&run_launch(4, "ref", &train(&ref_log)), "fault-free run");
+
+    // Each entry stops a rank at a point of a step; the harness kills it.
+    // INCARNATION (5th field) picks which process of a restarted rank.
+    let plan = [
+        "1:8:forward:stop",   // A: during forward/backward
+        "2:15:update:stop",   // B: inside the update fences
+        "3:22:commit:stop",   // C: halfway through a snapshot copy
+        "0:30:forward:stop",  // D: the logging rank; its newest slot is also bit-flipped
+        "1:40:update:stop:1", // E: two ranks at once, inside the fences
+        "3:40:update:stop:1",
+        "2:48:commit:stop:1",  // F: mid-copy again
+        "0:56:forward:stop:1", // G: agentctl is checked while this rank is stopped
+    ]
+    .join(";");
+    let job = job_id("recover");
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", &job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        // Three slots: with two, a corrupt newest slot on a rank that is a
+        // commit behind the others leaves no common step.
+        .args(["--snapshot-slots", "3"])
+        .arg("--shm-root")
+        .arg(&shm)
+        .arg("--")
+        .arg(agent())
+        .arg("train")
+        .args(train(&log))
+        .env("HATRAIN_FAULT_PLAN", &plan)
+        .env_remove("RAYON_NUM_THREADS")
+        .env("RUST_LOG", "info");
+    let mut guard = Job::spawn(cmd, &job);
+    let socket = store_dir(&shm, &job).join("agent.sock");
+
+    let mut events = 0;
+    let mut killed = Vec::new();
+    let mut flipped_step = None;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while guard.child.as_mut().unwrap().try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the faulty run did not finish");
+        let first = stopped(&job);
+        if first.is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        // Give a second rank of the same event time to stop too.
+        std::thread::sleep(Duration::from_millis(300));
+        let victims = stopped(&job);
+        events += 1;
+        let ranks: Vec<usize> = victims.iter().map(|v| v.0).collect();
+        if events == 4 {
+            // D: flip a bit of rank 0's newest sealed snapshot; recovery
+            // must detect it and fall back to the older slot.
+            let store = hatrain_shared::shm::Store::open(&hatrain_shared::shm::store_path(
+                &store_dir(&shm, &job),
+                0,
+            ))
+            .unwrap();
+            let newest = store.sealed()[0];
+            store.corrupt_slot_byte(newest.slot, 4096 + 123);
+            flipped_step = Some(newest.step);
+        }
+        if events == 7 {
+            // G: the job is stuck on a stopped rank; the agent still answers
+            // and reports what it has repaired so far.
+            let st = agentctl_status(&socket);
+            assert_eq!(st.faults.len(), 7, "{:?}", st.faults);
+            for f in &st.faults {
+                assert!(f.recovery_s.is_some_and(|s| s > 0.0), "{f:?}");
+                assert!(f.s_star.is_some() && f.steps_lost.is_some(), "{f:?}");
+            }
+            let restarts: Vec<u64> = st.workers.iter().map(|w| w.restarts).collect();
+            assert_eq!(restarts, vec![1, 2, 2, 2]);
+            assert!(
+                st.workers
+                    .iter()
+                    .all(|w| w.pid.is_some() && w.last_snapshot.is_some())
+            );
+        }
+        for &(_, pid) in &victims {
+            kill(pid, libc::SIGKILL);
+        }
+        killed.push(ranks);
+        // Wait until the victims are gone before looking for the next event.
+        assert!(wait_until(Duration::from_secs(30), || victims
+            .iter()
+            .all(|&(_, p)| proc_state(p).is_none_or(|s| s == 'Z'))));
+    }
+    let out = guard.wait_output(Duration::from_secs(30));
+    assert_success(&out, "faulty run");
+    assert_eq!(
+        killed,
+        vec![
+            vec![1],
+            vec![2],
+            vec![3],
+            vec![0],
+            vec![1, 3],
+            vec![2],
+            vec![0]
+        ],
+        "the planned faults, in order"
+    );
+
+    let (a, b) = (read_log(&ref_log), read_log(&log));
+    assert_eq!(
+        final_checksum(&a),
+        final_checksum(&b),
+        "final parameters differ"
+    );
+    let (la, lb) = (final_losses(&a), final_losses(&b));
+    assert_eq!(la.len(), 60);
+    assert_eq!(lb.keys().collect::<Vec<_>>(), la.keys().collect::<Vec<_>>());
+    for (step, loss) in &la {
+        assert_eq!(
+            loss.to_bits(),
+            lb[step].to_bits(),
+            "loss of step {step} differs"
+        );
+    }
+    // The agent's log tells what it decided and why.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.matches("restarting it in place").count(),
+        8,
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr
+            .matches("recovered: first step after the fault completed")
+            .count(),
+        8
+    );
+    // D: the bit flip was detected and s* fell back below the flipped step.
+    assert!(
+        stderr.contains("checksum mismatch"),
+        "bit flip not detected"
+    );
+    let flipped = flipped_step.unwrap();
+    assert!(
+        stderr.contains(&format!("s_star={}", flipped - 1)),
+        "s* did not fall back below the flipped step {flipped}"
+    );
+    // No shared memory is left behind, and no process.
+    assert!(!store_dir(&shm, &job).exists());
+    assert!(job_pids(&job).is_empty());
+}
+
+#[test]
+fn a_rank_that_always_crashes_is_given_up_on() {
+    let d = tempfile::tempdir().unwrap();
+    let job = job_id("always");
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        .arg("--shm-root")
+        .arg(d.path())
+        .arg("--")
+        .arg(agent())
+        .arg("train")
+        .args(tiny_args(20))
+        .env("HATRAIN_FAULT_PLAN", "1:5:forward:kill:*")
+        .env("RUST_LOG", "info");
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + libc::SIGKILL), "{stderr}");
+    assert!(
+        stderr.contains("at step 4 on 3 attempts in a row"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("restarting it in place").count(),
+        2,
+        "{stderr}"
+    );
+    assert!(job_pids(&job).is_empty(), "orphans left");
+    assert!(!d.path().join(&job).exists(), "shared memory left behind");
+}
+
+#[test]
+fn bad_ha_configuration_is_refused_at_start() {
+    for (args, env, want) in [
+        (
+            vec!["--enable-worker-reboot"],
+            None,
+            "--enable-worker-reboot needs --enable-high-availability",
+        ),
+        (
+            vec![],
+            Some("recover,sometimes"),
+            "unknown value \"sometimes\"",
+        ),
+    ] {
+        let mut cmd = Command::new(agent());
+        cmd.args(["launch", "--nproc-per-node", "2"])
+            .args(&args)
+            .args(["--", "true"]);
+        match env {
+            Some(v) => cmd.env("HIGH_AVAILABILITY", v),
+            None => cmd.env_remove("HIGH_AVAILABILITY"),
+        };
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{stderr}");
+    }
+    let out = Command::new(agent())
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--enable-high-availability",
+            "--",
+            "true",
+        ])
+        .env_remove("HIGH_AVAILABILITY")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a replica must exist"));
+}
