@@ -21,7 +21,9 @@ pub enum Command {
     /// Launch this host's workers, torchrun-style:
     /// `launch --nproc-per-node P [...] -- <worker command...>`.
     Launch(LaunchArgs),
-    /// Train the default model on 4 local ranks with periodic checkpoints.
+    /// Train the default model on 4 local ranks with periodic checkpoints,
+    /// once without faults and once with workers killed and rebooted in
+    /// place, and compare.
     Demo(DemoArgs),
     /// Run the reference trainer in this process (the same as `hatrain-train`).
     Train(TrainArgs),
@@ -104,7 +106,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 4)]
     pub nproc: usize,
     /// Training steps.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 200)]
     pub steps: u64,
     /// Save a checkpoint every N steps.
     #[arg(long, default_value_t = 50)]

@@ -1,30 +1,87 @@
 //! `hatrain-agent demo`: the project's main job on an embedded default.
 //!
-//! It launches the reference trainer (this same binary, `train` subcommand,
-//! so one `cargo run` builds everything) on `--nproc` local ranks with
-//! periodic checkpoints, then summarises the run from the trainer's JSON log.
+//! It trains the reference model (this same binary's `train` subcommand, so
+//! one `cargo run` builds everything) on `--nproc` local ranks with periodic
+//! checkpoints, twice, with worker reboot on:
+//! 1. a fault-free run, for reference;
+//! 2. the same run while `--kills` workers are killed with SIGKILL at steps,
+//!    ranks and points (forward pass, inside the update fences, mid snapshot
+//!    copy) drawn from `--fault-seed`.
+//!
+//! It ends with a summary: the loss against the data's entropy floor, every
+//! fault with the step it was repaired from, its recovery time and the steps
+//! lost, and whether the final weights of both runs are bit-identical.
 
 use crate::cli::DemoArgs;
-use crate::launch::{self, LaunchConfig};
+use crate::launch::{self, HaSettings, LaunchConfig};
 use crate::supervisor::Outcome;
 use anyhow::{Context, Result, bail};
+use hatrain_shared::control::FaultRecord;
+use hatrain_shared::ha::HaModes;
+use hatrain_worker::data::SplitMix64;
 use std::ffi::OsString;
-use std::path::Path;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome> {
+const POINTS: [&str; 3] = ["forward", "update", "commit"];
+
+/// One planned kill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Kill {
+    rank: usize,
+    step: u64,
+    point: &'static str,
+}
+
+/// Draws `n` kills spread over the run (at least 10 steps apart, none in
+/// the first or last 5 steps), each in the first process of its rank.
+fn plan(seed: u64, n: usize, nproc: usize, steps: u64) -> Vec<Kill> {
+    let mut rng = SplitMix64::new(seed);
+    let span = steps.saturating_sub(10).max(1);
+    let gap = span / (n as u64 + 1);
+    let mut used = vec![false; nproc];
+    (0..n)
+        .filter_map(|i| {
+            let free: Vec<usize> = (0..nproc).filter(|r| !used[*r]).collect();
+            let rank = *free.get(rng.below(free.len().max(1)))?;
+            used[rank] = true;
+            let jitter = if gap > 2 {
+                rng.below(gap as usize / 2) as u64
+            } else {
+                0
+            };
+            Some(Kill {
+                rank,
+                step: 5 + gap * (i as u64 + 1) + jitter,
+                point: POINTS[rng.below(POINTS.len())],
+            })
+        })
+        .collect()
+}
+
+struct RunResult {
+    outcome: Outcome,
+    faults: Vec<FaultRecord>,
+    log: PathBuf,
+    seconds: f64,
+}
+
+async fn train_once(
+    args: &DemoArgs,
+    name: &str,
+    kills: &[Kill],
+    shutdown: CancellationToken,
+) -> Result<RunResult> {
     let exe = std::env::current_exe().context("cannot find the agent's own executable")?;
-    let work = &args.workdir;
+    let work = args.workdir.join(name);
+    if work.exists() {
+        std::fs::remove_dir_all(&work)
+            .with_context(|| format!("cannot clear {}", work.display()))?;
+    }
+    std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
     let ckpt = work.join("checkpoints");
     let log = work.join("train.jsonl");
-    if ckpt.exists() {
-        std::fs::remove_dir_all(&ckpt)
-            .with_context(|| format!("cannot clear {}", ckpt.display()))?;
-    }
-    std::fs::create_dir_all(work).with_context(|| format!("cannot create {}", work.display()))?;
-    let _ = std::fs::remove_file(&log);
-
     let mut command: Vec<OsString> = vec![exe.into(), "train".into()];
     for (k, v) in [
         ("--model-size", args.model_size.clone()),
@@ -35,9 +92,17 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         command.push(k.into());
         command.push(v.into());
     }
-    command.extend(["--save".into(), ckpt.clone().into_os_string()]);
+    command.extend(["--save".into(), ckpt.into_os_string()]);
     command.extend(["--log-jsonl".into(), log.clone().into_os_string()]);
-
+    let plan: Vec<String> = kills
+        .iter()
+        .map(|k| format!("{}:{}:{}:kill", k.rank, k.step, k.point))
+        .collect();
+    // The fault plan reaches the workers through the environment the
+    // launcher passes on.
+    // SAFETY: the demo sets it before it starts any worker, from the only
+    // thread that reads the environment (the agent is single-threaded).
+    unsafe { std::env::set_var(hatrain_worker::runtime::ENV_FAULT_PLAN, plan.join(";")) };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cfg = LaunchConfig {
         nnodes: 1,
@@ -45,68 +110,159 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         nproc_per_node: args.nproc,
         master_addr: "127.0.0.1".into(),
         master_port: None,
-        job_id: "demo".into(),
+        job_id: format!("demo-{name}-{}", std::process::id()),
         threads_per_worker: (cores / args.nproc.max(1)).max(1),
         stop_grace: Duration::from_secs(5),
         command,
-        ha: crate::launch::HaSettings::default(),
+        ha: HaSettings {
+            modes: HaModes {
+                dump: true,
+                recover: true,
+                ..HaModes::default()
+            },
+            shm_root: args.shm_root.clone(),
+            ..HaSettings::default()
+        },
     };
+    let t = Instant::now();
+    let report = launch::run(&cfg, shutdown).await?;
+    Ok(RunResult {
+        outcome: report.outcome,
+        faults: report.faults,
+        log,
+        seconds: t.elapsed().as_secs_f64(),
+    })
+}
+
+pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome> {
+    if args.nproc < 2 {
+        bail!("the demo needs --nproc 2 or more (worker reboot needs a replica)");
+    }
+    let kills = plan(
+        args.fault_seed,
+        args.kills.min(args.nproc),
+        args.nproc,
+        args.steps,
+    );
     println!(
-        "demo: training the {} model on {} local ranks for {} steps, checkpoint every {} steps into {}",
+        "demo: training the {} model on {} local ranks for {} steps, twice, with worker reboot on:\n  \
+         1. without faults, for reference\n  2. with {} worker(s) killed (SIGKILL): {}",
         args.model_size,
         args.nproc,
         args.steps,
-        args.save_interval,
-        ckpt.display()
+        kills.len(),
+        kills
+            .iter()
+            .map(|k| format!("rank {} at step {} ({})", k.rank, k.step, k.point))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
-    let outcome = launch::run(&cfg, shutdown).await?.outcome;
-    if outcome == Outcome::Succeeded {
-        summarise(&log, &ckpt, args)?;
+    println!("\n=== run 1: no faults ===");
+    let reference = train_once(args, "reference", &[], shutdown.clone()).await?;
+    if reference.outcome != Outcome::Succeeded {
+        return Ok(reference.outcome);
     }
-    Ok(outcome)
+    println!("\n=== run 2: with faults ===");
+    let faulty = train_once(args, "faulty", &kills, shutdown).await?;
+    if faulty.outcome != Outcome::Succeeded {
+        return Ok(faulty.outcome);
+    }
+    summarise(args, &kills, &reference, &faulty)?;
+    Ok(Outcome::Succeeded)
 }
 
-fn summarise(log: &Path, ckpt: &Path, args: &DemoArgs) -> Result<()> {
+fn read_events(log: &Path) -> Result<Vec<serde_json::Value>> {
     let text =
         std::fs::read_to_string(log).with_context(|| format!("cannot read {}", log.display()))?;
-    let events: Vec<serde_json::Value> = text
-        .lines()
+    text.lines()
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()
-        .with_context(|| format!("{} is not JSON lines", log.display()))?;
-    let of = |kind: &'static str| events.iter().filter(move |e| e["event"] == kind);
-    let Some(start) = of("start").next() else {
-        bail!("{} has no start event", log.display())
+        .with_context(|| format!("{} is not JSON lines", log.display()))
+}
+
+fn summarise(
+    args: &DemoArgs,
+    kills: &[Kill],
+    reference: &RunResult,
+    faulty: &RunResult,
+) -> Result<()> {
+    let (a, b) = (read_events(&reference.log)?, read_events(&faulty.log)?);
+    let last = |ev: &[serde_json::Value], kind: &str| {
+        ev.iter().rev().find(|e| e["event"] == kind).cloned()
     };
-    let Some(fin) = of("final").next_back() else {
-        bail!("{} has no final event", log.display())
+    let (Some(start), Some(fin_a), Some(fin_b)) =
+        (last(&a, "start"), last(&a, "final"), last(&b, "final"))
+    else {
+        bail!("the training logs are incomplete");
     };
     let floor = start["entropy_floor"].as_f64().unwrap_or(f64::NAN);
-    let first = of("step")
-        .next()
+    let first = a
+        .iter()
+        .find(|e| e["event"] == "step")
         .and_then(|e| e["loss"].as_f64())
         .unwrap_or(f64::NAN);
-    let last = fin["loss"].as_f64().unwrap_or(f64::NAN);
-    let saved: Vec<String> = of("checkpoint").map(|e| e["step"].to_string()).collect();
-    let tracker = hatrain_shared::checkpoint::read_tracker(ckpt)?;
-    println!();
-    println!("demo summary");
+    let final_loss = fin_a["loss"].as_f64().unwrap_or(f64::NAN);
+    let (sum_a, sum_b) = (
+        fin_a["param_xxh3"].as_str().unwrap_or("?"),
+        fin_b["param_xxh3"].as_str().unwrap_or("?"),
+    );
+    println!("\n=== demo summary ===");
     println!(
-        "  ranks {}, parameters {}, steps {}",
-        args.nproc, start["params"], fin["step"]
+        "model: {} parameters on {} ranks, {} steps; loss {first:.4} -> {final_loss:.4}, entropy floor {floor:.4} \
+         ({:.0}% of the way to the floor)",
+        start["params"],
+        args.nproc,
+        args.steps,
+        100.0 * (first - final_loss) / (first - floor)
     );
     println!(
-        "  loss {first:.4} -> {last:.4}, floor {floor:.4}: {:.0}% of the way to the entropy floor",
-        100.0 * (first - last) / (first - floor)
+        "wall time: {:.1} s without faults, {:.1} s with {} fault(s)",
+        reference.seconds,
+        faulty.seconds,
+        faulty.faults.len()
     );
     println!(
-        "  checkpoints at steps {} (tracker: {tracker})",
-        saved.join(", ")
+        "{:>5} {:>6} {:>9} {:>8} {:>4} {:>12} {:>10}",
+        "fault", "rank", "point", "at step", "s*", "recovery", "steps lost"
     );
+    for (f, k) in faulty.faults.iter().zip(kills) {
+        println!(
+            "{:>5} {:>6} {:>9} {:>8} {:>4} {:>12} {:>10}",
+            f.id,
+            format!("{:?}", f.ranks),
+            k.point,
+            k.step,
+            f.s_star.map_or("-".into(), |s| s.to_string()),
+            f.recovery_s.map_or("-".into(), |s| format!("{:.3} s", s)),
+            f.steps_lost.map_or("-".into(), |s| s.to_string()),
+        );
+    }
+    let same = sum_a == sum_b;
     println!(
-        "  final parameters xxh3 {}",
-        fin["param_xxh3"].as_str().unwrap_or("?")
+        "final weights: {sum_a} without faults, {sum_b} with faults: {}",
+        if same { "bit-identical" } else { "DIFFERENT" }
     );
-    println!("  log: {}", log.display());
+    println!("logs and checkpoints: {}", args.workdir.display());
+    if !same {
+        bail!("the run with faults ended with other weights than the run without");
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kills_are_spread_and_distinct() {
+        let k = plan(7, 3, 4, 200);
+        assert_eq!(k.len(), 3);
+        let mut ranks: Vec<usize> = k.iter().map(|k| k.rank).collect();
+        ranks.sort();
+        ranks.dedup();
+        assert_eq!(ranks.len(), 3);
+        assert!(k.windows(2).all(|w| w[1].step >= w[0].step + 10), "{k:?}");
+        assert!(k.iter().all(|k| (5..195).contains(&k.step)), "{k:?}");
+        assert_eq!(plan(7, 3, 4, 200), k, "deterministic");
+    }
 }

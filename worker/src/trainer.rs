@@ -700,6 +700,7 @@ impl Trainer<'_> {
         self.log.write(serde_json::json!({
             "event": "step", "step": step, "loss": mean_loss, "lr": self.opt.lr_at(step),
             "tokens_per_s": tps, "step_time_s": dt, "epoch": self.epoch,
+            "unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         }))?;
         rt.commit(step, self.epoch, self.state.scalars.encode());
 
