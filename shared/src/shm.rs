@@ -698,6 +698,40 @@ impl Store {
 
     /// Fully verifies `slot`: header, bounds and checksum. Returns its info.
     pub fn verify(&self, slot: usize) -> Result<SlotInfo, ShmError> {
+        let info = self.check_header(slot)?;
+        // SAFETY: reading sealed bytes; a concurrent writer would first make
+        // seq odd, which the re-check below detects.
+        let data = unsafe {
+            self.map
+                .bytes(self.geometry.slot_offset(slot) + PAGE, info.len as usize)
+        };
+        let sum = xxhash_rust::xxh3::xxh3_64(data);
+        self.check_sum(slot, &info, sum)?;
+        Ok(info)
+    }
+
+    /// Checks that the slot was not rewritten since `info` was read and that
+    /// `sum` (of its data) matches the header.
+    fn check_sum(&self, slot: usize, info: &SlotInfo, sum: u64) -> Result<(), ShmError> {
+        let bad = |detail: String| ShmError::BadSlot {
+            path: self.path.clone(),
+            slot,
+            detail,
+        };
+        if self.slot_info(slot).as_ref() != Some(info) {
+            return Err(bad("overwritten while read".into()));
+        }
+        if sum != info.checksum {
+            return Err(bad(format!(
+                "checksum mismatch (data {sum:016x}, header {:016x}): corrupt",
+                info.checksum
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks `slot`'s header: magic, version, sealed state and bounds.
+    fn check_header(&self, slot: usize) -> Result<SlotInfo, ShmError> {
         let bad = |detail: String| ShmError::BadSlot {
             path: self.path.clone(),
             slot,
@@ -719,7 +753,11 @@ impl Store {
             return Err(bad("unknown slot version".into()));
         }
         let seq = w(hdr::SEQ).load(Ordering::Acquire);
-        if seq % 2 == 1 || w(hdr::STATE).load(Ordering::Relaxed) != STATE_SEALED {
+        let state = w(hdr::STATE).load(Ordering::Relaxed);
+        if seq % 2 == 0 && state == 0 {
+            return Err(bad("empty (discarded after a rollback)".into()));
+        }
+        if seq % 2 == 1 || state != STATE_SEALED {
             return Err(bad("torn: its writer did not finish".into()));
         }
         let info = self
@@ -730,19 +768,6 @@ impl Store {
             return Err(bad(format!(
                 "length {len} exceeds capacity {}",
                 self.geometry.capacity
-            )));
-        }
-        // SAFETY: reading sealed bytes; a concurrent writer would first make
-        // seq odd, which the re-check below detects.
-        let data = unsafe { self.map.bytes(self.geometry.slot_offset(slot) + PAGE, len) };
-        let sum = xxhash_rust::xxh3::xxh3_64(data);
-        if w(hdr::SEQ).load(Ordering::Acquire) != seq {
-            return Err(bad("overwritten while verified".into()));
-        }
-        if sum != info.checksum {
-            return Err(bad(format!(
-                "checksum mismatch (data {sum:016x}, header {:016x}): corrupt",
-                info.checksum
             )));
         }
         Ok(info)
@@ -829,7 +854,7 @@ impl Store {
     /// Copies a verified slot's bytes into `out` (which must be exactly the
     /// slot's length), verifying the checksum of what was copied.
     pub fn read_slot(&self, slot: usize, out: &mut [&mut [u8]]) -> Result<SlotInfo, ShmError> {
-        let info = self.verify(slot)?;
+        let info = self.check_header(slot)?;
         let total: usize = out.iter().map(|o| o.len()).sum();
         let bad = |detail: String| ShmError::BadSlot {
             path: self.path.clone(),
@@ -856,9 +881,7 @@ impl Store {
                 at += piece.len();
             }
         }
-        if hasher.digest() != info.checksum {
-            return Err(bad("changed while copied out".into()));
-        }
+        self.check_sum(slot, &info, hasher.digest())?;
         Ok(info)
     }
 

@@ -507,24 +507,37 @@ impl Runtime {
                 path: PathBuf::from("(no agent)"),
             })?;
         self.wait_commit();
-        let info = a
-            .store
-            .find_step(step)
-            .ok_or_else(|| RuntimeError::NoSnapshot {
-                step,
-                path: a.store.path().to_path_buf(),
-            })?;
         let mut meta = vec![0u8; self.meta_len];
         let mut guards: Vec<_> = self
             .buffers
             .iter()
             .map(|b| b.write().unwrap_or_else(|p| p.into_inner()))
             .collect();
-        let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
-        for g in guards.iter_mut() {
-            outs.push(bytemuck::cast_slice_mut(&mut g[..]));
+        // Newest candidate first; each copy is verified as it is made.
+        let mut last_err = None;
+        let mut restored = false;
+        for info in a.store.sealed().into_iter().filter(|i| i.step == step) {
+            let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
+            for g in guards.iter_mut() {
+                outs.push(bytemuck::cast_slice_mut(&mut g[..]));
+            }
+            match a.store.read_slot(info.slot, &mut outs) {
+                Ok(_) => {
+                    restored = true;
+                    break;
+                }
+                Err(e) => last_err = Some(e),
+            }
         }
-        a.store.read_slot(info.slot, &mut outs)?;
+        if !restored {
+            return Err(match last_err {
+                Some(e) => e.into(),
+                None => RuntimeError::NoSnapshot {
+                    step,
+                    path: a.store.path().to_path_buf(),
+                },
+            });
+        }
         drop(guards);
         a.store.set_step(step);
         Ok(meta)
