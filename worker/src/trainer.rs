@@ -485,8 +485,10 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     let shard = shard_range(numel, world, rank);
     let chain = MarkovChain::new(args.seed ^ STREAM_DATA, cfg.vocab, args.branching);
     let floor = chain.entropy_rate();
+    // Buffers are registered first and initialised only for a fresh start:
+    // a replacement process gets its state from shared memory.
     let state = TrainState {
-        params: shared(model.init(args.seed ^ STREAM_INIT)),
+        params: shared(vec![0.0; numel]),
         exp_avg: shared(vec![0.0; shard.len()]),
         exp_avg_sq: shared(vec![0.0; shard.len()]),
         scalars: Scalars {
@@ -530,6 +532,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             if let Start::Fresh { epoch } = start {
                 t.epoch = epoch;
             }
+            *write(&t.state.params) = t.model.init(args.seed ^ STREAM_INIT);
             let mut comm = dist.communicator(t.epoch)?;
             rt.set_communicator(&comm);
             if let Some(dir) = &args.load {
