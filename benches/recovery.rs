@@ -11,6 +11,7 @@
 //!    - baseline, what users have today: the job stops, is launched again
 //!      with `--load` of the newest disk checkpoint (saved every 10 steps),
 //!      and redoes the lost steps.
+//!
 //!    K takes the values 13, 16 and 19 (3, 6 and 9 steps after a save, 6 on
 //!    average = save-interval/2 + 1), on the `10m` model, 2 ranks.
 //!    Reported per run: for hatrain the time to the first step completed

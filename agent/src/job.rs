@@ -25,12 +25,13 @@
 
 use crate::control::{self, ControlMsg};
 use crate::launch::{LaunchConfig, LaunchError};
+use crate::persister;
 use crate::reaper::{ExitEvent, Reaper};
 use crate::recovery::{self, ExitDecision, RankHistory};
 use crate::supervisor::{Outcome, Supervisor};
 use hatrain_shared::control::{
-    FaultRecord, Request, Response, SnapshotReport, StartMode, StatusReport, WorkerReport,
-    layout_hash,
+    CheckpointInfo, FaultRecord, Request, Response, SnapshotReport, StartMode, StatePart,
+    StatusReport, WorkerReport, layout_hash,
 };
 use hatrain_shared::shm::{self, Directive, Geometry, Phase, Store};
 use hatrain_worker::rendezvous::StoreServer;
@@ -46,6 +47,9 @@ use tokio_util::sync::CancellationToken;
 pub struct JobReport {
     pub outcome: Outcome,
     pub faults: Vec<FaultRecord>,
+    /// The last-words checkpoint written as the job stopped: its iteration
+    /// and directory.
+    pub last_words: Option<(u64, PathBuf)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +80,7 @@ struct JobState<'a> {
     faults: Vec<FaultRecord>,
     detected: Vec<Instant>,
     recovery: Option<Recovery>,
+    registrations: HashMap<usize, (Vec<StatePart>, Option<CheckpointInfo>)>,
 }
 
 fn unix_now() -> f64 {
@@ -169,6 +174,7 @@ async fn run_in(
         faults: Vec::new(),
         detected: Vec::new(),
         recovery: None,
+        registrations: HashMap::new(),
     };
 
     enum Event {
@@ -200,6 +206,10 @@ async fn run_in(
                     break outcome;
                 }
             }
+            Event::Control(msg) if msg.request == Request::Dump => {
+                let response = st.dump(&sup, true).await;
+                let _ = msg.reply.send(response);
+            }
             Event::Control(msg) => {
                 let response = st.on_request(&sup, msg.request);
                 let _ = msg.reply.send(response);
@@ -211,11 +221,25 @@ async fn run_in(
             }
         }
     };
+    // Whatever stopped the job, the newest consistent state goes to disk
+    // first when the dump mode is on.
+    let mut last_words = None;
+    if cfg.ha.modes.dump
+        && outcome != Outcome::Succeeded
+        && let Response::Dumped {
+            iteration: Some(it),
+            dir: Some(dir),
+            ..
+        } = st.dump(&sup, false).await
+    {
+        last_words = Some((it, dir));
+    }
     sup.stop_all().await;
     ctl_stop.cancel();
     Ok(JobReport {
         outcome,
         faults: st.faults,
+        last_words,
     })
 }
 
@@ -457,7 +481,21 @@ impl JobState<'_> {
 
     fn on_request(&mut self, sup: &Supervisor, req: Request) -> Response {
         match req {
-            Request::Register { rank, pid, parts } => self.register(sup, rank, pid, &parts),
+            Request::Register {
+                rank,
+                pid,
+                parts,
+                checkpoint,
+            } => {
+                let r = self.register(sup, rank, pid, &parts);
+                if matches!(r, Response::Registered { .. }) {
+                    self.registrations.insert(rank, (parts, checkpoint));
+                }
+                r
+            }
+            Request::Dump => Response::Error {
+                message: "dump is handled by the event loop".into(),
+            },
             Request::Status => Response::Status(StatusReport {
                 job: self.cfg.job_id.clone(),
                 world_size: self.cfg.world_size(),
@@ -540,7 +578,146 @@ impl JobState<'_> {
         Response::Registered {
             store: store.path().to_path_buf(),
             start,
-            recover: self.cfg.ha.modes.recover,
+            // Ranks wait on a failed collective whenever the agent may pause
+            // them: for a recovery or for a last-words dump.
+            recover: self.cfg.ha.modes.any(),
+        }
+    }
+
+    /// The last-words dump: pauses the running ranks (so no snapshot copy
+    /// runs), finds s\* over every rank's verified slots, writes it as a
+    /// checkpoint into the trainer's `--save` directory, and, with `resume`,
+    /// lets the ranks go on from s\*.
+    async fn dump(&mut self, sup: &Supervisor, resume: bool) -> Response {
+        let dumped = |iteration, dir, message: String| Response::Dumped {
+            iteration,
+            dir,
+            message,
+        };
+        if !self.cfg.ha.modes.dump {
+            return Response::Error {
+                message:
+                    "the last-words dump needs --enable-high-availability (or HIGH_AVAILABILITY)"
+                        .into(),
+            };
+        }
+        if self.recovery.is_some() {
+            return Response::Error {
+                message: "a recovery is in progress; try again when it is done".into(),
+            };
+        }
+        let save_dir = self
+            .registrations
+            .values()
+            .find_map(|(_, info)| info.as_ref().and_then(|i| i.save_dir.clone()));
+        let Some(dir) = save_dir else {
+            let m = "no last-words checkpoint: the trainer has no --save directory".to_string();
+            tracing::warn!("{m}");
+            return dumped(None, None, m);
+        };
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let t0 = Instant::now();
+        let running: Vec<usize> = sup
+            .ranks()
+            .iter()
+            .copied()
+            .filter(|r| sup.pid(*r).is_some() && self.stores.contains_key(r))
+            .collect();
+        let seqs: Vec<(usize, u64)> = running
+            .iter()
+            .map(|r| (*r, self.stores[r].post(Directive::Pause { epoch })))
+            .collect();
+        let deadline = Instant::now() + self.cfg.ha.pause_timeout;
+        loop {
+            let waiting: Vec<usize> = seqs
+                .iter()
+                .filter(|(r, seq)| {
+                    let s = &self.stores[r];
+                    !(s.acknowledged() >= *seq && s.phase() == Phase::Paused)
+                })
+                .map(|(r, _)| *r)
+                .collect();
+            if waiting.is_empty() {
+                break;
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(
+                    ?waiting,
+                    "ranks did not pause; dumping from their verified slots anyway"
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let ranks = sup.ranks().to_vec();
+        let per_rank: Vec<Vec<u64>> = ranks
+            .iter()
+            .map(|r| {
+                self.stores.get(r).map_or_else(Vec::new, |s| {
+                    s.sealed()
+                        .into_iter()
+                        .filter_map(|i| s.verify(i.slot).ok().map(|v| v.step))
+                        .collect()
+                })
+            })
+            .collect();
+        let result = match recovery::consistent_step(&per_rank) {
+            None => Err(format!(
+                "no step has a verified snapshot on every rank (per rank: {per_rank:?}); nothing written, the previous checkpoint is untouched"
+            )),
+            Some(s_star) => {
+                let sources: Result<Vec<persister::RankSource<'_>>, String> = ranks
+                    .iter()
+                    .map(|r| match (self.stores.get(r), self.registrations.get(r)) {
+                        (Some(store), Some((parts, Some(info)))) => Ok(persister::RankSource {
+                            rank: *r,
+                            store,
+                            parts,
+                            info,
+                        }),
+                        _ => Err(format!("rank {r} did not register a checkpoint layout")),
+                    })
+                    .collect();
+                sources
+                    .and_then(|src| {
+                        persister::write_checkpoint(&src, s_star, &dir).map_err(|e| e.to_string())
+                    })
+                    .map(|path| (s_star, path))
+            }
+        };
+        match result {
+            Ok((s_star, path)) => {
+                let m = format!(
+                    "last-words checkpoint of iteration {s_star} written to {} in {:.3} s; resume with --load {}",
+                    path.display(),
+                    t0.elapsed().as_secs_f64(),
+                    dir.display()
+                );
+                tracing::warn!("{m}");
+                if resume {
+                    for r in &running {
+                        self.stores[r].post(Directive::Resume {
+                            epoch,
+                            step: s_star,
+                        });
+                    }
+                }
+                dumped(Some(s_star), Some(dir), m)
+            }
+            Err(m) => {
+                tracing::error!(reason = %m, "last-words checkpoint failed");
+                if resume {
+                    // The ranks go on from where they are: each keeps or
+                    // restores its own newest common step.
+                    if let Some(s) = recovery::consistent_step(&per_rank) {
+                        for r in &running {
+                            self.stores[r].post(Directive::Resume { epoch, step: s });
+                        }
+                    }
+                }
+                dumped(None, None, m)
+            }
         }
     }
 

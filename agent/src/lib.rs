@@ -14,6 +14,7 @@ pub mod control;
 pub mod demo;
 pub mod job;
 pub mod launch;
+pub mod persister;
 pub mod reaper;
 pub mod recovery;
 pub mod supervisor;

@@ -57,7 +57,16 @@ fn run(command: Command) -> Result<ExitCode> {
         let signaled = Arc::new(AtomicI32::new(0));
         watch_signals(shutdown.clone(), Arc::clone(&signaled))?;
         let outcome = match command {
-            Command::Launch(args) => launch::run(&launch_config(args)?, shutdown).await?.outcome,
+            Command::Launch(args) => {
+                let report = launch::run(&launch_config(args)?, shutdown).await?;
+                if let Some((it, dir)) = &report.last_words {
+                    eprintln!(
+                        "hatrain-agent: last-words checkpoint of iteration {it} written; resume with --load {}",
+                        dir.display()
+                    );
+                }
+                report.outcome
+            }
             Command::Demo(args) => demo::run(&args, shutdown).await?,
             Command::Train(_) => unreachable!("handled before the runtime starts"),
         };

@@ -8,6 +8,7 @@
 
 use crate::frame::Protocol;
 use crate::ha::HaModes;
+use crate::model::ModelConfig;
 use crate::shm::Phase;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -43,7 +44,7 @@ pub fn layout_hash(parts: &[StatePart]) -> u64 {
     crate::shm::hash_str(&s)
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum Request {
     /// A worker announces itself and its state layout.
@@ -51,7 +52,13 @@ pub enum Request {
         rank: usize,
         pid: u32,
         parts: Vec<StatePart>,
+        /// What the agent needs to write this rank's snapshots as a
+        /// checkpoint (absent for workloads it cannot interpret).
+        #[serde(default)]
+        checkpoint: Option<CheckpointInfo>,
     },
+    /// Write a last-words checkpoint now and carry on.
+    Dump,
     /// Job overview.
     Status,
     /// Per-rank details.
@@ -63,8 +70,22 @@ pub enum Request {
 impl Request {
     /// Whether the request changes the job (and so needs the owner's uid).
     pub fn mutates(&self) -> bool {
-        matches!(self, Self::Register { .. })
+        matches!(self, Self::Register { .. } | Self::Dump)
     }
+}
+
+/// How a rank's snapshot maps onto the checkpoint format: the snapshot is
+/// `meta` (step, RNG state, data position: three u64) then `params` (the
+/// full flat buffer) then this rank's `exp_avg` and `exp_avg_sq` shards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointInfo {
+    pub model: ModelConfig,
+    pub world_size: usize,
+    /// Where checkpoints go (the trainer's `--save`).
+    pub save_dir: Option<PathBuf>,
+    /// The training arguments, recorded in `meta.json`.
+    pub args: serde_json::Value,
 }
 
 /// How a registered worker starts.
@@ -91,6 +112,12 @@ pub enum Response {
     Status(StatusReport),
     Workers(Vec<WorkerReport>),
     Faults(Vec<FaultRecord>),
+    /// A last-words checkpoint was written (or why not).
+    Dumped {
+        iteration: Option<u64>,
+        dir: Option<PathBuf>,
+        message: String,
+    },
     Error {
         message: String,
     },
@@ -167,7 +194,8 @@ mod tests {
             Request::Register {
                 rank: 0,
                 pid: 1,
-                parts: vec![]
+                parts: vec![],
+                checkpoint: None
             }
             .mutates()
         );
@@ -177,7 +205,7 @@ mod tests {
     proptest! {
         #[test]
         fn requests_round_trip(rank in 0usize..100_000, pid in any::<u32>(), name in "[a-z_]{0,12}", bytes in any::<u64>()) {
-            let req = Request::Register { rank, pid, parts: vec![StatePart { name, bytes }] };
+            let req = Request::Register { rank, pid, parts: vec![StatePart { name, bytes }], checkpoint: None };
             let mut buf = Vec::new();
             PROTOCOL.send_json(&mut buf, &req).unwrap();
             let back: Request = PROTOCOL.recv_json(&mut &buf[..]).unwrap();

@@ -241,6 +241,7 @@ impl Runtime {
         parts: Vec<(String, SharedBuf)>,
         meta_len: usize,
         snapshot_interval: u64,
+        checkpoint: Option<control::CheckpointInfo>,
     ) -> Result<(Self, Start), RuntimeError> {
         let incarnation: u64 = std::env::var(ENV_RESTART_COUNT)
             .ok()
@@ -283,6 +284,7 @@ impl Runtime {
                 rank,
                 pid: std::process::id(),
                 parts: layout.clone(),
+                checkpoint,
             },
         )?;
         let (store_path, start, recover) = match PROTOCOL.recv_json(&mut conn)? {

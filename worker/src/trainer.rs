@@ -506,6 +506,12 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         ],
         META_LEN,
         args.snapshot_interval,
+        Some(hatrain_shared::control::CheckpointInfo {
+            model: cfg,
+            world_size: world,
+            save_dir: args.save.clone(),
+            args: serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
+        }),
     )?;
     let mut t = Trainer {
         args,

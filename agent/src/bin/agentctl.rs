@@ -40,6 +40,9 @@ enum Verb {
     Workers,
     /// The fault history.
     Faults,
+    /// Write a last-words checkpoint of the newest consistent step now, and
+    /// carry on training.
+    Dump,
 }
 
 fn main() -> ExitCode {
@@ -61,6 +64,7 @@ fn run(cli: Cli) -> Result<()> {
         Verb::Status => Request::Status,
         Verb::Workers => Request::Workers,
         Verb::Faults => Request::Faults,
+        Verb::Dump => Request::Dump,
     };
     let response = call(&socket, &request)?;
     if cli.json {
@@ -88,6 +92,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         Response::Workers(w) => print_workers(&w),
         Response::Faults(f) => print_faults(&f),
+        Response::Dumped {
+            iteration, message, ..
+        } => {
+            println!("{message}");
+            if iteration.is_none() {
+                bail!("no checkpoint was written");
+            }
+        }
         Response::Error { message } => bail!("the agent refused: {message}"),
         other => bail!("unexpected reply: {other:?}"),
     }
@@ -97,7 +109,8 @@ fn run(cli: Cli) -> Result<()> {
 fn call(socket: &PathBuf, request: &Request) -> Result<Response> {
     let mut s = UnixStream::connect(socket)
         .with_context(|| format!("cannot connect to the agent at {}", socket.display()))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    // A dump pauses the job and writes its state: allow it time.
+    s.set_read_timeout(Some(Duration::from_secs(600)))?;
     PROTOCOL.send_json(&mut s, request)?;
     Ok(PROTOCOL.recv_json(&mut s)?)
 }
