@@ -98,6 +98,17 @@ pub struct HaArgs {
     /// Seconds every rank has to pause during a recovery.
     #[arg(long, default_value_t = 60.0)]
     pub pause_timeout_secs: f64,
+    /// Declare a rank hung after this many seconds without progress
+    /// (default: adaptive, --hang-factor × the median step time, at least
+    /// --hang-floor-secs, and --hang-startup-grace-secs for the first steps).
+    #[arg(long)]
+    pub hang_timeout_secs: Option<f64>,
+    #[arg(long, default_value_t = 10.0)]
+    pub hang_factor: f64,
+    #[arg(long, default_value_t = 30.0)]
+    pub hang_floor_secs: f64,
+    #[arg(long, default_value_t = 600.0)]
+    pub hang_startup_grace_secs: f64,
 }
 
 #[derive(Debug, Args)]

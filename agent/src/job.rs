@@ -35,7 +35,7 @@ use hatrain_shared::control::{
 };
 use hatrain_shared::shm::{self, Directive, Geometry, Phase, Store};
 use hatrain_worker::rendezvous::StoreServer;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -81,6 +81,33 @@ struct JobState<'a> {
     detected: Vec<Instant>,
     recovery: Option<Recovery>,
     registrations: HashMap<usize, (Vec<StatePart>, Option<CheckpointInfo>)>,
+    watch: HashMap<usize, Progress>,
+    /// Recent step durations, over all ranks (for the adaptive hang bound).
+    step_samples: VecDeque<Duration>,
+    /// Ranks killed as hung, with what was seen, until they are reaped.
+    hung: HashMap<usize, String>,
+}
+
+/// A rank found without progress.
+#[derive(Debug, Clone, Copy)]
+struct Stalled {
+    rank: usize,
+    pid: i32,
+    stalled_for: Duration,
+    bound: Duration,
+    phase: Phase,
+    in_collective: bool,
+    step: u64,
+}
+
+/// The hang watchdog's view of one rank.
+#[derive(Debug, Clone, Copy)]
+struct Progress {
+    step: u64,
+    heartbeat: u64,
+    since: Instant,
+    last_step_at: Instant,
+    steps_seen: u64,
 }
 
 fn unix_now() -> f64 {
@@ -147,7 +174,9 @@ async fn run_in(
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
     let ctl_stop = shutdown.child_token();
     control::serve(&socket, ctl_tx, ctl_stop.clone())?;
-    let reaper = Reaper::start(shutdown.child_token())?;
+    // The reaper outlives the event loop: stopping the workers needs it.
+    let reaper_stop = CancellationToken::new();
+    let reaper = Reaper::start(reaper_stop.clone())?;
     let mut specs = cfg.worker_specs(port);
     for s in &mut specs {
         s.env.push((
@@ -175,6 +204,9 @@ async fn run_in(
         detected: Vec::new(),
         recovery: None,
         registrations: HashMap::new(),
+        watch: HashMap::new(),
+        step_samples: VecDeque::new(),
+        hung: HashMap::new(),
     };
 
     enum Event {
@@ -183,17 +215,23 @@ async fn run_in(
         Control(ControlMsg),
         Tick,
     }
+    // INVARIANT: the tick has a deadline of its own, so a stream of other
+    // events (control requests) cannot starve the watchdog and recovery.
+    let mut next_tick = tokio::time::Instant::now();
     let outcome = loop {
-        let tick = if st.recovery.is_some() {
-            Duration::from_millis(2)
-        } else {
-            Duration::from_millis(200)
-        };
+        if st.recovery.is_some() {
+            // A recovery in progress is followed closely.
+            next_tick = next_tick.min(tokio::time::Instant::now() + Duration::from_millis(2));
+        }
         let event = tokio::select! {
             _ = shutdown.cancelled() => Event::Shutdown,
             ev = sup.next_exit() => Event::Exit(ev),
             Some(msg) = ctl_rx.recv() => Event::Control(msg),
-            _ = tokio::time::sleep(tick) => Event::Tick,
+            _ = tokio::time::sleep_until(next_tick) => {
+                let period = if st.recovery.is_some() { 2 } else { 50 };
+                next_tick = tokio::time::Instant::now() + Duration::from_millis(period);
+                Event::Tick
+            }
         };
         match event {
             Event::Shutdown => {
@@ -218,6 +256,9 @@ async fn run_in(
                 if let Some(outcome) = st.progress(&sup) {
                     break outcome;
                 }
+                if st.recovery.is_none() && cfg.ha.modes.any() {
+                    st.watch_hangs(&sup);
+                }
             }
         }
     };
@@ -235,6 +276,7 @@ async fn run_in(
         last_words = Some((it, dir));
     }
     sup.stop_all().await;
+    reaper_stop.cancel();
     ctl_stop.cancel();
     Ok(JobReport {
         outcome,
@@ -285,10 +327,11 @@ impl JobState<'_> {
                 history.record_restart(now, crash_step, &self.cfg.ha.policy);
                 let restarts = history.restarts;
                 tracing::warn!(rank, pid = ev.pid, status = %ev.status, %reason, "worker failed: recovering");
+                let (kind, detail) = self.what_failed(rank, ev);
                 let fault = self.record_fault(
                     vec![rank],
-                    "crash",
-                    ev.status.to_string(),
+                    kind,
+                    detail,
                     format!("restart rank {rank} in place (restart {restarts})"),
                     reason,
                 );
@@ -306,6 +349,93 @@ impl JobState<'_> {
                 self.begin_recovery(fault);
                 None
             }
+        }
+    }
+
+    /// The kind and detail of a failed rank's fault: a hang the watchdog
+    /// acted on, or a crash.
+    fn what_failed(&mut self, rank: usize, ev: ExitEvent) -> (&'static str, String) {
+        match self.hung.remove(&rank) {
+            Some(seen) => ("hang", format!("{seen}; then {}", ev.status)),
+            None => ("crash", ev.status.to_string()),
+        }
+    }
+
+    /// The hang watchdog: a rank without progress (a completed step or a
+    /// step-boundary heartbeat) for longer than the bound is killed, and its
+    /// exit is handled as a crash. Ranks waiting in a collective are waiting
+    /// for the hung one and are spared while some rank is not waiting.
+    fn watch_hangs(&mut self, sup: &Supervisor) {
+        let now = Instant::now();
+        let mut sorted: Vec<Duration> = self.step_samples.iter().copied().collect();
+        sorted.sort();
+        let median = sorted.get(sorted.len() / 2).copied();
+        let mut stalled = Vec::new();
+        for &rank in sup.ranks() {
+            let (Some(pid), Some(store)) = (sup.pid(rank), self.stores.get(&rank)) else {
+                self.watch.remove(&rank);
+                continue;
+            };
+            let (step, beat) = (store.step(), store.heartbeat());
+            let p = self.watch.entry(rank).or_insert(Progress {
+                step,
+                heartbeat: beat,
+                since: now,
+                last_step_at: now,
+                steps_seen: 0,
+            });
+            if step > p.step {
+                let n = u32::try_from(step - p.step).unwrap_or(u32::MAX);
+                self.step_samples.push_back((now - p.last_step_at) / n);
+                if self.step_samples.len() > 256 {
+                    self.step_samples.pop_front();
+                }
+                p.steps_seen += u64::from(n);
+                p.last_step_at = now;
+            }
+            if step != p.step || beat != p.heartbeat {
+                p.since = now;
+                p.step = step;
+                p.heartbeat = beat;
+            }
+            if self.hung.contains_key(&rank) {
+                continue;
+            }
+            let bound = recovery::hang_bound(&self.cfg.ha.hang, median, p.steps_seen);
+            let stalled_for = now - p.since;
+            if stalled_for > bound {
+                stalled.push(Stalled {
+                    rank,
+                    pid,
+                    stalled_for,
+                    bound,
+                    phase: store.phase(),
+                    in_collective: store.in_collective(),
+                    step,
+                });
+            }
+        }
+        let culprits: Vec<Stalled> = if stalled.iter().any(|s| !s.in_collective) {
+            stalled.into_iter().filter(|s| !s.in_collective).collect()
+        } else {
+            stalled
+        };
+        for s in culprits {
+            let seen = format!(
+                "no progress for {:.1} s (bound {:.1} s) in phase {:?}{} after step {}",
+                s.stalled_for.as_secs_f64(),
+                s.bound.as_secs_f64(),
+                s.phase,
+                if s.in_collective {
+                    ", waiting in a collective"
+                } else {
+                    ""
+                },
+                s.step
+            );
+            tracing::error!(rank = s.rank, pid = s.pid, %seen, "rank hung: killing it");
+            crate::supervisor::signal(s.pid, nix::sys::signal::Signal::SIGKILL);
+            self.hung.insert(s.rank, seen);
         }
     }
 
@@ -463,6 +593,8 @@ impl JobState<'_> {
                     );
                 }
                 self.recovery = None;
+                // Paused time is not a hang.
+                self.watch.clear();
                 None
             }
         }
@@ -495,6 +627,20 @@ impl JobState<'_> {
             }
             Request::Dump => Response::Error {
                 message: "dump is handled by the event loop".into(),
+            },
+            Request::Inject { rank, fault } => match self.stores.get(&rank) {
+                Some(store) if sup.pid(rank).is_some() => {
+                    store.inject(fault);
+                    tracing::warn!(rank, ?fault, "fault injected on request");
+                    Response::Injected {
+                        message: format!(
+                            "rank {rank} will give itself a {fault:?} at its next step"
+                        ),
+                    }
+                }
+                _ => Response::Error {
+                    message: format!("rank {rank} is not a running, registered rank of this host"),
+                },
             },
             Request::Status => Response::Status(StatusReport {
                 job: self.cfg.job_id.clone(),

@@ -9,7 +9,7 @@
 use crate::control::ControlError;
 use crate::job::{self, JobReport};
 use crate::reaper::ReaperError;
-use crate::recovery::RestartPolicy;
+use crate::recovery::{HangPolicy, RestartPolicy};
 use crate::supervisor::{SupervisorError, WorkerSpec};
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 /// (after `--node-rank`).
 pub const NODE_RANK_VARS: [&str; 3] = ["SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LaunchConfig {
     pub nnodes: usize,
     pub node_rank: usize,
@@ -43,7 +43,7 @@ pub struct LaunchConfig {
 }
 
 /// High-availability settings of a launch.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct HaSettings {
     pub modes: HaModes,
     pub policy: RestartPolicy,
@@ -54,6 +54,7 @@ pub struct HaSettings {
     /// How long every rank has to pause (and, doubled, to resume) in a
     /// recovery.
     pub pause_timeout: Duration,
+    pub hang: HangPolicy,
 }
 
 impl Default for HaSettings {
@@ -64,6 +65,7 @@ impl Default for HaSettings {
             shm_root: PathBuf::from("/dev/shm/hatrain"),
             slots: 2,
             pause_timeout: Duration::from_secs(60),
+            hang: HangPolicy::default(),
         }
     }
 }

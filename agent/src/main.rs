@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use hatrain_agent::cli::{Cli, Command, LaunchArgs};
 use hatrain_agent::launch::{self, HaSettings, LaunchConfig, LaunchError};
-use hatrain_agent::recovery::RestartPolicy;
+use hatrain_agent::recovery::{HangPolicy, RestartPolicy};
 use hatrain_agent::supervisor::Outcome;
 use hatrain_agent::{demo, exit};
 use hatrain_shared::ha::{self, HaFlags};
@@ -134,6 +134,23 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         shm_root: h.shm_root.clone(),
         slots: h.snapshot_slots,
         pause_timeout: seconds("--pause-timeout-secs", h.pause_timeout_secs)?,
+        hang: HangPolicy {
+            fixed: h
+                .hang_timeout_secs
+                .map(|v| seconds("--hang-timeout-secs", v))
+                .transpose()?,
+            factor: if h.hang_factor.is_finite() && h.hang_factor >= 1.0 {
+                h.hang_factor
+            } else {
+                return Err(LaunchError::Config(format!(
+                    "--hang-factor {} must be at least 1",
+                    h.hang_factor
+                )));
+            },
+            floor: seconds("--hang-floor-secs", h.hang_floor_secs)?,
+            startup_grace: seconds("--hang-startup-grace-secs", h.hang_startup_grace_secs)?,
+            ..HangPolicy::default()
+        },
     };
     Ok(LaunchConfig {
         nnodes: a.nnodes,

@@ -152,6 +152,45 @@ pub fn on_exit(
     )
 }
 
+/// When a rank counts as hung.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HangPolicy {
+    /// A fixed bound (`--hang-timeout-secs`), instead of the adaptive one.
+    pub fixed: Option<Duration>,
+    /// The adaptive bound is `factor` × the median step time, but never
+    /// less than `floor`.
+    pub factor: f64,
+    pub floor: Duration,
+    /// Until a rank has completed `warmup_steps` steps (model build,
+    /// checkpoint load, first step), it has this long.
+    pub startup_grace: Duration,
+    pub warmup_steps: u64,
+}
+
+impl Default for HangPolicy {
+    fn default() -> Self {
+        Self {
+            fixed: None,
+            factor: 10.0,
+            floor: Duration::from_secs(30),
+            startup_grace: Duration::from_secs(600),
+            warmup_steps: 3,
+        }
+    }
+}
+
+/// How long a rank may go without progress (a completed step or a
+/// heartbeat at a step boundary) before it is declared hung.
+pub fn hang_bound(policy: &HangPolicy, median_step: Option<Duration>, steps_seen: u64) -> Duration {
+    if let Some(fixed) = policy.fixed {
+        return fixed;
+    }
+    match median_step {
+        Some(m) if steps_seen >= policy.warmup_steps => m.mul_f64(policy.factor).max(policy.floor),
+        _ => policy.startup_grace,
+    }
+}
+
 /// s\*: the newest step for which every rank has a sealed, verified
 /// snapshot. `per_rank[r]` lists rank r's verified snapshot steps.
 pub fn consistent_step(per_rank: &[Vec<u64>]) -> Option<u64> {
@@ -264,6 +303,29 @@ mod tests {
         );
         let (d, _) = on_exit(Duration::from_secs(200), 1, KILL, 8, 3, &h, &RECOVER, &p);
         assert_eq!(d, ExitDecision::Restart { rank: 1 });
+    }
+
+    #[test]
+    fn hang_bounds() {
+        let p = HangPolicy {
+            floor: Duration::from_millis(300),
+            startup_grace: Duration::from_secs(60),
+            ..HangPolicy::default()
+        };
+        let ms = Duration::from_millis;
+        // Warm-up: the grace, whatever the median.
+        assert_eq!(hang_bound(&p, Some(ms(100)), 2), Duration::from_secs(60));
+        assert_eq!(hang_bound(&p, None, 50), Duration::from_secs(60));
+        // Adaptive, with the floor.
+        assert_eq!(hang_bound(&p, Some(ms(100)), 3), ms(1000));
+        assert_eq!(hang_bound(&p, Some(ms(10)), 3), ms(300));
+        // A rank slowed to twice the median is far inside the bound.
+        assert!(ms(200) < hang_bound(&p, Some(ms(100)), 10));
+        let fixed = HangPolicy {
+            fixed: Some(ms(5)),
+            ..p
+        };
+        assert_eq!(hang_bound(&fixed, None, 0), ms(5));
     }
 
     #[test]

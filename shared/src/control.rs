@@ -9,7 +9,7 @@
 use crate::frame::Protocol;
 use crate::ha::HaModes;
 use crate::model::ModelConfig;
-use crate::shm::Phase;
+use crate::shm::{Injection, Phase};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -59,6 +59,8 @@ pub enum Request {
     },
     /// Write a last-words checkpoint now and carry on.
     Dump,
+    /// Make a rank give itself a fault at its next step.
+    Inject { rank: usize, fault: Injection },
     /// Job overview.
     Status,
     /// Per-rank details.
@@ -70,7 +72,10 @@ pub enum Request {
 impl Request {
     /// Whether the request changes the job (and so needs the owner's uid).
     pub fn mutates(&self) -> bool {
-        matches!(self, Self::Register { .. } | Self::Dump)
+        matches!(
+            self,
+            Self::Register { .. } | Self::Dump | Self::Inject { .. }
+        )
     }
 }
 
@@ -112,6 +117,10 @@ pub enum Response {
     Status(StatusReport),
     Workers(Vec<WorkerReport>),
     Faults(Vec<FaultRecord>),
+    /// An injection was posted.
+    Injected {
+        message: String,
+    },
     /// A last-words checkpoint was written (or why not).
     Dumped {
         iteration: Option<u64>,

@@ -22,6 +22,8 @@
 //! 152 directive step     160 acknowledged directive seq
 //! 168 fault flags        176 fault address            184 fault detail
 //! 192 last commit ns     200 last commit blocking ns  208 commits
+//! 216 injected fault (0 none, 1 crash, 2 hang), taken at the next step
+//! 224 1 while the rank waits in a collective (on its peers), else 0
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\1"   8 version   16 seq (odd while written)   24 rank
@@ -90,6 +92,8 @@ mod ctl {
     pub const COMMIT_NS: usize = 192;
     pub const COMMIT_BLOCK_NS: usize = 200;
     pub const COMMITS: usize = 208;
+    pub const INJECT: usize = 216;
+    pub const IN_COLLECTIVE: usize = 224;
 }
 
 /// Slot-header field offsets (bytes).
@@ -147,6 +151,16 @@ impl Phase {
             _ => Self::Unknown,
         }
     }
+}
+
+/// A fault `agentctl inject` asks a worker to give itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Injection {
+    /// SIGKILL itself.
+    Crash = 1,
+    /// Block inside the step forever.
+    Hang = 2,
 }
 
 /// An instruction from the agent to a rank.
@@ -578,6 +592,30 @@ impl Store {
             self.ctl(ctl::FAULT_ADDR).load(Ordering::Relaxed),
             self.ctl(ctl::FAULT_DETAIL).load(Ordering::Relaxed),
         )
+    }
+
+    /// Marks whether the rank is waiting in a collective: a stalled rank
+    /// that is not is the one the others wait for.
+    pub fn set_in_collective(&self, yes: bool) {
+        self.ctl(ctl::IN_COLLECTIVE)
+            .store(u64::from(yes), Ordering::Release);
+    }
+    pub fn in_collective(&self) -> bool {
+        self.ctl(ctl::IN_COLLECTIVE).load(Ordering::Acquire) != 0
+    }
+
+    /// Asks the worker to inject a fault at its next step (agent side).
+    pub fn inject(&self, kind: Injection) {
+        self.ctl(ctl::INJECT).store(kind as u64, Ordering::Release);
+    }
+
+    /// Takes a pending injected fault (worker side): one atomic swap.
+    pub fn take_injection(&self) -> Option<Injection> {
+        match self.ctl(ctl::INJECT).swap(0, Ordering::AcqRel) {
+            1 => Some(Injection::Crash),
+            2 => Some(Injection::Hang),
+            _ => None,
+        }
     }
 
     // ---- directives ----

@@ -69,22 +69,37 @@ pub fn run_launch(nproc: usize, name: &str, train: &[String]) -> Output {
 }
 
 /// A running launcher; dropping it kills the launcher and every process that
-/// carries its job id, so a failing test leaves nothing behind.
+/// carries its job id, so a failing test leaves nothing behind. Its output
+/// is drained as it comes (a full pipe would block the agent).
 pub struct Job {
     pub child: Option<Child>,
     pub job: String,
+    drains: Vec<std::thread::JoinHandle<Vec<u8>>>,
+}
+
+fn drain(mut r: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = r.read_to_end(&mut buf);
+        buf
+    })
 }
 
 impl Job {
     pub fn spawn(mut cmd: Command, job: &str) -> Self {
-        let child = cmd
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("start hatrain-agent");
+        let drains = vec![
+            drain(child.stdout.take().expect("piped")),
+            drain(child.stderr.take().expect("piped")),
+        ];
         Self {
             child: Some(child),
             job: job.to_string(),
+            drains,
         }
     }
 
@@ -95,19 +110,34 @@ impl Job {
     /// Waits up to `limit` for the launcher to exit; panics (after killing
     /// everything) if it does not.
     pub fn wait_output(&mut self, limit: Duration) -> Output {
-        let child = self.child.take().expect("not yet waited");
+        let mut child = self.child.take().expect("not yet waited");
         let pid = child.id() as i32;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait_with_output());
-        });
-        match rx.recv_timeout(limit) {
-            Ok(out) => out.expect("wait for hatrain-agent"),
-            Err(_) => {
+        let end = Instant::now() + limit;
+        let status = loop {
+            if let Some(st) = child.try_wait().expect("wait for hatrain-agent") {
+                break st;
+            }
+            if Instant::now() > end {
                 kill(pid, libc::SIGKILL);
+                let _ = child.wait();
                 kill_job(&self.job);
                 panic!("hatrain-agent (pid {pid}) did not exit within {limit:?}");
             }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let mut drains = std::mem::take(&mut self.drains).into_iter();
+        let stdout = drains
+            .next()
+            .map(|h| h.join().unwrap_or_default())
+            .unwrap_or_default();
+        let stderr = drains
+            .next()
+            .map(|h| h.join().unwrap_or_default())
+            .unwrap_or_default();
+        Output {
+            status,
+            stdout,
+            stderr,
         }
     }
 }

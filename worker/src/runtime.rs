@@ -26,7 +26,8 @@
 //! `HATRAIN_FAULT_PLAN`: `RANK:STEP:POINT:ACTION` entries separated by `;`,
 //! POINT one of `forward`, `update` (inside the fences), `commit` (halfway
 //! through the snapshot copy), ACTION one of `stop` (SIGSTOP itself, for a
-//! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17). An
+//! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17),
+//! `hang` (block forever), `sleepMS` (sleep MS milliseconds: a slow rank). An
 //! optional fifth field names the incarnation (restart count) the entry
 //! fires in: a number (default 0, the first process) or `*` for every one.
 //! An entry fires at most once per process.
@@ -34,7 +35,7 @@
 use crate::collective::{AbortHandle, Communicator};
 use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode, StatePart};
 use hatrain_shared::frame::FrameError;
-use hatrain_shared::shm::{Directive, Phase, ShmError, Store};
+use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -95,6 +96,17 @@ enum Action {
     Stop,
     Kill,
     Exit,
+    /// Block forever, as a rank stuck in a driver call would.
+    Hang,
+    /// Sleep this many milliseconds: a slow but live rank.
+    Sleep(u64),
+}
+
+/// Blocks the calling thread forever.
+fn hang() -> ! {
+    loop {
+        thread::sleep(Duration::from_secs(3600));
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,7 +160,11 @@ impl FaultPlan {
                     "stop" => Action::Stop,
                     "kill" => Action::Kill,
                     "exit" => Action::Exit,
-                    _ => return Err(bad("ACTION must be stop, kill or exit")),
+                    "hang" => Action::Hang,
+                    other => match other.strip_prefix("sleep").map(str::parse::<u64>) {
+                        Some(Ok(ms)) => Action::Sleep(ms),
+                        _ => return Err(bad("ACTION must be stop, kill, exit, hang or sleepMS")),
+                    },
                 },
             };
             if e.rank == rank && fires_now {
@@ -176,6 +192,8 @@ impl FaultPlan {
                             libc::raise(libc::SIGKILL);
                         }
                         Action::Exit => libc::_exit(17),
+                        Action::Hang => hang(),
+                        Action::Sleep(ms) => thread::sleep(Duration::from_millis(ms)),
                     }
                 }
             }
@@ -382,8 +400,34 @@ impl Runtime {
     pub fn begin_step(&self, step: u64) {
         if let Some(a) = &self.attached {
             a.store.set_phase(Phase::Computing);
+            match a.store.take_injection() {
+                Some(Injection::Crash) => {
+                    eprintln!("rank {}: injected crash at step {step}", self.rank);
+                    // SAFETY: raise(3) with a plain signal number.
+                    unsafe { libc::raise(libc::SIGKILL) };
+                }
+                Some(Injection::Hang) => {
+                    eprintln!("rank {}: injected hang at step {step}", self.rank);
+                    hang();
+                }
+                None => {}
+            }
         }
         self.plan.hit(step, Point::Forward);
+    }
+
+    /// Runs a collective, marked in the control page as waiting on peers, so
+    /// that the agent can tell a hung rank from the ranks waiting for it.
+    pub fn collective<T>(&self, f: impl FnOnce() -> T) -> T {
+        let store = self.attached.as_ref().map(|a| &a.store);
+        if let Some(s) = store {
+            s.set_in_collective(true);
+        }
+        let r = f();
+        if let Some(s) = store {
+            s.set_in_collective(false);
+        }
+        r
     }
 
     /// Start-update fence: waits for the running snapshot copy (the update

@@ -654,7 +654,7 @@ impl Trainer<'_> {
                 .map_err(|e| StepError::Fatal(e.into()))?
         };
         // 3. Gradients summed, each rank keeping its shard.
-        let mine = comm.reduce_scatter_sum(&mut self.grads)?;
+        let mine = rt.collective(|| comm.reduce_scatter_sum(&mut self.grads))?;
         let scale = 1.0 / self.world as f32;
         self.grads[mine.clone()]
             .iter_mut()
@@ -674,7 +674,7 @@ impl Trainer<'_> {
                 &mut m,
                 &mut v,
             );
-            comm.all_gather(&mut params)?;
+            rt.collective(|| comm.all_gather(&mut params))?;
         }
         self.state.scalars = Scalars {
             step,
@@ -684,7 +684,7 @@ impl Trainer<'_> {
         self.torn = false;
         rt.end_update(step);
 
-        let losses = comm.all_gather_f64(f64::from(loss))?;
+        let losses = rt.collective(|| comm.all_gather_f64(f64::from(loss)))?;
         let mean_loss = losses.iter().sum::<f64>() / self.world as f64;
         self.last_loss = Some(mean_loss);
         let dt = t0.elapsed().as_secs_f64();
@@ -718,7 +718,7 @@ impl Trainer<'_> {
             && (due || step == args.train_iters)
         {
             let t = Instant::now();
-            let path = self.save(dir, comm)?;
+            let path = rt.collective(|| self.save(dir, comm))?;
             let secs = t.elapsed().as_secs_f64();
             if self.rank == 0 {
                 println!(

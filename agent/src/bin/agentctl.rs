@@ -4,6 +4,7 @@
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use hatrain_shared::control::{FaultRecord, PROTOCOL, Request, Response, WorkerReport};
+use hatrain_shared::shm::Injection;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,6 +44,14 @@ enum Verb {
     /// Write a last-words checkpoint of the newest consistent step now, and
     /// carry on training.
     Dump,
+    /// Make a rank give itself a fault at its next step.
+    Inject {
+        /// crash (SIGKILL itself) or hang (block inside the step).
+        #[arg(value_parser = ["crash", "hang"])]
+        fault: String,
+        #[arg(long)]
+        rank: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -65,6 +74,14 @@ fn run(cli: Cli) -> Result<()> {
         Verb::Workers => Request::Workers,
         Verb::Faults => Request::Faults,
         Verb::Dump => Request::Dump,
+        Verb::Inject { fault, rank } => Request::Inject {
+            rank,
+            fault: if fault == "crash" {
+                Injection::Crash
+            } else {
+                Injection::Hang
+            },
+        },
     };
     let response = call(&socket, &request)?;
     if cli.json {
@@ -92,6 +109,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Response::Workers(w) => print_workers(&w),
         Response::Faults(f) => print_faults(&f),
+        Response::Injected { message } => println!("{message}"),
         Response::Dumped {
             iteration, message, ..
         } => {

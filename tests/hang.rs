@@ -1,0 +1,161 @@
+//! The hang watchdog: a rank that stops making progress is found (not the
+//! ranks waiting for it in a collective), killed, and recovered like a crash;
+//! a rank that is merely slow is left alone.
+
+mod common;
+use common::*;
+use std::process::Command;
+use std::time::Duration;
+
+fn launch(
+    job: &str,
+    shm: &std::path::Path,
+    log: &std::path::Path,
+    plan: &str,
+    iters: u64,
+) -> Command {
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        // Adaptive bound: 10 × the median step, at least 1.5 s.
+        .args([
+            "--hang-factor",
+            "10",
+            "--hang-floor-secs",
+            "1.5",
+            "--hang-startup-grace-secs",
+            "60",
+        ])
+        .arg("--shm-root")
+        .arg(shm)
+        .arg("--")
+        .arg(agent())
+        .arg("train")
+        .args(s(&["--model-size", "small", "--log-interval", "1000"]))
+        .args(["--train-iters".to_string(), iters.to_string()])
+        .arg("--log-jsonl")
+        .arg(log)
+        .env("HATRAIN_FAULT_PLAN", plan)
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+#[test]
+fn a_hung_rank_is_killed_and_recovered_and_a_slow_one_is_not() {
+    let d = tempfile::tempdir().unwrap();
+    let shm = d.path().join("shm");
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("run.jsonl"));
+    let args = {
+        let mut a = s(&[
+            "--model-size",
+            "small",
+            "--train-iters",
+            "40",
+            "--log-interval",
+            "1000",
+        ]);
+        a.extend(["--log-jsonl".into(), ref_log.display().to_string()]);
+        a
+    };
+    assert_success(&run_launch(4, "hang-ref", &args), "reference run");
+
+    // Rank 1 is slow (an extra 2× of a ~0.1 s step) for six steps; rank 2
+    // hangs inside the forward pass of step 25.
+    let slow: Vec<String> = (10..16)
+        .map(|st| format!("1:{st}:forward:sleep200"))
+        .collect();
+    let plan = format!("{};2:25:forward:hang", slow.join(";"));
+    let job = job_id("hang");
+    let out =
+        Job::spawn(launch(&job, &shm, &log, &plan, 40), &job).wait_output(Duration::from_secs(180));
+    assert_success(&out, "run with a hang");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let hung: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("rank hung: killing it"))
+        .collect();
+    assert_eq!(hung.len(), 1, "exactly one rank is declared hung: {hung:?}");
+    assert!(
+        hung[0].contains("rank=2") && hung[0].contains("phase Computing"),
+        "{}",
+        hung[0]
+    );
+    assert!(hung[0].contains("after step 24"), "{}", hung[0]);
+    assert_eq!(
+        stderr
+            .matches("recovered: first step after the fault completed")
+            .count(),
+        1
+    );
+    assert_eq!(
+        final_checksum(&read_log(&ref_log)),
+        final_checksum(&read_log(&log))
+    );
+    assert!(job_pids(&job).is_empty());
+}
+
+#[test]
+fn agentctl_injects_a_hang_and_a_crash() {
+    let d = tempfile::tempdir().unwrap();
+    let shm = d.path().join("shm");
+    let log = d.path().join("run.jsonl");
+    let job = job_id("inject");
+    let mut guard = Job::spawn(launch(&job, &shm, &log, "", 100_000), &job);
+    let socket = shm.join(&job).join("agent.sock");
+    let ctl = |args: &[&str]| {
+        let out = Command::new(agentctl())
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    // Past the warm-up steps, so the adaptive bound applies.
+    assert!(wait_until(Duration::from_secs(60), || losses(&read_log(
+        &log
+    ))
+    .len()
+        >= 20));
+    ctl(&["inject", "hang", "--rank", "3"]);
+    let faults = |n: usize| {
+        let socket = socket.clone();
+        move || {
+            let out = Command::new(agentctl())
+                .arg("--socket")
+                .arg(&socket)
+                .args(["--json", "faults"])
+                .output()
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            v["faults"]
+                .as_array()
+                .is_some_and(|f| f.len() >= n && f.iter().all(|x| !x["recovery_s"].is_null()))
+        }
+    };
+    if !wait_until(Duration::from_secs(60), faults(1)) {
+        kill(guard.pid(), libc::SIGTERM);
+        let out = guard.wait_output(Duration::from_secs(30));
+        panic!(
+            "hang not recovered:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    ctl(&["inject", "crash", "--rank", "0"]);
+    assert!(
+        wait_until(Duration::from_secs(60), faults(2)),
+        "crash not recovered"
+    );
+    let text = ctl(&["faults"]);
+    assert!(text.contains("rank(s) [3] | hang"), "{text}");
+    assert!(text.contains("rank(s) [0] | crash"), "{text}");
+    kill(guard.pid(), libc::SIGTERM);
+    let out = guard.wait_output(Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(128 + libc::SIGTERM));
+}
