@@ -60,7 +60,7 @@ fn main() {
         let slot = store.writable_slot();
         let t = Instant::now();
         store
-            .write_slot(slot, 0, step, 0, &parts, &mut |_, _| {})
+            .write_slot(slot, 0, step, 0, &parts, &mut |_, _| true)
             .expect("commit");
         commit.push(t.elapsed().as_secs_f64());
 

@@ -257,6 +257,9 @@ async fn run_in(
                     break outcome;
                 }
                 if st.recovery.is_none() && cfg.ha.modes.any() {
+                    if let Some(outcome) = st.watch_uces(&sup) {
+                        break outcome;
+                    }
                     st.watch_hangs(&sup);
                 }
             }
@@ -355,10 +358,89 @@ impl JobState<'_> {
     /// The kind and detail of a failed rank's fault: a hang the watchdog
     /// acted on, or a crash.
     fn what_failed(&mut self, rank: usize, ev: ExitEvent) -> (&'static str, String) {
-        match self.hung.remove(&rank) {
-            Some(seen) => ("hang", format!("{seen}; then {}", ev.status)),
-            None => ("crash", ev.status.to_string()),
+        const UCE_FATAL: u64 = 2;
+        if let Some(seen) = self.hung.remove(&rank) {
+            let kind = if seen.starts_with("SIGBUS") {
+                "uce"
+            } else {
+                "hang"
+            };
+            return (kind, format!("{seen}; then {}", ev.status));
         }
+        let flags = self.stores.get(&rank).map_or(0, |s| s.fault().0);
+        if flags & UCE_FATAL != 0 {
+            if let Some(s) = self.stores.get(&rank) {
+                s.clear_fault(UCE_FATAL);
+            }
+            return (
+                "uce",
+                format!(
+                    "SIGBUS BUS_MCEERR outside the registered state: the process could not trust its memory; {}",
+                    ev.status
+                ),
+            );
+        }
+        ("crash", ev.status.to_string())
+    }
+
+    /// UCE reports in the control pages: with step repair (`retry`) every
+    /// rank returns to s\* and the step is recomputed, with no process
+    /// restarted; without it, worker reboot replaces the rank; without
+    /// either, the job stops (after the last-words dump).
+    fn watch_uces(&mut self, sup: &Supervisor) -> Option<Outcome> {
+        const REPAIRABLE: u64 = 1;
+        let hit: Vec<(usize, u64, u64)> = sup
+            .ranks()
+            .iter()
+            .filter_map(|r| {
+                let s = self.stores.get(r)?;
+                let (flags, offset, buffer) = s.fault();
+                (flags & REPAIRABLE != 0).then(|| {
+                    s.clear_fault(REPAIRABLE);
+                    (*r, offset, buffer)
+                })
+            })
+            .collect();
+        for (rank, offset, buffer) in hit {
+            let name = self
+                .registrations
+                .get(&rank)
+                .and_then(|r| r.0.get(buffer as usize + 1))
+                .map_or("?".into(), |p| p.name.clone());
+            let detail = format!("SIGBUS BUS_MCEERR in {name} at byte {offset}");
+            let modes = self.cfg.ha.modes;
+            if modes.retry {
+                let reason = format!(
+                    "rank {rank}: uncorrectable memory error in {name}: every rank returns to s* and recomputes (no restart)"
+                );
+                tracing::warn!(rank, %detail, %reason, "UCE: step repair");
+                let f = self.record_fault(
+                    vec![rank],
+                    "uce",
+                    detail,
+                    "restore s* and recompute the step".into(),
+                    reason,
+                );
+                self.begin_recovery(f);
+            } else if modes.recover {
+                let reason = format!(
+                    "rank {rank}: uncorrectable memory error in {name}, step repair not enabled: rebooting the rank"
+                );
+                tracing::warn!(rank, %detail, %reason, "UCE: worker reboot");
+                if let Some(pid) = sup.pid(rank) {
+                    self.hung.insert(rank, detail);
+                    crate::supervisor::signal(pid, nix::sys::signal::Signal::SIGKILL);
+                }
+            } else {
+                let reason = format!(
+                    "rank {rank}: uncorrectable memory error in {name} and no repair is enabled"
+                );
+                tracing::error!(rank, %detail, %reason, "UCE: stopping the job");
+                self.record_fault(vec![rank], "uce", detail, "stop the job".into(), reason);
+                return Some(Outcome::RecoveryFailed);
+            }
+        }
+        None
     }
 
     /// The hang watchdog: a rank without progress (a completed step or a
@@ -628,9 +710,20 @@ impl JobState<'_> {
             Request::Dump => Response::Error {
                 message: "dump is handled by the event loop".into(),
             },
-            Request::Inject { rank, fault } => match self.stores.get(&rank) {
+            Request::Inject {
+                rank,
+                fault,
+                buffer,
+                offset,
+            } => match self.stores.get(&rank) {
                 Some(store) if sup.pid(rank).is_some() => {
-                    store.inject(fault);
+                    // State buffers are numbered after the metadata part.
+                    let name = buffer.unwrap_or_else(|| "params".into());
+                    let parts = self.registrations.get(&rank).map(|r| &r.0);
+                    let index = parts
+                        .and_then(|p| p.iter().skip(1).position(|x| x.name == name))
+                        .unwrap_or(usize::MAX >> 16) as u64;
+                    store.inject(fault, (index << 48) | (offset & ((1 << 48) - 1)));
                     tracing::warn!(rank, ?fault, "fault injected on request");
                     Response::Injected {
                         message: format!(

@@ -59,8 +59,16 @@ pub enum Request {
     },
     /// Write a last-words checkpoint now and carry on.
     Dump,
-    /// Make a rank give itself a fault at its next step.
-    Inject { rank: usize, fault: Injection },
+    /// Make a rank give itself a fault at its next step (for a UCE: in
+    /// state buffer `buffer`, default the parameters, at byte `offset`).
+    Inject {
+        rank: usize,
+        fault: Injection,
+        #[serde(default)]
+        buffer: Option<String>,
+        #[serde(default)]
+        offset: u64,
+    },
     /// Job overview.
     Status,
     /// Per-rank details.

@@ -24,6 +24,7 @@
 //! 192 last commit ns     200 last commit blocking ns  208 commits
 //! 216 injected fault (0 none, 1 crash, 2 hang), taken at the next step
 //! 224 1 while the rank waits in a collective (on its peers), else 0
+//! 232 injection argument (UCE: buffer index << 48 | byte offset)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\1"   8 version   16 seq (odd while written)   24 rank
@@ -94,6 +95,7 @@ mod ctl {
     pub const COMMITS: usize = 208;
     pub const INJECT: usize = 216;
     pub const IN_COLLECTIVE: usize = 224;
+    pub const INJECT_ARG: usize = 232;
 }
 
 /// Slot-header field offsets (bytes).
@@ -161,6 +163,8 @@ pub enum Injection {
     Crash = 1,
     /// Block inside the step forever.
     Hang = 2,
+    /// An uncorrectable memory error in a state buffer.
+    Uce = 3,
 }
 
 /// An instruction from the agent to a rank.
@@ -605,17 +609,32 @@ impl Store {
     }
 
     /// Asks the worker to inject a fault at its next step (agent side).
-    pub fn inject(&self, kind: Injection) {
+    pub fn inject(&self, kind: Injection, arg: u64) {
+        self.ctl(ctl::INJECT_ARG).store(arg, Ordering::Relaxed);
         self.ctl(ctl::INJECT).store(kind as u64, Ordering::Release);
     }
 
-    /// Takes a pending injected fault (worker side): one atomic swap.
-    pub fn take_injection(&self) -> Option<Injection> {
-        match self.ctl(ctl::INJECT).swap(0, Ordering::AcqRel) {
-            1 => Some(Injection::Crash),
-            2 => Some(Injection::Hang),
-            _ => None,
-        }
+    /// Takes a pending injected fault and its argument (worker side): one
+    /// atomic swap on the fast path.
+    pub fn take_injection(&self) -> Option<(Injection, u64)> {
+        let kind = match self.ctl(ctl::INJECT).swap(0, Ordering::AcqRel) {
+            1 => Injection::Crash,
+            2 => Injection::Hang,
+            3 => Injection::Uce,
+            _ => return None,
+        };
+        Some((kind, self.ctl(ctl::INJECT_ARG).load(Ordering::Relaxed)))
+    }
+
+    /// The fault-flags word, for a signal handler to set bits in.
+    pub fn fault_word(&self) -> &AtomicU64 {
+        self.ctl(ctl::FAULT_FLAGS)
+    }
+
+    /// Clears fault flags (agent side, once handled).
+    pub fn clear_fault(&self, flags: u64) {
+        self.ctl(ctl::FAULT_FLAGS)
+            .fetch_and(!flags, Ordering::AcqRel);
     }
 
     // ---- directives ----
@@ -821,7 +840,9 @@ impl Store {
 
     /// Writes `parts` (concatenated) into `slot` as the snapshot of `step`,
     /// copying and hashing in one pass, and seals it. `progress` is called
-    /// after each piece with the bytes copied so far (fault-injection hook).
+    /// after each piece with the bytes copied so far; if it returns false the
+    /// slot is left unsealed (torn) and the write fails: the copy cannot be
+    /// trusted (a memory error hit the source meanwhile).
     ///
     /// The caller must be the store's only writer.
     pub fn write_slot(
@@ -831,7 +852,7 @@ impl Store {
         step: u64,
         epoch: u64,
         parts: &[&[u8]],
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &mut dyn FnMut(usize, usize) -> bool,
     ) -> Result<SlotInfo, ShmError> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         if len > self.geometry.capacity {
@@ -865,7 +886,13 @@ impl Store {
                 out.copy_from_slice(piece);
                 hasher.update(out);
                 at += piece.len();
-                progress(at, len);
+                if !progress(at, len) {
+                    return Err(ShmError::BadSlot {
+                        path: self.path.clone(),
+                        slot,
+                        detail: "copy abandoned: its source was hit by a memory error".into(),
+                    });
+                }
             }
         }
         let info = SlotInfo {
@@ -989,7 +1016,7 @@ mod tests {
                 step,
                 0,
                 &[&data[..400], &data[400..]],
-                &mut |_, _| {},
+                &mut |_, _| true,
             )
             .unwrap();
             slots.push(slot);
@@ -1011,13 +1038,15 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let s = store(d.path(), 5000);
         let data = vec![7u8; 5000];
-        s.write_slot(0, 3, 1, 0, &[&data], &mut |_, _| {}).unwrap();
+        s.write_slot(0, 3, 1, 0, &[&data], &mut |_, _| true)
+            .unwrap();
         // A writer that dies mid-copy: the progress hook panics halfway.
         let torn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             s.write_slot(1, 3, 2, 0, &[&data], &mut |at, _| {
                 if at > 0 {
                     panic!("killed mid-copy")
                 }
+                true
             })
         }));
         assert!(torn.is_err());
@@ -1028,7 +1057,8 @@ mod tests {
         assert_eq!(s.find_step(1).unwrap().slot, 0);
         // The torn slot is the one rewritten next.
         assert_eq!(s.writable_slot(), 1);
-        s.write_slot(1, 3, 2, 0, &[&data], &mut |_, _| {}).unwrap();
+        s.write_slot(1, 3, 2, 0, &[&data], &mut |_, _| true)
+            .unwrap();
         s.corrupt_slot_byte(1, 1234);
         let e = s.verify(1).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
@@ -1047,7 +1077,7 @@ mod tests {
                 step,
                 0,
                 &[&[step as u8; 64]],
-                &mut |_, _| {},
+                &mut |_, _| true,
             )
             .unwrap();
         }
@@ -1064,7 +1094,7 @@ mod tests {
                 step,
                 1,
                 &[&[step as u8; 64]],
-                &mut |_, _| {},
+                &mut |_, _| true,
             )
             .unwrap();
         }

@@ -14,3 +14,4 @@ pub mod optim;
 pub mod rendezvous;
 pub mod runtime;
 pub mod trainer;
+pub mod uce;

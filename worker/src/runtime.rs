@@ -91,7 +91,7 @@ pub enum Point {
     Commit,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Action {
     Stop,
     Kill,
@@ -100,6 +100,9 @@ enum Action {
     Hang,
     /// Sleep this many milliseconds: a slow but live rank.
     Sleep(u64),
+    /// An uncorrectable memory error at a byte of a state buffer (by
+    /// name), or outside every registered buffer (`None`).
+    Uce(Option<String>, usize),
 }
 
 /// Blocks the calling thread forever.
@@ -121,6 +124,8 @@ struct PlanEntry {
 #[derive(Debug, Default)]
 pub struct FaultPlan {
     entries: Vec<(PlanEntry, AtomicBool)>,
+    /// The state buffers a planned UCE may hit: name, address, bytes.
+    targets: Vec<(String, usize, usize)>,
 }
 
 impl FaultPlan {
@@ -161,9 +166,25 @@ impl FaultPlan {
                     "kill" => Action::Kill,
                     "exit" => Action::Exit,
                     "hang" => Action::Hang,
-                    other => match other.strip_prefix("sleep").map(str::parse::<u64>) {
-                        Some(Ok(ms)) => Action::Sleep(ms),
-                        _ => return Err(bad("ACTION must be stop, kill, exit, hang or sleepMS")),
+                    "uce-outside" => Action::Uce(None, 0),
+                    other => match (other.strip_prefix("sleep"), other.strip_prefix("uce-")) {
+                        (Some(ms), _) => {
+                            Action::Sleep(ms.parse().map_err(|_| bad("sleepMS needs a number"))?)
+                        }
+                        (_, Some(target)) => {
+                            let (buf, off) = target
+                                .rsplit_once('-')
+                                .ok_or_else(|| bad("uce-BUFFER-OFFSET or uce-outside"))?;
+                            Action::Uce(
+                                Some(buf.to_string()),
+                                off.parse().map_err(|_| bad("OFFSET is not a number"))?,
+                            )
+                        }
+                        _ => {
+                            return Err(bad(
+                                "ACTION must be stop, kill, exit, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
+                            ));
+                        }
                     },
                 },
             };
@@ -171,7 +192,10 @@ impl FaultPlan {
                 entries.push((e, AtomicBool::new(false)));
             }
         }
-        Ok(Self { entries })
+        Ok(Self {
+            entries,
+            targets: Vec::new(),
+        })
     }
 
     /// Fires the entry for (`step`, `point`), if any and not yet fired.
@@ -182,6 +206,10 @@ impl FaultPlan {
                     "fault plan: rank {} {:?} at step {step} ({point:?})",
                     e.rank, e.action
                 );
+                if let Action::Uce(target, offset) = &e.action {
+                    self.inject_uce(target.as_deref(), *offset);
+                    continue;
+                }
                 // SAFETY: raise(3) and _exit(2) take plain integers.
                 unsafe {
                     match e.action {
@@ -194,10 +222,37 @@ impl FaultPlan {
                         Action::Exit => libc::_exit(17),
                         Action::Hang => hang(),
                         Action::Sleep(ms) => thread::sleep(Duration::from_millis(ms)),
+                        Action::Uce(..) => {}
                     }
                 }
             }
         }
+    }
+}
+
+impl FaultPlan {
+    /// Injects a UCE into state buffer `target` at byte `offset` (or, with
+    /// `None`, outside every registered buffer).
+    pub fn inject_uce(&self, target: Option<&str>, offset: usize) {
+        let outside = [0u8; 64];
+        let addr = match target {
+            None => outside.as_ptr(),
+            Some(name) => match self.targets.iter().find(|t| t.0 == name) {
+                Some(&(_, start, len)) => (start + offset.min(len.saturating_sub(1))) as *const u8,
+                None => {
+                    eprintln!("fault plan: no state buffer named {name:?}");
+                    return;
+                }
+            },
+        };
+        // SAFETY: `addr` is in a registered state buffer (its page is lost
+        // and restored from the snapshot) or in `outside`, a local scratch
+        // buffer that lives until after the injection.
+        match unsafe { crate::uce::inject(addr) } {
+            Ok(path) => eprintln!("UCE injected at {addr:p} ({target:?} + {offset}) via {path:?}"),
+            Err(e) => eprintln!("UCE injection failed: {e}"),
+        }
+        std::hint::black_box(&outside);
     }
 }
 
@@ -213,6 +268,9 @@ struct CommitJob {
     epoch: u64,
     meta: Vec<u8>,
     seq: u64,
+    /// Repaired UCEs when the commit was asked for: the state is known good
+    /// then, and a copy that sees the count change is not sealed.
+    uces: u64,
 }
 
 #[derive(Debug)]
@@ -265,10 +323,19 @@ impl Runtime {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let plan = Arc::new(match std::env::var(ENV_FAULT_PLAN) {
+        let mut plan = match std::env::var(ENV_FAULT_PLAN) {
             Ok(text) => FaultPlan::parse(&text, rank, incarnation)?,
             Err(_) => FaultPlan::default(),
-        });
+        };
+        // The buffers' memory is watched for UCEs. INVARIANT: the training
+        // loop never reallocates a registered buffer, so these stay valid.
+        for (i, (name, buf)) in parts.iter().enumerate() {
+            let g = buf.read().unwrap_or_else(|p| p.into_inner());
+            let (start, len) = (g.as_ptr() as usize, g.len() * 4);
+            crate::uce::register(i, start as *const u8, len);
+            plan.targets.push((name.clone(), start, len));
+        }
+        let plan = Arc::new(plan);
         let mut rt = Self {
             rank,
             buffers: parts.iter().map(|(_, b)| Arc::clone(b)).collect(),
@@ -320,6 +387,10 @@ impl Runtime {
             }
         };
         let store = Arc::new(Store::open(&store_path)?);
+        crate::uce::install(Some(store.fault_word())).map_err(|source| RuntimeError::Thread {
+            what: "SIGBUS handler",
+            source,
+        })?;
         if store.layout_hash() != control::layout_hash(&layout) {
             return Err(RuntimeError::Layout { path: store_path });
         }
@@ -401,12 +472,19 @@ impl Runtime {
         if let Some(a) = &self.attached {
             a.store.set_phase(Phase::Computing);
             match a.store.take_injection() {
-                Some(Injection::Crash) => {
+                Some((Injection::Uce, arg)) => {
+                    let (buffer, offset) = ((arg >> 48) as usize, (arg & ((1 << 48) - 1)) as usize);
+                    match self.plan.targets.get(buffer) {
+                        Some((name, ..)) => self.plan.inject_uce(Some(&name.clone()), offset),
+                        None => self.plan.inject_uce(None, 0),
+                    }
+                }
+                Some((Injection::Crash, _)) => {
                     eprintln!("rank {}: injected crash at step {step}", self.rank);
                     // SAFETY: raise(3) with a plain signal number.
                     unsafe { libc::raise(libc::SIGKILL) };
                 }
-                Some(Injection::Hang) => {
+                Some((Injection::Hang, _)) => {
                     eprintln!("rank {}: injected hang at step {step}", self.rank);
                     hang();
                 }
@@ -414,6 +492,30 @@ impl Runtime {
             }
         }
         self.plan.hit(step, Point::Forward);
+    }
+
+    /// The UCE the SIGBUS handler repaired since the last check, if any:
+    /// the live state is then torn and the step must be recomputed from the
+    /// last consistent snapshot. Reports it in the control page.
+    pub fn check_uce(&self) -> Option<crate::uce::Uce> {
+        let u = crate::uce::take_pending()?;
+        let name = self
+            .plan
+            .targets
+            .get(u.buffer)
+            .map_or("?", |t| t.0.as_str());
+        eprintln!(
+            "rank {}: uncorrectable memory error in {name} at byte {}: the step is thrown away and recomputed",
+            self.rank, u.offset
+        );
+        if let Some(a) = &self.attached {
+            a.store.record_fault(
+                crate::uce::FAULT_UCE_REPAIRABLE,
+                u.offset as u64,
+                u.buffer as u64,
+            );
+        }
+        Some(u)
     }
 
     /// Runs a collective, marked in the control page as waiting on peers, so
@@ -456,9 +558,11 @@ impl Runtime {
     pub fn commit(&mut self, step: u64, epoch: u64, meta: Vec<u8>) {
         assert_eq!(meta.len(), self.meta_len, "meta block has a fixed size");
         let Some(a) = &self.attached else { return };
-        if !step.is_multiple_of(self.interval) {
+        if !step.is_multiple_of(self.interval) || crate::uce::pending() {
+            // A UCE not yet acted on: this state is not snapshotted.
             return;
         }
+        let uces = crate::uce::count();
         self.commit_seq += 1;
         a.progress
             .0
@@ -471,6 +575,7 @@ impl Runtime {
                 epoch,
                 meta,
                 seq: self.commit_seq,
+                uces,
             });
         }
     }
@@ -633,11 +738,14 @@ fn commit_loop(
             );
             let slot = store.writable_slot();
             let mut halfway = false;
+            let uces = job.uces;
             store.write_slot(slot, rank, job.step, job.epoch, &parts, &mut |at, len| {
                 if !halfway && at * 2 >= len {
                     halfway = true;
                     plan.hit(job.step, Point::Commit);
                 }
+                // A UCE repaired meanwhile may have zeroed bytes being copied.
+                crate::uce::count() == uces
             })
         };
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);

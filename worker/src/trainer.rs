@@ -195,6 +195,8 @@ pub enum TrainError {
     Runtime(#[from] RuntimeError),
     #[error("stopped by the agent")]
     Stopped,
+    #[error("an uncorrectable memory error tore the state and step repair is not enabled")]
+    Uce,
     #[error("cannot write the log {path}")]
     Log {
         path: PathBuf,
@@ -427,6 +429,8 @@ impl Dist {
 enum StepError {
     /// A collective failed: a peer died or the agent paused the job.
     Collective(CollectiveError),
+    /// An uncorrectable memory error tore the live state.
+    Uce,
     /// Anything else ends the run.
     Fatal(TrainError),
 }
@@ -538,7 +542,8 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             if let Start::Fresh { epoch } = start {
                 t.epoch = epoch;
             }
-            *write(&t.state.params) = t.model.init(args.seed ^ STREAM_INIT);
+            // Copied in place: the registered buffers never move.
+            write(&t.state.params).copy_from_slice(&t.model.init(args.seed ^ STREAM_INIT));
             let mut comm = dist.communicator(t.epoch)?;
             rt.set_communicator(&comm);
             if let Some(dir) = &args.load {
@@ -587,6 +592,12 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         match result {
             Ok(()) => {}
             Err(StepError::Fatal(e)) => return Err(e),
+            Err(StepError::Uce) if rt.recovers() => {
+                // The live state is torn: it comes back from the snapshot.
+                t.torn = true;
+                comm = t.recover(&mut rt, &mut dist)?;
+            }
+            Err(StepError::Uce) => return Err(TrainError::Uce),
             Err(StepError::Collective(e)) if rt.recovers() => {
                 eprintln!(
                     "rank {rank}: {}; waiting for the agent to recover",
@@ -653,6 +664,9 @@ impl Trainer<'_> {
                 .loss_and_grad(&params, &inputs, &targets, &mut self.grads)
                 .map_err(|e| StepError::Fatal(e.into()))?
         };
+        if rt.check_uce().is_some() {
+            return Err(StepError::Uce);
+        }
         // 3. Gradients summed, each rank keeping its shard.
         let mine = rt.collective(|| comm.reduce_scatter_sum(&mut self.grads))?;
         let scale = 1.0 / self.world as f32;
@@ -663,6 +677,9 @@ impl Trainer<'_> {
         //    parameters: the update fences enclose both.
         rt.start_update(step);
         self.torn = true;
+        if rt.check_uce().is_some() {
+            return Err(StepError::Uce);
+        }
         {
             let mut params = write(&self.state.params);
             let mut m = write(&self.state.exp_avg);
@@ -681,6 +698,9 @@ impl Trainer<'_> {
             rng,
             data_position: self.state.scalars.data_position + args.global_batch as u64,
         };
+        if rt.check_uce().is_some() {
+            return Err(StepError::Uce);
+        }
         self.torn = false;
         rt.end_update(step);
 
@@ -811,8 +831,8 @@ impl Trainer<'_> {
         s.data_position = loaded.data_position;
         match loaded.moments {
             Some((m, v)) => {
-                *write(&self.state.exp_avg) = m;
-                *write(&self.state.exp_avg_sq) = v;
+                write(&self.state.exp_avg).copy_from_slice(&m);
+                write(&self.state.exp_avg_sq).copy_from_slice(&v);
             }
             None => warn("--no-load-optim starts AdamW's moments from zero"),
         }
@@ -921,6 +941,7 @@ impl TrainError {
             Self::Load(_) => exit::LOAD,
             Self::Save { .. } | Self::SaveElsewhere { .. } => exit::SAVE,
             Self::Stopped => exit::STOPPED,
+            Self::Uce => exit::FAILED,
             Self::Rendezvous(_)
             | Self::Collective(_)
             | Self::Model(_)

@@ -46,11 +46,18 @@ enum Verb {
     Dump,
     /// Make a rank give itself a fault at its next step.
     Inject {
-        /// crash (SIGKILL itself) or hang (block inside the step).
-        #[arg(value_parser = ["crash", "hang"])]
+        /// crash (SIGKILL itself), hang (block inside the step) or uce (an
+        /// uncorrectable memory error in a state buffer).
+        #[arg(value_parser = ["crash", "hang", "uce"])]
         fault: String,
         #[arg(long)]
         rank: usize,
+        /// For uce: the state buffer (params, exp_avg, exp_avg_sq).
+        #[arg(long)]
+        buffer: Option<String>,
+        /// For uce: the byte offset in the buffer.
+        #[arg(long, default_value_t = 0)]
+        offset: u64,
     },
 }
 
@@ -74,13 +81,20 @@ fn run(cli: Cli) -> Result<()> {
         Verb::Workers => Request::Workers,
         Verb::Faults => Request::Faults,
         Verb::Dump => Request::Dump,
-        Verb::Inject { fault, rank } => Request::Inject {
+        Verb::Inject {
+            fault,
             rank,
-            fault: if fault == "crash" {
-                Injection::Crash
-            } else {
-                Injection::Hang
+            buffer,
+            offset,
+        } => Request::Inject {
+            rank,
+            fault: match fault.as_str() {
+                "crash" => Injection::Crash,
+                "hang" => Injection::Hang,
+                _ => Injection::Uce,
             },
+            buffer,
+            offset,
         },
     };
     let response = call(&socket, &request)?;
