@@ -1,0 +1,120 @@
+//! UCE step-repair time at about 256 MiB of state per rank, end to end.
+//!
+//! 2 ranks train a model of about 36M parameters (parameters plus the two
+//! AdamW moment shards: about 290 MB per rank) with step repair on. At step
+//! 6, rank 1 receives an uncorrectable memory error in its parameters
+//! (a SIGBUS with BUS_MCEERR_AR, see `worker/src/uce.rs`). The agent reports
+//! the recovery time, from the UCE report to the first completed step
+//! after it; the repair time is that minus the recomputed step (the median
+//! step time of the run). Each of `RUNS` runs prints its numbers; the last
+//! line gives the medians.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const RUNS: usize = 3;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let agent = PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"));
+    let dir = tempfile::Builder::new()
+        .prefix("hatrain-bench-")
+        .tempdir_in("/dev/shm")
+        .expect("tempdir");
+    println!("UCE repair, 2 ranks, d_model 1024, d_ff 4096, 4 layers");
+    println!(
+        "{:>4} {:>12} {:>12} {:>14} {:>12}",
+        "run", "state MB", "redone step s", "recovery s", "repair s"
+    );
+    let (mut recov, mut repair) = (Vec::new(), Vec::new());
+    for run in 0..RUNS {
+        let log = dir.path().join(format!("uce-{run}.jsonl"));
+        let out = Command::new(&agent)
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--enable-high-availability",
+                "--enable-hbmfault-repair",
+            ])
+            .arg("--shm-root")
+            .arg(dir.path())
+            .arg("--")
+            .arg(&agent)
+            .args([
+                "train",
+                "--model-size",
+                "10m",
+                "--d-model",
+                "1024",
+                "--d-ff",
+                "4096",
+                "--layers",
+                "4",
+            ])
+            .args([
+                "--global-batch",
+                "4",
+                "--seq-len",
+                "16",
+                "--train-iters",
+                "9",
+                "--log-interval",
+                "1000",
+            ])
+            .arg("--log-jsonl")
+            .arg(&log)
+            .env("HATRAIN_FAULT_PLAN", "1:6:forward:uce-params-4096")
+            .env("RUST_LOG", "info")
+            .output()
+            .expect("run hatrain-agent");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("recovered: first step after the fault completed"))
+            .expect("a UCE recovery in the agent log");
+        let field = |name: &str| -> f64 {
+            line.split(&format!("{name}="))
+                .nth(1)
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .expect("field in the recovery line")
+        };
+        let (recovery, s_star) = (field("recovery_s"), field("s_star") as u64);
+        let bytes: f64 = stderr
+            .lines()
+            .find(|l| l.contains("snapshot store created rank=1"))
+            .and_then(|l| l.split("bytes=").nth(1))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .expect("store size");
+        // The recomputed step is the last logged step s*+1.
+        let step = std::fs::read_to_string(&log)
+            .expect("log")
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["event"] == "step" && e["step"].as_u64() == Some(s_star + 1))
+            .filter_map(|e| e["step_time_s"].as_f64())
+            .next_back()
+            .expect("the recomputed step in the log");
+        println!(
+            "{run:>4} {:>12.0} {step:>12.3} {recovery:>14.3} {:>12.3}",
+            bytes / 1e6,
+            recovery - step
+        );
+        recov.push(recovery);
+        repair.push(recovery - step);
+    }
+    println!(
+        "median: recovery {:.3} s, repair excluding the recomputed step {:.3} s",
+        median(recov),
+        median(repair)
+    );
+}
