@@ -24,6 +24,7 @@
 //! the job with the reason.
 
 use crate::control::{self, ControlMsg};
+use crate::gpu::GpuFault;
 use crate::launch::{LaunchConfig, LaunchError};
 use crate::persister;
 use crate::reaper::{ExitEvent, Reaper};
@@ -193,6 +194,8 @@ async fn run_in(
         "starting workers"
     );
     let mut sup = Supervisor::start(&specs, &reaper, cfg.stop_grace).await?;
+    let (gpu_tx, mut gpu_rx) = mpsc::channel::<GpuFault>(16);
+    crate::gpu::watch(gpu_tx);
     let mut st = JobState {
         cfg,
         dir: dir.to_path_buf(),
@@ -213,6 +216,7 @@ async fn run_in(
         Shutdown,
         Exit(Option<(usize, ExitEvent)>),
         Control(ControlMsg),
+        Gpu(GpuFault),
         Tick,
     }
     // INVARIANT: the tick has a deadline of its own, so a stream of other
@@ -227,6 +231,7 @@ async fn run_in(
             _ = shutdown.cancelled() => Event::Shutdown,
             ev = sup.next_exit() => Event::Exit(ev),
             Some(msg) = ctl_rx.recv() => Event::Control(msg),
+            Some(f) = gpu_rx.recv() => Event::Gpu(f),
             _ = tokio::time::sleep_until(next_tick) => {
                 let period = if st.recovery.is_some() { 2 } else { 50 };
                 next_tick = tokio::time::Instant::now() + Duration::from_millis(period);
@@ -244,6 +249,7 @@ async fn run_in(
                     break outcome;
                 }
             }
+            Event::Gpu(f) => st.on_gpu_fault(&sup, f),
             Event::Control(msg) if msg.request == Request::Dump => {
                 let response = st.dump(&sup, true).await;
                 let _ = msg.reply.send(response);
@@ -381,6 +387,32 @@ impl JobState<'_> {
             );
         }
         ("crash", ev.status.to_string())
+    }
+
+    /// A GPU memory error: its rank is asked to treat it as a UCE in its
+    /// state, so the step is recomputed from s\* (see [`crate::gpu`]).
+    fn on_gpu_fault(&mut self, sup: &Supervisor, f: GpuFault) {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let local = crate::gpu::local_rank_of(f.device, visible.as_deref(), sup.ranks().len());
+        match local
+            .map(|l| sup.ranks()[l])
+            .and_then(|r| Some((r, self.stores.get(&r)?)))
+        {
+            Some((rank, store)) => {
+                tracing::warn!(
+                    rank,
+                    device = f.device,
+                    xid = f.xid,
+                    "GPU uncorrectable memory error: handled as a UCE"
+                );
+                store.inject(hatrain_shared::shm::Injection::Uce, 0);
+            }
+            None => tracing::warn!(
+                device = f.device,
+                xid = f.xid,
+                "GPU memory error on a device no local rank uses"
+            ),
+        }
     }
 
     /// UCE reports in the control pages: with step repair (`retry`) every

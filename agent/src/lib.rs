@@ -12,6 +12,7 @@
 pub mod cli;
 pub mod control;
 pub mod demo;
+pub mod gpu;
 pub mod job;
 pub mod launch;
 pub mod persister;
