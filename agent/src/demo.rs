@@ -26,12 +26,61 @@ use tokio_util::sync::CancellationToken;
 
 const POINTS: [&str; 3] = ["forward", "update", "commit"];
 
-/// One planned kill.
+/// One planned fault: a kill (SIGKILL) at a point, or a UCE or hang.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Kill {
     rank: usize,
     step: u64,
     point: &'static str,
+    /// Which process of the rank it hits (earlier faults restart it).
+    inc: u64,
+}
+
+impl Kill {
+    /// The fault-plan entry: `uce` and `hang` points are faults of their own.
+    fn entry(&self) -> String {
+        match self.point {
+            "uce" => format!(
+                "{}:{}:forward:uce-exp_avg-4096:{}",
+                self.rank, self.step, self.inc
+            ),
+            "hang" => format!("{}:{}:forward:hang:{}", self.rank, self.step, self.inc),
+            p => format!("{}:{}:{p}:kill:{}", self.rank, self.step, self.inc),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self.point {
+            "uce" => format!(
+                "rank {}: memory error (UCE) in its AdamW moments at step {}",
+                self.rank, self.step
+            ),
+            "hang" => format!("rank {}: hangs in step {}", self.rank, self.step),
+            p => format!("rank {}: SIGKILL at step {} ({p})", self.rank, self.step),
+        }
+    }
+}
+
+/// The demo's faults: `n` kills drawn by [`plan`], then a UCE and a hang
+/// in the last part of the run.
+fn schedule(seed: u64, n: usize, nproc: usize, steps: u64) -> Vec<Kill> {
+    let mut v = plan(seed, n, nproc, steps * 2 / 3);
+    let mut rng = SplitMix64::new(seed ^ 0x0FA1);
+    for (i, point) in ["uce", "hang"].into_iter().enumerate() {
+        let rank = rng.below(nproc);
+        // Every earlier kill or hang of this rank started a new process.
+        let inc = v
+            .iter()
+            .filter(|k| k.rank == rank && k.point != "uce")
+            .count() as u64;
+        v.push(Kill {
+            rank,
+            step: steps * 2 / 3 + 5 + i as u64 * (steps / 8).max(3),
+            point,
+            inc,
+        });
+    }
+    v
 }
 
 /// Draws `n` kills spread over the run (at least 10 steps apart, none in
@@ -55,6 +104,7 @@ fn plan(seed: u64, n: usize, nproc: usize, steps: u64) -> Vec<Kill> {
                 rank,
                 step: 5 + gap * (i as u64 + 1) + jitter,
                 point: POINTS[rng.below(POINTS.len())],
+                inc: 0,
             })
         })
         .collect()
@@ -94,10 +144,7 @@ async fn train_once(
     }
     command.extend(["--save".into(), ckpt.into_os_string()]);
     command.extend(["--log-jsonl".into(), log.clone().into_os_string()]);
-    let plan: Vec<String> = kills
-        .iter()
-        .map(|k| format!("{}:{}:{}:kill", k.rank, k.step, k.point))
-        .collect();
+    let plan: Vec<String> = kills.iter().map(Kill::entry).collect();
     // The fault plan reaches the workers through the environment the
     // launcher passes on.
     // SAFETY: the demo sets it before it starts any worker, from the only
@@ -118,9 +165,16 @@ async fn train_once(
             modes: HaModes {
                 dump: true,
                 recover: true,
+                retry: true,
                 ..HaModes::default()
             },
             shm_root: args.shm_root.clone(),
+            // A hang is declared after 10 median steps, at least 2 s.
+            hang: crate::recovery::HangPolicy {
+                floor: Duration::from_secs(2),
+                startup_grace: Duration::from_secs(120),
+                ..crate::recovery::HangPolicy::default()
+            },
             ..HaSettings::default()
         },
     };
@@ -138,24 +192,24 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
     if args.nproc < 2 {
         bail!("the demo needs --nproc 2 or more (worker reboot needs a replica)");
     }
-    let kills = plan(
+    let kills = schedule(
         args.fault_seed,
         args.kills.min(args.nproc),
         args.nproc,
         args.steps,
     );
     println!(
-        "demo: training the {} model on {} local ranks for {} steps, twice, with worker reboot on:\n  \
-         1. without faults, for reference\n  2. with {} worker(s) killed (SIGKILL): {}",
+        "demo: training the {} model on {} local ranks for {} steps, twice, with worker reboot, \
+         step repair and the hang watchdog on:\n  1. without faults, for reference\n  2. with {} faults:\n     {}",
         args.model_size,
         args.nproc,
         args.steps,
         kills.len(),
         kills
             .iter()
-            .map(|k| format!("rank {} at step {} ({})", k.rank, k.step, k.point))
+            .map(Kill::describe)
             .collect::<Vec<_>>()
-            .join(", ")
+            .join("\n     ")
     );
     println!("\n=== run 1: no faults ===");
     let reference = train_once(args, "reference", &[], shutdown.clone()).await?;
@@ -222,21 +276,26 @@ fn summarise(
         faulty.faults.len()
     );
     println!(
-        "{:>5} {:>6} {:>9} {:>8} {:>4} {:>12} {:>10}",
-        "fault", "rank", "point", "at step", "s*", "recovery", "steps lost"
+        "{:>5} {:>6} {:>6} {:>4} {:>10} {:>6}  action",
+        "fault", "rank", "kind", "s*", "recovery", "lost"
     );
-    for (f, k) in faulty.faults.iter().zip(kills) {
+    for f in &faulty.faults {
         println!(
-            "{:>5} {:>6} {:>9} {:>8} {:>4} {:>12} {:>10}",
+            "{:>5} {:>6} {:>6} {:>4} {:>10} {:>6}  {}",
             f.id,
             format!("{:?}", f.ranks),
-            k.point,
-            k.step,
+            f.kind,
             f.s_star.map_or("-".into(), |s| s.to_string()),
             f.recovery_s.map_or("-".into(), |s| format!("{:.3} s", s)),
             f.steps_lost.map_or("-".into(), |s| s.to_string()),
+            f.action,
         );
     }
+    println!(
+        "faults planned {}, handled {}",
+        kills.len(),
+        faulty.faults.len()
+    );
     let same = sum_a == sum_b;
     println!(
         "final weights: {sum_a} without faults, {sum_b} with faults: {}",
