@@ -10,33 +10,17 @@
 //! Each case runs `REPS` times; the table gives the median and its ratio to
 //! the plain write. Size: `HATRAIN_BENCH_MIB` (default 256 MiB of state).
 
+mod common;
+use common::median;
 use hatrain_shared::checkpoint::{self, ShardData, ShardHeader};
-use hatrain_shared::model::ModelConfig;
 use std::io::Write;
 use std::time::Instant;
 
 const REPS: usize = 7;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let mib: usize = std::env::var("HATRAIN_BENCH_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
-    // A model whose 3 flat buffers add up to about `mib` MiB.
-    let per_buffer = mib * (1 << 20) / 12;
-    let model = ModelConfig {
-        vocab: 1024,
-        context: 8,
-        d_embed: 64,
-        d_model: 1024,
-        d_ff: 1024,
-        layers: per_buffer / (2 * 1024 * 1024),
-    };
+    let mib = common::bench_mib(256);
+    let model = common::model_of_mib(mib);
     let n = model.numel();
     let bytes = (n * 12) as f64;
     let p: Vec<f32> = (0..n).map(|i| i as f32 * 1e-3).collect();

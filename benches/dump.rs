@@ -12,34 +12,19 @@
 //!
 //! The directory is `HATRAIN_BENCH_DIR` (default `target/bench-dump`).
 
+mod common;
+use common::median;
 use hatrain_agent::persister::{RankSource, write_checkpoint};
 use hatrain_shared::control::{CheckpointInfo, StatePart};
-use hatrain_shared::model::ModelConfig;
 use hatrain_shared::shm::{Geometry, Store, store_path};
 use std::io::Write;
 use std::time::Instant;
 
 const REPS: usize = 9;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let mib: usize = std::env::var("HATRAIN_BENCH_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
-    let per_buffer = mib * (1 << 20) / 12;
-    let model = ModelConfig {
-        vocab: 1024,
-        context: 8,
-        d_embed: 64,
-        d_model: 1024,
-        d_ff: 1024,
-        layers: (per_buffer / (2 * 1024 * 1024)).max(1),
-    };
+    let mib = common::bench_mib(256);
+    let model = common::model_of_mib(mib);
     let n = model.numel();
     let parts = vec![
         StatePart {

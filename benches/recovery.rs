@@ -18,6 +18,8 @@
 //!    after the kill (the first step after recovery) and to step K; for the
 //!    baseline the time to step K; steps redone; the medians and ratios.
 
+mod common;
+use common::median;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -25,11 +27,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 fn agent() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn now() -> f64 {

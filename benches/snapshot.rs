@@ -12,21 +12,15 @@
 //! Each case runs `REPS` times; the table gives the median and its ratio to
 //! memcpy.
 
+mod common;
+use common::median;
 use hatrain_shared::shm::{Geometry, Store, store_path};
 use std::time::Instant;
 
 const REPS: usize = 9;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let mib: usize = std::env::var("HATRAIN_BENCH_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
+    let mib = common::bench_mib(256);
     let per = mib * (1 << 20) / 12;
     let bufs: Vec<Vec<f32>> = (0..3)
         .map(|b| (0..per).map(|i| (i * (b + 1)) as f32 * 1e-3).collect())

@@ -7,15 +7,12 @@
 //! `HATRAIN_BENCH_SIZES` (e.g. `10m`) and `HATRAIN_BENCH_RANKS` (e.g. `1,4`)
 //! narrow the matrix.
 
+mod common;
+use common::median;
 use std::path::PathBuf;
 use std::process::Command;
 
 const STEPS: u64 = 7;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     let agent = PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"));

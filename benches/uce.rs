@@ -9,15 +9,12 @@
 //! step time of the run). Each of `RUNS` runs prints its numbers; the last
 //! line gives the medians.
 
+mod common;
+use common::median;
 use std::path::PathBuf;
 use std::process::Command;
 
 const RUNS: usize = 3;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     let agent = PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"));

@@ -211,14 +211,19 @@ fn fsync_dir(path: &Path) -> Result<()> {
         .map_err(io_err(path))
 }
 
-/// Writes `bytes` to `path` and fsyncs the file.
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = OpenOptions::new()
+/// Creates (or truncates) `path` for writing.
+fn create(path: &Path) -> Result<File> {
+    OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .open(path)
-        .map_err(io_err(path))?;
+        .map_err(io_err(path))
+}
+
+/// Writes `bytes` to `path` and fsyncs the file.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = create(path)?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
         .map_err(io_err(path))
@@ -270,12 +275,7 @@ fn write_tensor_file(path: &Path, tensors: &[(&str, &[f32])]) -> Result<FileDige
     header.resize(header.len().next_multiple_of(8), b' ');
     let header_len = (header.len() as u64).to_le_bytes();
 
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(io_err(path))?;
+    let mut f = create(path)?;
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     let mut put = |bytes: &[u8]| -> Result<()> {
         hasher.update(bytes);

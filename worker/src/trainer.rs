@@ -854,21 +854,13 @@ impl Trainer<'_> {
     fn save(&mut self, dir: &Path, comm: &mut Communicator) -> Result<PathBuf, TrainError> {
         let (rank, world) = (self.rank, self.world);
         let iteration = self.state.scalars.step;
-        let save_err = |source| TrainError::Save { iteration, source };
         // Rank 0 prepares the directory; the others wait for it.
         let prepared = if rank == 0 {
             checkpoint::begin_save(dir, iteration).map(|_| ())
         } else {
             Ok(())
         };
-        let ok = comm.all_gather_f64(if prepared.is_ok() { 1.0 } else { 0.0 })?;
-        prepared.map_err(save_err)?;
-        if ok[0] != 1.0 {
-            return Err(TrainError::SaveElsewhere {
-                iteration,
-                ranks: vec![0],
-            });
-        }
+        agree(comm, iteration, prepared)?;
         let header = ShardHeader {
             iteration,
             world_size: world,
@@ -892,30 +884,32 @@ impl Trainer<'_> {
             };
             checkpoint::write_shard(&tmp, &header, data)
         };
-        let status = comm.all_gather_f64(if written.is_ok() { 1.0 } else { 0.0 })?;
-        written.map_err(save_err)?;
-        let failed: Vec<usize> = (0..world).filter(|&r| status[r] != 1.0).collect();
-        if !failed.is_empty() {
-            return Err(TrainError::SaveElsewhere {
-                iteration,
-                ranks: failed,
-            });
-        }
+        agree(comm, iteration, written)?;
         // Rank 0 publishes; everyone learns whether it worked.
         let committed = if rank == 0 {
             checkpoint::commit_save(dir, iteration, world).map(|_| ())
         } else {
             Ok(())
         };
-        let status = comm.all_gather_f64(if committed.is_ok() { 1.0 } else { 0.0 })?;
-        committed.map_err(save_err)?;
-        if status[0] != 1.0 {
-            return Err(TrainError::SaveElsewhere {
-                iteration,
-                ranks: vec![0],
-            });
-        }
+        agree(comm, iteration, committed)?;
         Ok(checkpoint::iter_dir(dir, iteration))
+    }
+}
+
+/// One phase of a collective save: every rank learns every rank's outcome.
+/// Returns this rank's own error, or names the ranks that failed elsewhere.
+fn agree(
+    comm: &mut Communicator,
+    iteration: u64,
+    mine: Result<(), CheckpointError>,
+) -> Result<(), TrainError> {
+    let status = comm.all_gather_f64(if mine.is_ok() { 1.0 } else { 0.0 })?;
+    mine.map_err(|source| TrainError::Save { iteration, source })?;
+    let ranks: Vec<usize> = (0..status.len()).filter(|&r| status[r] != 1.0).collect();
+    if ranks.is_empty() {
+        Ok(())
+    } else {
+        Err(TrainError::SaveElsewhere { iteration, ranks })
     }
 }
 
