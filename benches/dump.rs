@@ -70,6 +70,7 @@ fn main() {
         model,
         world_size: 1,
         save_dir: None,
+        save_interval: 0,
         args: serde_json::Value::Null,
     };
     let src = [RankSource {

@@ -51,7 +51,7 @@ fn main() {
         memcpy.push(t.elapsed().as_secs_f64());
         std::hint::black_box(&dst);
 
-        let slot = store.writable_slot();
+        let slot = store.writable_slot().expect("nothing is held");
         let t = Instant::now();
         store
             .write_slot(slot, 0, step, 0, &parts, &mut |_, _| true)

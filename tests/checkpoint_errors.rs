@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
 
 /// Runs the trainer as a one-rank job.
 fn train(args: &[String]) -> Output {
@@ -155,26 +156,27 @@ impl Drop for SmallDisk {
     }
 }
 
-#[test]
-fn a_save_that_runs_out_of_disk_leaves_the_previous_checkpoint() {
+/// A 12 MiB tmpfs under `d` (the small model's checkpoint is ~8 MB: one
+/// fits, two do not), or `None` without root.
+fn small_disk(d: &Path) -> Option<SmallDisk> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: mounting a small tmpfs needs root");
-        return;
+        return None;
     }
-    let d = tempfile::tempdir().unwrap();
-    let mnt = d.path().join("disk");
+    let mnt = d.join("disk");
     std::fs::create_dir(&mnt).unwrap();
-    // The small model's checkpoint is ~8 MB: one fits, two do not.
     let st = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=12m", "tmpfs"])
         .arg(&mnt)
         .status()
         .unwrap();
     assert!(st.success(), "mount tmpfs failed");
-    let _disk = SmallDisk(mnt.clone());
+    Some(SmallDisk(mnt))
+}
 
-    let args = s(&[
+fn small_model_args(iters: &str) -> Vec<String> {
+    s(&[
         "--model-size",
         "small",
         "--global-batch",
@@ -182,14 +184,43 @@ fn a_save_that_runs_out_of_disk_leaves_the_previous_checkpoint() {
         "--seq-len",
         "8",
         "--train-iters",
-        "4",
+        iters,
         "--save-interval",
         "2",
         "--log-interval",
         "1000",
-    ]);
-    let mut full = args.clone();
-    full.extend(["--save".into(), mnt.display().to_string()]);
+    ])
+}
+
+/// The checkpoint of iteration 2 on the full disk is intact and resumes.
+fn resumes_from_iteration_2(mnt: &Path) {
+    assert_eq!(
+        std::fs::read_to_string(mnt.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "2\n"
+    );
+    let names: Vec<String> = std::fs::read_dir(mnt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        !names.iter().any(|n| n.ends_with("_tmp")),
+        "a partial checkpoint was left: {names:?}"
+    );
+    let mut resume = small_model_args("4");
+    resume.extend(["--load".into(), mnt.display().to_string()]);
+    let out = train(&resume);
+    assert_success(&out, "resume from the checkpoint before the failed save");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("resumed from"));
+}
+
+#[test]
+fn a_save_that_runs_out_of_disk_leaves_the_previous_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let Some(disk) = small_disk(d.path()) else {
+        return;
+    };
+    let mut full = small_model_args("4");
+    full.extend(["--save".into(), disk.0.display().to_string()]);
     let out = train(&full);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(4), "{stderr}");
@@ -198,13 +229,36 @@ fn a_save_that_runs_out_of_disk_leaves_the_previous_checkpoint() {
         "{stderr}"
     );
     assert!(stderr.contains("No space left on device"), "{stderr}");
-    assert_eq!(
-        std::fs::read_to_string(mnt.join("latest_checkpointed_iteration.txt")).unwrap(),
-        "2\n"
+    // The trainer's own save leaves its partial directory for the next save
+    // to clear; the agent's removes it (checked below).
+    let _ = std::fs::remove_dir_all(disk.0.join("iter_0000004_tmp"));
+    resumes_from_iteration_2(&disk.0);
+}
+
+#[test]
+fn an_agent_save_that_runs_out_of_disk_says_so_and_keeps_the_previous() {
+    let d = tempfile::tempdir().unwrap();
+    let Some(disk) = small_disk(d.path()) else {
+        return;
+    };
+    // Iteration 2 is on the disk (saved by a plain run); the agent's save of
+    // the final iteration 4 of the resumed run then does not fit.
+    let mnt = disk.0.display().to_string();
+    let mut first = small_model_args("2");
+    first.extend(s(&["--save", &mnt]));
+    assert_success(&train(&first), "the first two steps");
+    let mut full = small_model_args("4");
+    full.extend(s(&["--save", &mnt, "--load", &mnt]));
+    let job = job_id("full-disk");
+    let out = Job::spawn(launch_cmd(1, &job, &full), &job).wait_output(Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(
+        stderr.contains("its final checkpoint could not be written")
+            && stderr.contains("No space left on device")
+            && stderr.contains("the newest checkpoint on disk is iteration 2"),
+        "{stderr}"
     );
-    let mut resume = args;
-    resume.extend(["--load".into(), mnt.display().to_string()]);
-    let out = train(&resume);
-    assert_success(&out, "resume from the checkpoint before the failed save");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("resumed from"));
+    assert!(job_pids(&job).is_empty());
+    resumes_from_iteration_2(&disk.0);
 }

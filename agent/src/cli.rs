@@ -92,9 +92,16 @@ pub struct HaArgs {
     /// Root directory of the shared-memory snapshot stores.
     #[arg(long, default_value = "/dev/shm/hatrain")]
     pub shm_root: PathBuf,
-    /// Snapshot slots per rank.
+    /// Snapshot slots per rank. While the agent writes a checkpoint from a
+    /// slot, that slot is held; with 2, snapshots wait meanwhile, with 3
+    /// they go on.
     #[arg(long, default_value_t = 2)]
     pub snapshot_slots: usize,
+    /// Let the trainer write its own --save-interval checkpoints (a
+    /// collective save on the training path). By default the agent writes
+    /// them from the snapshots when one host holds every rank.
+    #[arg(long)]
+    pub trainer_saves: bool,
     /// Seconds every rank has to pause during a recovery.
     #[arg(long, default_value_t = 60.0)]
     pub pause_timeout_secs: f64,

@@ -30,9 +30,10 @@ use crate::persister;
 use crate::reaper::{ExitEvent, Reaper};
 use crate::recovery::{self, ExitDecision, RankHistory};
 use crate::supervisor::{Outcome, Supervisor};
+use hatrain_shared::checkpoint;
 use hatrain_shared::control::{
-    CheckpointInfo, FaultRecord, Request, Response, SnapshotReport, StartMode, StatePart,
-    StatusReport, WorkerReport, layout_hash,
+    CheckpointInfo, FaultRecord, PersistReport, Request, Response, SnapshotReport, StartMode,
+    StatePart, StatusReport, WorkerReport, layout_hash,
 };
 use hatrain_shared::shm::{self, Directive, Geometry, Phase, Store};
 use hatrain_worker::rendezvous::StoreServer;
@@ -51,6 +52,11 @@ pub struct JobReport {
     /// The last-words checkpoint written as the job stopped: its iteration
     /// and directory.
     pub last_words: Option<(u64, PathBuf)>,
+    /// The final checkpoint the agent wrote for a job that succeeded (when
+    /// it saves for the trainer), or why it could not.
+    pub final_save: Option<Result<(u64, PathBuf), String>>,
+    /// What the agent-side persister did.
+    pub persist: Option<PersistReport>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +93,8 @@ struct JobState<'a> {
     step_samples: VecDeque<Duration>,
     /// Ranks killed as hung, with what was seen, until they are reaped.
     hung: HashMap<usize, String>,
+    /// The agent-side checkpoint writer, once a rank asked for saves.
+    persister: Option<persister::Persister>,
 }
 
 /// A rank found without progress.
@@ -210,6 +218,7 @@ async fn run_in(
         watch: HashMap::new(),
         step_samples: VecDeque::new(),
         hung: HashMap::new(),
+        persister: None,
     };
 
     enum Event {
@@ -259,6 +268,7 @@ async fn run_in(
                 let _ = msg.reply.send(response);
             }
             Event::Tick => {
+                st.persist(&sup);
                 if let Some(outcome) = st.progress(&sup) {
                     break outcome;
                 }
@@ -271,8 +281,24 @@ async fn run_in(
             }
         }
     };
-    // Whatever stopped the job, the newest consistent state goes to disk
-    // first when the dump mode is on.
+    // A job that succeeded ends with its final checkpoint on disk; whatever
+    // else stopped it, the newest consistent state goes to disk first when
+    // the dump mode is on.
+    let final_save = match st.persister.as_mut() {
+        Some(p) if outcome == Outcome::Succeeded => {
+            let sources: Vec<persister::OwnedSource> = sup
+                .ranks()
+                .iter()
+                .filter_map(|&r| owned_source(&st.stores, &st.registrations, r))
+                .collect();
+            p.finish(&sources).transpose()
+        }
+        Some(p) => {
+            p.wait();
+            None
+        }
+        None => None,
+    };
     let mut last_words = None;
     if cfg.ha.modes.dump
         && outcome != Outcome::Succeeded
@@ -291,10 +317,76 @@ async fn run_in(
         outcome,
         faults: st.faults,
         last_words,
+        final_save,
+        persist: st.persister.as_ref().map(persister::Persister::report),
+    })
+}
+
+/// A rank's store and registered layout, for the persister.
+fn owned_source(
+    stores: &HashMap<usize, Arc<Store>>,
+    registrations: &HashMap<usize, (Vec<StatePart>, Option<CheckpointInfo>)>,
+    rank: usize,
+) -> Option<persister::OwnedSource> {
+    let (parts, info) = registrations.get(&rank)?;
+    Some(persister::OwnedSource {
+        rank,
+        store: Arc::clone(stores.get(&rank)?),
+        parts: parts.clone(),
+        info: info.clone()?,
     })
 }
 
 impl JobState<'_> {
+    /// Starts the next periodic save when every rank holds its step.
+    fn persist(&mut self, sup: &Supervisor) {
+        let (stores, regs) = (&self.stores, &self.registrations);
+        if let Some(p) = self.persister.as_mut() {
+            p.poll(sup.ranks(), |r| owned_source(stores, regs, r));
+        }
+    }
+
+    /// Whether the agent writes this rank's checkpoints: with `--save`, one
+    /// host holding every rank, and unless `--trainer-saves`. The first such
+    /// registration sets up the persister.
+    fn agent_saves(&mut self, rank: usize, info: Option<&CheckpointInfo>) -> Result<bool, String> {
+        let Some((dir, info)) = info.and_then(|i| Some((i.save_dir.clone()?, i))) else {
+            return Ok(false);
+        };
+        if self.cfg.ha.trainer_saves {
+            return Ok(false);
+        }
+        if self.cfg.nnodes > 1 {
+            if self.persister.is_none() && rank == self.cfg.node_rank * self.cfg.nproc_per_node {
+                tracing::info!(
+                    "checkpoints are saved by the trainer: the agent writes them only when one host holds every rank"
+                );
+            }
+            return Ok(false);
+        }
+        match &self.persister {
+            Some(p) if p.dir() != dir => Err(format!(
+                "rank {rank} saves into {} but other ranks into {}",
+                dir.display(),
+                p.dir().display()
+            )),
+            Some(_) => Ok(true),
+            None => {
+                tracing::info!(
+                    dir = %dir.display(),
+                    interval = info.save_interval,
+                    "checkpoints are written by the agent from the snapshots"
+                );
+                self.persister = Some(persister::Persister::new(
+                    dir,
+                    info.save_interval,
+                    info.world_size,
+                ));
+                Ok(true)
+            }
+        }
+    }
+
     fn on_exit(&mut self, sup: &mut Supervisor, rank: usize, ev: ExitEvent) -> Option<Outcome> {
         let crash_step = self.stores.get(&rank).map_or(0, |s| s.step());
         let now = self.started.elapsed();
@@ -733,7 +825,11 @@ impl JobState<'_> {
                 parts,
                 checkpoint,
             } => {
-                let r = self.register(sup, rank, pid, &parts);
+                let agent_saves = match self.agent_saves(rank, checkpoint.as_ref()) {
+                    Ok(yes) => yes,
+                    Err(message) => return Response::Error { message },
+                };
+                let r = self.register(sup, rank, pid, &parts, agent_saves);
                 if matches!(r, Response::Registered { .. }) {
                     self.registrations.insert(rank, (parts, checkpoint));
                 }
@@ -777,6 +873,7 @@ impl JobState<'_> {
                 recovering: self.recovery.is_some(),
                 workers: self.workers(sup),
                 faults: self.faults.clone(),
+                persist: self.persister.as_ref().map(persister::Persister::report),
             }),
             Request::Workers => Response::Workers(self.workers(sup)),
             Request::Faults => Response::Faults(self.faults.clone()),
@@ -789,6 +886,7 @@ impl JobState<'_> {
         rank: usize,
         pid: u32,
         parts: &[hatrain_shared::control::StatePart],
+        agent_saves: bool,
     ) -> Response {
         if !sup.ranks().contains(&rank) {
             return Response::Error {
@@ -852,6 +950,7 @@ impl JobState<'_> {
             // Ranks wait on a failed collective whenever the agent may pause
             // them: for a recovery or for a last-words dump.
             recover: self.cfg.ha.modes.any(),
+            agent_saves,
         }
     }
 
@@ -886,6 +985,14 @@ impl JobState<'_> {
             tracing::warn!("{m}");
             return dumped(None, None, m);
         };
+        // One writer at a time in the save directory.
+        if let Some(p) = self.persister.as_mut() {
+            p.wait();
+        }
+        let on_disk = self
+            .persister
+            .as_ref()
+            .and_then(persister::Persister::last_saved);
         self.epoch += 1;
         let epoch = self.epoch;
         let t0 = Instant::now();
@@ -933,10 +1040,16 @@ impl JobState<'_> {
                 })
             })
             .collect();
+        // Ok((s*, the iteration on disk, its directory, whether written now)).
         let result = match recovery::consistent_step(&per_rank) {
             None => Err(format!(
                 "no step has a verified snapshot on every rank (per rank: {per_rank:?}); nothing written, the previous checkpoint is untouched"
             )),
+            // The periodic save already wrote it (or, after a corrupt
+            // snapshot, a newer consistent step): the tracker stays.
+            Some(s_star) if let Some(d) = on_disk.filter(|d| *d >= s_star) => {
+                Ok((s_star, d, checkpoint::iter_dir(&dir, d), false))
+            }
             Some(s_star) => {
                 let sources: Result<Vec<persister::RankSource<'_>>, String> = ranks
                     .iter()
@@ -954,17 +1067,25 @@ impl JobState<'_> {
                     .and_then(|src| {
                         persister::write_checkpoint(&src, s_star, &dir).map_err(|e| e.to_string())
                     })
-                    .map(|path| (s_star, path))
+                    .map(|path| (s_star, s_star, path, true))
             }
         };
         match result {
-            Ok((s_star, path)) => {
-                let m = format!(
-                    "last-words checkpoint of iteration {s_star} written to {} in {:.3} s; resume with --load {}",
-                    path.display(),
-                    t0.elapsed().as_secs_f64(),
-                    dir.display()
-                );
+            Ok((s_star, iteration, path, written)) => {
+                let m = if written {
+                    format!(
+                        "last-words checkpoint of iteration {iteration} written to {} in {:.3} s; resume with --load {}",
+                        path.display(),
+                        t0.elapsed().as_secs_f64(),
+                        dir.display()
+                    )
+                } else {
+                    format!(
+                        "iteration {iteration} is already on disk in {} (the newest consistent step is {s_star}); resume with --load {}",
+                        path.display(),
+                        dir.display()
+                    )
+                };
                 tracing::warn!("{m}");
                 if resume {
                     for r in &running {
@@ -974,7 +1095,7 @@ impl JobState<'_> {
                         });
                     }
                 }
-                dumped(Some(s_star), Some(dir), m)
+                dumped(Some(iteration), Some(dir), m)
             }
             Err(m) => {
                 tracing::error!(reason = %m, "last-words checkpoint failed");

@@ -55,6 +55,9 @@ pub struct HaSettings {
     /// recovery.
     pub pause_timeout: Duration,
     pub hang: HangPolicy,
+    /// Leave the trainer's `--save-interval` saves to the trainer (on the
+    /// training path) instead of writing them from the snapshots.
+    pub trainer_saves: bool,
 }
 
 impl Default for HaSettings {
@@ -66,6 +69,7 @@ impl Default for HaSettings {
             slots: 2,
             pause_timeout: Duration::from_secs(60),
             hang: HangPolicy::default(),
+            trainer_saves: false,
         }
     }
 }

@@ -32,6 +32,9 @@ pub mod exit {
     /// A fault could not be recovered from (the reason is logged and in
     /// `agentctl faults`).
     pub const RECOVERY_FAILED: u8 = 3;
+    /// Training finished, but the agent could not write its final
+    /// checkpoint (the previous one is intact).
+    pub const SAVE_FAILED: u8 = 4;
 
     /// The code for an agent stopped by signal `sig` (128+N).
     pub fn signaled(sig: i32) -> u8 {

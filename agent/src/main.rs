@@ -65,6 +65,17 @@ fn run(command: Command) -> Result<ExitCode> {
                         dir.display()
                     );
                 }
+                if let Some(Err(why)) = &report.final_save {
+                    let newest = report.persist.as_ref().and_then(|p| {
+                        let it = hatrain_shared::checkpoint::read_tracker(&p.dir).ok()?;
+                        Some(format!("iteration {it} in {}", p.dir.display()))
+                    });
+                    eprintln!(
+                        "hatrain-agent: training finished but its final checkpoint could not be written: {why}; the newest checkpoint on disk is {}",
+                        newest.as_deref().unwrap_or("none")
+                    );
+                    return Ok(ExitCode::from(exit::SAVE_FAILED));
+                }
                 report.outcome
             }
             Command::Demo(args) => demo::run(&args, shutdown).await?,
@@ -151,6 +162,7 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
             startup_grace: seconds("--hang-startup-grace-secs", h.hang_startup_grace_secs)?,
             ..HangPolicy::default()
         },
+        trainer_saves: h.trainer_saves,
     };
     Ok(LaunchConfig {
         nnodes: a.nnodes,

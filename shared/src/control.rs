@@ -17,7 +17,7 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    minor: 0,
+    minor: 1,
     max_payload: 1 << 20,
 };
 
@@ -97,6 +97,9 @@ pub struct CheckpointInfo {
     pub world_size: usize,
     /// Where checkpoints go (the trainer's `--save`).
     pub save_dir: Option<PathBuf>,
+    /// The trainer's `--save-interval` (0: only at the end).
+    #[serde(default)]
+    pub save_interval: u64,
     /// The training arguments, recorded in `meta.json`.
     pub args: serde_json::Value,
 }
@@ -121,6 +124,11 @@ pub enum Response {
         /// Whether a failed collective should wait for recovery (else the
         /// worker exits, as without high availability).
         recover: bool,
+        /// The agent writes the periodic and final checkpoints from the
+        /// snapshots (the worker holds each save step's snapshot for it and
+        /// does not save itself).
+        #[serde(default)]
+        agent_saves: bool,
     },
     Status(StatusReport),
     Workers(Vec<WorkerReport>),
@@ -198,6 +206,28 @@ pub struct StatusReport {
     pub recovering: bool,
     pub workers: Vec<WorkerReport>,
     pub faults: Vec<FaultRecord>,
+    /// The agent-side checkpoint writer, when it saves for the trainer.
+    #[serde(default)]
+    pub persist: Option<PersistReport>,
+}
+
+/// What the agent-side persister has done.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PersistReport {
+    pub dir: PathBuf,
+    pub interval: u64,
+    /// The newest iteration it wrote, and how long that took.
+    pub last_saved: Option<u64>,
+    pub last_seconds: Option<f64>,
+    /// Checkpoints written.
+    pub saves: u64,
+    /// Save steps passed over because the disk was still busy.
+    pub skipped: Vec<u64>,
+    /// The iteration being written now.
+    pub writing: Option<u64>,
+    /// The last failure, if the newest attempt failed.
+    pub last_error: Option<String>,
 }
 
 #[cfg(test)]

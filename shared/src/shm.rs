@@ -25,6 +25,7 @@
 //! 216 injected fault (0 none, 1 crash, 2 hang), taken at the next step
 //! 224 1 while the rank waits in a collective (on its peers), else 0
 //! 232 injection argument (UCE: buffer index << 48 | byte offset)
+//! 240 persist hold: 0 none, else step << 16 | claimed << 8 | (slot + 1)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\1"   8 version   16 seq (odd while written)   24 rank
@@ -49,6 +50,17 @@
 //! (seq odd while writing); the worker polls `directive seq` with one atomic
 //! load (no syscall) at every step boundary, and acknowledges a directive by
 //! storing its seq in `acknowledged directive seq`.
+//!
+//! # Persist holds
+//!
+//! A step the agent is to save to disk is *held*: after sealing it, the
+//! worker records `(step, slot)` in the hold word, and no writer touches a
+//! held slot until the hold is gone. The agent *claims* a hold (a CAS that
+//! sets the claimed bit) before it reads the slot and releases it when done.
+//! Only the worker names a slot in the hold word, and it replaces a hold
+//! with a newer one only while it is unclaimed (a CAS), so a claimed slot
+//! cannot be rewritten while the agent reads it: a slow disk makes the agent
+//! skip to the newest held step instead of queueing.
 
 use std::fs::OpenOptions;
 use std::io;
@@ -96,6 +108,7 @@ mod ctl {
     pub const INJECT: usize = 216;
     pub const IN_COLLECTIVE: usize = 224;
     pub const INJECT_ARG: usize = 232;
+    pub const HOLD: usize = 240;
 }
 
 /// Slot-header field offsets (bytes).
@@ -165,6 +178,40 @@ pub enum Injection {
     Hang = 2,
     /// An uncorrectable memory error in a state buffer.
     Uce = 3,
+}
+
+/// A snapshot held for the agent's persister (see "Persist holds").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub step: u64,
+    pub slot: usize,
+    /// The agent is reading the slot.
+    pub claimed: bool,
+}
+
+impl Hold {
+    const CLAIMED: u64 = 1 << 8;
+
+    fn encode(self) -> u64 {
+        let claimed = if self.claimed { Self::CLAIMED } else { 0 };
+        (self.step << 16) | claimed | (self.slot as u64 + 1)
+    }
+
+    fn decode(w: u64) -> Option<Self> {
+        let slot = (w & 0xff) as usize;
+        (slot != 0).then(|| Self {
+            step: w >> 16,
+            slot: slot - 1,
+            claimed: w & Self::CLAIMED != 0,
+        })
+    }
+}
+
+/// Why a worker could not hold a step for the persister.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldRefused {
+    /// The agent is still writing this older step out.
+    Busy(Hold),
 }
 
 /// An instruction from the agent to a rank.
@@ -637,6 +684,77 @@ impl Store {
             .fetch_and(!flags, Ordering::AcqRel);
     }
 
+    // ---- persist holds ----
+
+    /// The current hold, if any.
+    pub fn held(&self) -> Option<Hold> {
+        Hold::decode(self.ctl(ctl::HOLD).load(Ordering::Acquire))
+    }
+
+    /// Holds the freshly sealed `slot` (of `step`) for the persister (worker
+    /// side). An unclaimed older hold is replaced, and its slot freed; a
+    /// claimed one stays, and this step is not held.
+    pub fn hold(&self, step: u64, slot: usize) -> Result<(), HoldRefused> {
+        let word = self.ctl(ctl::HOLD);
+        let new = Hold {
+            step,
+            slot,
+            claimed: false,
+        }
+        .encode();
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            if let Some(h) = Hold::decode(cur).filter(|h| h.claimed) {
+                return Err(HoldRefused::Busy(h));
+            }
+            match word.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Claims the hold of `step` (agent side): true if it was held and not
+    /// claimed, and now is; from then on the worker leaves its slot alone.
+    pub fn claim_hold(&self, step: u64) -> Option<Hold> {
+        let h = self.held().filter(|h| h.step == step && !h.claimed)?;
+        let claimed = Hold { claimed: true, ..h };
+        self.ctl(ctl::HOLD)
+            .compare_exchange(
+                h.encode(),
+                claimed.encode(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .ok()
+            .map(|_| claimed)
+    }
+
+    /// Drops `hold` if it is still the current one (either side): the agent
+    /// when it is done with the slot, the worker when the step is abandoned.
+    pub fn release_hold(&self, hold: Hold) -> bool {
+        self.ctl(ctl::HOLD)
+            .compare_exchange(hold.encode(), 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Puts a claimed hold back to unclaimed (agent side), when not every
+    /// rank's hold of the step could be claimed.
+    pub fn unclaim_hold(&self, hold: Hold) -> bool {
+        let open = Hold {
+            claimed: false,
+            ..hold
+        };
+        self.ctl(ctl::HOLD)
+            .compare_exchange(
+                hold.encode(),
+                open.encode(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+
     // ---- directives ----
 
     /// Posts a directive (agent side). Returns its sequence number.
@@ -726,14 +844,20 @@ impl Store {
     }
 
     /// The slot a new snapshot may be written to: never the newest sealed
-    /// one; an unsealed slot if there is one, else the oldest sealed.
-    pub fn writable_slot(&self) -> usize {
+    /// one nor a held one; an unsealed slot if there is one, else the oldest
+    /// sealed. `None` when every other slot is held for the persister.
+    pub fn writable_slot(&self) -> Option<usize> {
         let sealed = self.sealed();
-        if let Some(free) = (0..self.geometry.slots).find(|s| !sealed.iter().any(|i| i.slot == *s))
+        let held = self.held().map(|h| h.slot);
+        let newest = sealed.first().map(|i| i.slot);
+        let usable = |s: &usize| Some(*s) != held && Some(*s) != newest;
+        if let Some(free) = (0..self.geometry.slots)
+            .filter(usable)
+            .find(|s| !sealed.iter().any(|i| i.slot == *s))
         {
-            return free;
+            return Some(free);
         }
-        sealed.last().map_or(0, |i| i.slot)
+        sealed.iter().rev().map(|i| i.slot).find(usable)
     }
 
     /// Empties every sealed slot newer than `step` (writer side, while no
@@ -741,6 +865,11 @@ impl Store {
     /// abandoned timeline; emptied, they are the first to be rewritten, so
     /// the slot holding `step` survives the next commit.
     pub fn discard_newer_than(&self, step: u64) {
+        if let Some(h) = self.held().filter(|h| h.step > step) {
+            // A claimed one too: the agent's check after reading the slot
+            // sees it emptied and drops that save.
+            self.release_hold(h);
+        }
         for slot in 0..self.geometry.slots {
             if self.slot_info(slot).is_some_and(|i| i.step > step) {
                 let w = |off| self.slot_word(slot, off);
@@ -1006,7 +1135,7 @@ mod tests {
         let data: Vec<u8> = (0..1000).map(|i| i as u8).collect();
         let mut slots = Vec::new();
         for step in 1..=5u64 {
-            let slot = s.writable_slot();
+            let slot = s.writable_slot().unwrap();
             if let Some(newest) = s.sealed().first() {
                 assert_ne!(slot, newest.slot);
             }
@@ -1056,7 +1185,7 @@ mod tests {
         assert_eq!(s.find_step(2), None);
         assert_eq!(s.find_step(1).unwrap().slot, 0);
         // The torn slot is the one rewritten next.
-        assert_eq!(s.writable_slot(), 1);
+        assert_eq!(s.writable_slot(), Some(1));
         s.write_slot(1, 3, 2, 0, &[&data], &mut |_, _| true)
             .unwrap();
         s.corrupt_slot_byte(1, 1234);
@@ -1072,7 +1201,7 @@ mod tests {
         let s = Store::create(&store_path(d.path(), 0), 0, Geometry::new(3, 64), 1, 1).unwrap();
         for step in 3..=5 {
             s.write_slot(
-                s.writable_slot(),
+                s.writable_slot().unwrap(),
                 0,
                 step,
                 0,
@@ -1089,7 +1218,7 @@ mod tests {
         // Redoing steps 4 and 5 keeps step 3 until newer steps exist.
         for step in 4..=5 {
             s.write_slot(
-                s.writable_slot(),
+                s.writable_slot().unwrap(),
                 0,
                 step,
                 1,
@@ -1102,6 +1231,51 @@ mod tests {
             s.sealed().iter().map(|i| i.step).collect::<Vec<_>>(),
             vec![5, 4, 3]
         );
+    }
+
+    #[test]
+    fn held_slots_are_kept_until_released() {
+        let d = tempfile::tempdir().unwrap();
+        let s = store(d.path(), 64);
+        let w = Store::open(s.path()).unwrap();
+        let seal = |step: u64| {
+            let slot = w.writable_slot()?;
+            w.write_slot(slot, 3, step, 0, &[&[step as u8; 64]], &mut |_, _| true)
+                .unwrap();
+            Some(slot)
+        };
+        let slot10 = seal(10).unwrap();
+        w.hold(10, slot10).unwrap();
+        // With two slots, one newest and one held, nothing is writable.
+        seal(11).unwrap();
+        assert_eq!(seal(12), None);
+        // An unclaimed hold is replaced by a newer step's.
+        let slot20 = {
+            let h = s.held().unwrap();
+            assert_eq!((h.step, h.slot, h.claimed), (10, slot10, false));
+            w.release_hold(h);
+            seal(20).unwrap()
+        };
+        w.hold(20, slot20).unwrap();
+        assert_eq!(s.claim_hold(10), None, "no longer held");
+        let claimed = s.claim_hold(20).unwrap();
+        assert!(claimed.claimed && claimed.slot == slot20);
+        // Claimed: the worker cannot move it, nor write its slot.
+        seal(21).unwrap();
+        assert_eq!(w.hold(30, 1 - slot20), Err(HoldRefused::Busy(claimed)));
+        assert_eq!(seal(22), None);
+        assert_eq!(s.verify(slot20).unwrap().step, 20);
+        assert!(s.release_hold(claimed));
+        assert_eq!(s.held(), None);
+        assert_eq!(seal(22), Some(slot20));
+        // A rollback below a held step drops the hold.
+        let slot23 = seal(23).unwrap();
+        w.hold(23, slot23).unwrap();
+        let c = s.claim_hold(23).unwrap();
+        assert!(s.unclaim_hold(c));
+        w.discard_newer_than(22);
+        assert_eq!(s.held(), None);
+        assert!(!s.release_hold(c));
     }
 
     #[test]

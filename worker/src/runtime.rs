@@ -261,6 +261,8 @@ struct CommitProgress {
     requested: u64,
     done: u64,
     last_error: Option<String>,
+    /// The step of the newest snapshot sealed.
+    sealed: Option<u64>,
 }
 
 struct CommitJob {
@@ -271,6 +273,10 @@ struct CommitJob {
     /// Repaired UCEs when the commit was asked for: the state is known good
     /// then, and a copy that sees the count change is not sealed.
     uces: u64,
+    /// Hold the sealed snapshot for the agent's persister.
+    hold: bool,
+    /// The final step: its snapshot is never skipped.
+    last: bool,
 }
 
 #[derive(Debug)]
@@ -283,6 +289,17 @@ struct Attached {
     handled: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// Which state a commit snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOf {
+    /// The starting state (fresh, or just loaded from disk): never saved.
+    Start,
+    /// A completed step.
+    Step,
+    /// The final step.
+    Last,
 }
 
 /// How the training loop should start.
@@ -303,6 +320,9 @@ pub struct Runtime {
     buffers: Vec<SharedBuf>,
     meta_len: usize,
     interval: u64,
+    /// `Some(save interval)` when the agent writes the checkpoints (0: only
+    /// the last step).
+    agent_saves: Option<u64>,
     plan: Arc<FaultPlan>,
     attached: Option<Attached>,
     commit_seq: u64,
@@ -341,6 +361,7 @@ impl Runtime {
             buffers: parts.iter().map(|(_, b)| Arc::clone(b)).collect(),
             meta_len,
             interval: snapshot_interval.max(1),
+            agent_saves: None,
             plan,
             attached: None,
             commit_seq: 0,
@@ -359,6 +380,7 @@ impl Runtime {
                 bytes: (len * 4) as u64,
             });
         }
+        let save_interval = checkpoint.as_ref().map(|c| c.save_interval);
         let mut conn = UnixStream::connect(&socket).map_err(|source| RuntimeError::Connect {
             path: socket.clone(),
             source,
@@ -377,7 +399,11 @@ impl Runtime {
                 store,
                 start,
                 recover,
-            } => (store, start, recover),
+                agent_saves,
+            } => {
+                rt.agent_saves = agent_saves.then(|| save_interval.unwrap_or(0));
+                (store, start, recover)
+            }
             Response::Error { message } => return Err(RuntimeError::Refused(message)),
             other => {
                 return Err(RuntimeError::Unexpected {
@@ -553,12 +579,25 @@ impl Runtime {
         }
     }
 
-    /// Snapshot the state of `step` (every `--snapshot-interval` steps):
-    /// `meta` is copied now, the buffers in the background.
-    pub fn commit(&mut self, step: u64, epoch: u64, meta: Vec<u8>) {
+    /// Whether the agent writes this rank's checkpoints (from the snapshots
+    /// of save steps, which [`Runtime::commit`] holds for it), so the
+    /// training loop does not save.
+    pub fn agent_saves(&self) -> bool {
+        self.agent_saves.is_some()
+    }
+
+    /// Snapshot the state of `step` (every `--snapshot-interval` steps, and
+    /// every step the agent is to save: each save-interval step and the
+    /// last): `meta` is copied now, the buffers in the background.
+    pub fn commit(&mut self, step: u64, epoch: u64, meta: Vec<u8>, of: CommitOf) {
         assert_eq!(meta.len(), self.meta_len, "meta block has a fixed size");
         let Some(a) = &self.attached else { return };
-        if !step.is_multiple_of(self.interval) || crate::uce::pending() {
+        let hold = self.agent_saves.is_some_and(|n| match of {
+            CommitOf::Start => false,
+            CommitOf::Step => n > 0 && step.is_multiple_of(n),
+            CommitOf::Last => true,
+        });
+        if !(hold || step.is_multiple_of(self.interval)) || crate::uce::pending() {
             // A UCE not yet acted on: this state is not snapshotted.
             return;
         }
@@ -576,6 +615,8 @@ impl Runtime {
                 meta,
                 seq: self.commit_seq,
                 uces,
+                hold,
+                last: of == CommitOf::Last,
             });
         }
     }
@@ -694,12 +735,18 @@ impl Runtime {
         Ok(meta)
     }
 
-    /// The loop has finished: the last snapshot is sealed.
-    pub fn finish(&self) {
+    /// The loop has finished at `step`: waits for the last snapshot and says
+    /// whether it is sealed (true without an agent).
+    pub fn finish(&self, step: u64) -> bool {
         self.wait_commit();
-        if let Some(a) = &self.attached {
-            a.store.set_phase(Phase::Finished);
-        }
+        let Some(a) = &self.attached else { return true };
+        a.store.set_phase(Phase::Finished);
+        a.progress
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sealed
+            == Some(step)
     }
 }
 
@@ -723,40 +770,91 @@ fn commit_loop(
     plan: &FaultPlan,
     rank: u64,
 ) {
+    // Whether a hold has cost a snapshot yet (said once).
+    let mut said_blocked = false;
     while let Ok(job) = rx.recv() {
         let t = Instant::now();
-        let result = {
-            let guards: Vec<_> = bufs
-                .iter()
-                .map(|b| b.read().unwrap_or_else(|p| p.into_inner()))
-                .collect();
-            let mut parts: Vec<&[u8]> = vec![&job.meta];
-            parts.extend(
-                guards
+        let result = match free_slot(store, &job) {
+            Some(slot) => {
+                let guards: Vec<_> = bufs
                     .iter()
-                    .map(|g| bytemuck::cast_slice::<f32, u8>(&g[..])),
-            );
-            let slot = store.writable_slot();
-            let mut halfway = false;
-            let uces = job.uces;
-            store.write_slot(slot, rank, job.step, job.epoch, &parts, &mut |at, len| {
-                if !halfway && at * 2 >= len {
-                    halfway = true;
-                    plan.hit(job.step, Point::Commit);
+                    .map(|b| b.read().unwrap_or_else(|p| p.into_inner()))
+                    .collect();
+                let mut parts: Vec<&[u8]> = vec![&job.meta];
+                parts.extend(
+                    guards
+                        .iter()
+                        .map(|g| bytemuck::cast_slice::<f32, u8>(&g[..])),
+                );
+                let mut halfway = false;
+                let uces = job.uces;
+                store
+                    .write_slot(slot, rank, job.step, job.epoch, &parts, &mut |at, len| {
+                        if !halfway && at * 2 >= len {
+                            halfway = true;
+                            plan.hit(job.step, Point::Commit);
+                        }
+                        // A UCE repaired meanwhile may have zeroed bytes being
+                        // copied.
+                        crate::uce::count() == uces
+                    })
+                    .map(|info| {
+                        // Refused only while the agent still writes an older
+                        // step; it then skips to a newer one and says so.
+                        if job.hold {
+                            let _ = store.hold(job.step, info.slot);
+                        }
+                        Some(job.step)
+                    })
+                    .map_err(|e| e.to_string())
+            }
+            None => {
+                if !said_blocked && let Some(h) = store.held() {
+                    said_blocked = true;
+                    eprintln!(
+                        "rank {rank}: snapshot of step {} skipped: its slot is held while the agent writes iteration {} to disk (with --snapshot-slots 3 snapshots go on meanwhile; said once)",
+                        job.step, h.step
+                    );
                 }
-                // A UCE repaired meanwhile may have zeroed bytes being copied.
-                crate::uce::count() == uces
-            })
+                Ok(None)
+            }
         };
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         store.record_commit(ns);
         let (lock, cv) = progress;
         let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
         p.done = job.seq;
-        if let Err(e) = result {
-            p.last_error = Some(e.to_string());
+        match result {
+            Ok(Some(step)) => p.sealed = Some(step),
+            Ok(None) => {}
+            Err(e) => p.last_error = Some(e),
         }
         cv.notify_all();
+    }
+}
+
+/// The slot for `job`'s snapshot, when every slot but the newest is held
+/// for the persister: a save step takes the place of an unclaimed hold (the
+/// persister skips to the newest), and the final step waits for a claimed
+/// one to be written out; any other step is not snapshotted (`None`).
+fn free_slot(store: &Store, job: &CommitJob) -> Option<usize> {
+    loop {
+        if let Some(slot) = store.writable_slot() {
+            return Some(slot);
+        }
+        let h = store.held()?;
+        if !job.hold {
+            return None;
+        }
+        if !h.claimed {
+            store.release_hold(h);
+        } else if job.last {
+            // Alive, not hung: the training loop waits for this commit.
+            store.beat();
+            thread::sleep(Duration::from_millis(1));
+        } else {
+            return None;
+        }
     }
 }
 

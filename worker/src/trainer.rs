@@ -20,7 +20,7 @@ use crate::data::{MarkovChain, SplitMix64};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
 use crate::rendezvous::{RendezvousError, StoreClient, StoreServer};
-use crate::runtime::{Runtime, RuntimeError, SharedBuf, Start};
+use crate::runtime::{CommitOf, Runtime, RuntimeError, SharedBuf, Start};
 use clap::Parser;
 use hatrain_shared::checkpoint::{self, CheckpointError, ShardData, ShardHeader};
 use hatrain_shared::model::{ModelConfig, ModelSize, shard_range};
@@ -514,6 +514,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             model: cfg,
             world_size: world,
             save_dir: args.save.clone(),
+            save_interval: args.save_interval,
             args: serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
         }),
     )?;
@@ -551,7 +552,12 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             }
             // The starting state is snapshot 0 of this run, so even a fault
             // in the first step has a consistent step to return to.
-            rt.commit(t.state.scalars.step, t.epoch, t.state.scalars.encode());
+            rt.commit(
+                t.state.scalars.step,
+                t.epoch,
+                t.state.scalars.encode(),
+                CommitOf::Start,
+            );
             comm
         }
         Start::AwaitDirective => {
@@ -573,6 +579,13 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             cfg.vocab,
             (cfg.vocab as f64).ln()
         );
+        if let (Some(dir), true) = (&args.save, rt.agent_saves()) {
+            println!(
+                "checkpoints: written by the agent from the snapshots into {} (every {} steps and at the end), off the training path",
+                dir.display(),
+                args.save_interval
+            );
+        }
     }
     t.log.write(serde_json::json!({
         "event": "start", "world_size": world, "params": numel, "model": cfg,
@@ -608,7 +621,28 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             Err(StepError::Collective(e)) => return Err(e.into()),
         }
     }
-    rt.finish();
+    let sealed = rt.finish(t.state.scalars.step);
+    if let (Some(dir), true) = (&args.save, rt.agent_saves()) {
+        // The agent writes the final checkpoint from the final snapshot; if
+        // any rank's could not be sealed, every rank saves it here instead.
+        let unsealed = rt.collective(|| comm.all_gather_f64(if sealed { 0.0 } else { 1.0 }))?;
+        if unsealed.iter().any(|u| *u > 0.0) {
+            if rank == 0 {
+                println!(
+                    "the final snapshot is not sealed on every rank: the trainer saves iteration {} itself",
+                    t.state.scalars.step
+                );
+            }
+            let path = rt.collective(|| t.save(dir, &mut comm))?;
+            if rank == 0 {
+                println!(
+                    "saved iteration {} to {}",
+                    t.state.scalars.step,
+                    path.display()
+                );
+            }
+        }
+    }
 
     let sum = param_checksum(&read(&t.state.params));
     if rank == 0 {
@@ -731,11 +765,16 @@ impl Trainer<'_> {
             "tokens_per_s": tps, "step_time_s": dt, "epoch": self.epoch,
             "unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         }))?;
-        rt.commit(step, self.epoch, self.state.scalars.encode());
+        let last = step == args.train_iters;
+        let of = if last { CommitOf::Last } else { CommitOf::Step };
+        rt.commit(step, self.epoch, self.state.scalars.encode(), of);
 
+        // With an agent that saves, the save steps' snapshots are held for it
+        // and it writes them to disk off the training path.
         let due = args.save_interval > 0 && step.is_multiple_of(args.save_interval);
         if let Some(dir) = &args.save
-            && (due || step == args.train_iters)
+            && (due || last)
+            && !rt.agent_saves()
         {
             let t = Instant::now();
             let path = rt.collective(|| self.save(dir, comm))?;

@@ -1,0 +1,232 @@
+//! The agent-side periodic save: the agent writes `--save-interval`
+//! checkpoints from the held snapshots, off the training path; they are the
+//! very bytes the trainer's own collective save writes, also when workers
+//! are killed and rebooted meanwhile, and the foundation's loader reads them
+//! at the same and at another world size.
+
+mod common;
+use common::*;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+const ITERS: u64 = 40;
+const INTERVAL: u64 = 10;
+
+fn train(log: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a = tiny_args(ITERS);
+    a.extend(["--log-jsonl".into(), log.display().to_string()]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+/// A 4-rank launch with extra agent flags and an optional fault plan.
+fn launch(job: &str, agent_flags: &[&str], train: &[String], plan: Option<&str>) -> Command {
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(agent_flags)
+        .arg("--")
+        .arg(agent())
+        .arg("train")
+        .args(train)
+        .env_remove("HIGH_AVAILABILITY")
+        .env_remove("RAYON_NUM_THREADS")
+        .env("RUST_LOG", "info");
+    match plan {
+        Some(p) => cmd.env("HATRAIN_FAULT_PLAN", p),
+        None => cmd.env_remove("HATRAIN_FAULT_PLAN"),
+    };
+    cmd
+}
+
+fn run(name: &str, cmd: impl FnOnce(&str) -> Command) -> (String, String) {
+    let job = job_id(name);
+    let out = Job::spawn(cmd(&job), &job).wait_output(Duration::from_secs(300));
+    assert_success(&out, name);
+    assert!(job_pids(&job).is_empty(), "{name}: processes left behind");
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn iterations(ckpt: &Path) -> BTreeSet<u64> {
+    std::fs::read_dir(ckpt)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().ok()?;
+            name.strip_prefix("iter_")?.parse().ok()
+        })
+        .collect()
+}
+
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Two checkpoints of one iteration hold the same bytes: every tensor file
+/// identical, and `meta.json` identical but for the recorded `--save` and log paths.
+fn assert_same_checkpoint(a: &Path, b: &Path) {
+    let (fa, fb) = (files(a), files(b));
+    let rel = |root: &Path, f: &[PathBuf]| -> Vec<PathBuf> {
+        f.iter()
+            .map(|p| p.strip_prefix(root).unwrap().to_path_buf())
+            .collect()
+    };
+    assert_eq!(
+        rel(a, &fa),
+        rel(b, &fb),
+        "{} vs {}",
+        a.display(),
+        b.display()
+    );
+    assert!(
+        fa.iter()
+            .any(|p| p.extension().is_some_and(|e| e == "safetensors"))
+    );
+    for (x, y) in fa.iter().zip(&fb) {
+        let (bx, by) = (std::fs::read(x).unwrap(), std::fs::read(y).unwrap());
+        if x.file_name().is_some_and(|n| n == "meta.json") {
+            let mut jx: serde_json::Value = serde_json::from_slice(&bx).unwrap();
+            let mut jy: serde_json::Value = serde_json::from_slice(&by).unwrap();
+            for key in ["save", "log_jsonl"] {
+                jx["args"][key] = serde_json::Value::Null;
+                jy["args"][key] = serde_json::Value::Null;
+            }
+            assert_eq!(jx, jy, "{}", x.display());
+        } else {
+            assert!(bx == by, "{} differs from {}", x.display(), y.display());
+        }
+    }
+}
+
+/// Copies `iteration` of `from` into a fresh directory whose tracker names
+/// it: how a user resumes from an older checkpoint.
+fn only(from: &Path, iteration: u64, to: &Path) {
+    let name = format!("iter_{iteration:07}");
+    for f in files(&from.join(&name)) {
+        let dst = to
+            .join(&name)
+            .join(f.strip_prefix(from.join(&name)).unwrap());
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(&f, &dst).unwrap();
+    }
+    std::fs::write(
+        to.join("latest_checkpointed_iteration.txt"),
+        format!("{iteration}\n"),
+    )
+    .unwrap();
+}
+
+#[test]
+fn agent_saves_are_the_trainers_bytes_and_load_at_any_world_size() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |n: &str| d.path().join(n);
+    let interval = INTERVAL.to_string();
+
+    // The trainer saves for itself, no faults.
+    let (ref_log, ref_ckpt) = (p("ref.jsonl"), p("ref-ckpt"));
+    let ref_args = train(
+        &ref_log,
+        &[
+            "--save",
+            ref_ckpt.to_str().unwrap(),
+            "--save-interval",
+            &interval,
+        ],
+    );
+    let (out, _) = run("persist-ref", |job| {
+        launch(job, &["--trainer-saves"], &ref_args, None)
+    });
+    assert!(out.contains("saved iteration 10"), "{out}");
+    assert_eq!(iterations(&ref_ckpt), BTreeSet::from([10, 20, 30, 40]));
+    let reference = read_log(&ref_log);
+
+    // The agent saves, while two workers are killed and rebooted in place.
+    let (log, ckpt) = (p("agent.jsonl"), p("agent-ckpt"));
+    let args = train(
+        &log,
+        &[
+            "--save",
+            ckpt.to_str().unwrap(),
+            "--save-interval",
+            &interval,
+        ],
+    );
+    let (out, err) = run("persist-agent", |job| {
+        launch(
+            job,
+            &[
+                "--enable-high-availability",
+                "--enable-worker-reboot",
+                "--snapshot-slots",
+                "3",
+            ],
+            &args,
+            Some("2:15:update:kill;1:23:commit:kill"),
+        )
+    });
+    assert!(out.contains("written by the agent"), "{out}");
+    assert!(!out.contains("saved iteration"), "the trainer saved: {out}");
+    assert_eq!(err.matches("replacement started").count(), 2, "{err}");
+    let run = read_log(&log);
+    assert_eq!(final_checksum(&reference), final_checksum(&run));
+
+    // Every save step is on disk, or the agent said it skipped it because
+    // the disk was busy; the final step always is.
+    let written = iterations(&ckpt);
+    assert!(written.contains(&ITERS), "{written:?}");
+    for it in (INTERVAL..ITERS).step_by(INTERVAL as usize) {
+        assert!(
+            written.contains(&it) || err.contains("skipping to the newest held step"),
+            "iteration {it} neither written nor said skipped: {written:?}\n{err}"
+        );
+    }
+    assert!(written.iter().all(|it| it % INTERVAL == 0), "{written:?}");
+    for &it in &written {
+        let name = format!("iter_{it:07}");
+        assert_same_checkpoint(&ckpt.join(&name), &ref_ckpt.join(&name));
+    }
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
+        format!("{ITERS}\n")
+    );
+
+    // The oldest agent-written iteration resumes to the reference's
+    // weights at the same world size, and loads at world size 2.
+    let first = *written.iter().next().unwrap();
+    let older = p("older");
+    only(&ckpt, first, &older);
+    for (nproc, name) in [(4, "same"), (2, "half")] {
+        let log = p(&format!("resume-{name}.jsonl"));
+        let args = train(&log, &["--load", older.to_str().unwrap()]);
+        assert_success(&run_launch(nproc, "persist-resume", &args), name);
+        let b = read_log(&log);
+        assert_eq!(b[0]["resumed_from"], first);
+        assert_eq!(b[0]["start_step"], first);
+        let l = losses(&b);
+        assert_eq!(l.last().unwrap().0, ITERS);
+        if nproc == 4 {
+            assert_eq!(final_checksum(&reference), final_checksum(&b));
+            let want = final_losses(&reference);
+            for (step, loss) in l {
+                assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
+            }
+        } else {
+            assert!(l.iter().all(|(_, x)| x.is_finite()));
+            assert!(l.last().unwrap().1 < l[0].1 + 0.05, "{l:?}");
+        }
+    }
+}
