@@ -118,6 +118,28 @@ fn run(cli: Cli) -> Result<()> {
                 s.uptime_s,
                 if s.recovering { " | RECOVERING" } else { "" }
             );
+            if let Some(p) = &s.persist {
+                println!(
+                    "checkpoints: written by the agent into {} every {} steps | last iteration {} | {} saved{}{}{}",
+                    p.dir.display(),
+                    p.interval,
+                    p.last_saved.map_or("-".into(), |it| format!(
+                        "{it} ({:.3} s)",
+                        p.last_seconds.unwrap_or(0.0)
+                    )),
+                    p.saves,
+                    p.writing
+                        .map_or(String::new(), |it| format!(" | writing {it}")),
+                    if p.skipped.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" | skipped {:?} (disk slower than the interval)", p.skipped)
+                    },
+                    p.last_error
+                        .as_ref()
+                        .map_or(String::new(), |e| format!(" | LAST SAVE FAILED: {e}")),
+                );
+            }
             print_workers(&s.workers);
             print_faults(&s.faults);
         }

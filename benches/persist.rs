@@ -1,0 +1,143 @@
+//! Step time with periodic checkpoints, end to end with real processes.
+//!
+//! The same run (`10m` model, 2 ranks, 40 steps, a snapshot every step, 3
+//! slots so a held slot never costs a snapshot) in three configurations,
+//! interleaved, `HATRAIN_BENCH_REPS` times (default 3):
+//! - `none`: no `--save` at all (the baseline);
+//! - `agent`: `--save --save-interval 10`, written by the agent from the
+//!   held snapshots, off the training path (the default);
+//! - `trainer`: the same with `--trainer-saves`: the trainer's collective
+//!   save on the training path.
+//!
+//! The step time of a run is the wall time from the end of step 5 to the end
+//! of step 40 over 35 steps, so the saves of iterations 10, 20 and 30 are
+//! inside it (the final save of iteration 40 is after it in both save
+//! configurations). Reported: each run's step time, the medians and the
+//! ratios against `none`, and for the agent the checkpoints it wrote, their
+//! write times and any steps it skipped. `HATRAIN_BENCH_SIZE` picks another
+//! model size.
+
+mod common;
+use common::median;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+const ITERS: u64 = 40;
+const FROM: u64 = 5;
+
+fn agent() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"))
+}
+
+fn step_times(log: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["event"] == "step")
+        .map(|e| (e["step"].as_u64().unwrap(), e["unix_s"].as_f64().unwrap()))
+        .collect()
+}
+
+/// One run; returns its mean step time and the agent's log.
+fn run(size: &str, mode: &str, dir: &Path, rep: usize) -> (f64, String) {
+    let log = dir.join(format!("{mode}-{rep}.jsonl"));
+    let ckpt = dir.join(format!("{mode}-{rep}-ckpt"));
+    let mut train: Vec<String> = [
+        "--model-size",
+        size,
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "32",
+        "--log-interval",
+        "1000",
+        "--train-iters",
+        &ITERS.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    train.extend(["--log-jsonl".into(), log.display().to_string()]);
+    if mode != "none" {
+        train.extend(["--save".into(), ckpt.display().to_string()]);
+        train.extend(["--save-interval".into(), "10".into()]);
+    }
+    let mut c = Command::new(agent());
+    c.args(["launch", "--nproc-per-node", "2", "--snapshot-slots", "3"])
+        .arg("--job-id")
+        .arg(format!("bench-persist-{}", std::process::id()))
+        .arg("--shm-root")
+        .arg(dir.join("shm"));
+    if mode == "trainer" {
+        c.arg("--trainer-saves");
+    }
+    let out = c
+        .arg("--")
+        .arg(agent())
+        .arg("train")
+        .args(&train)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run hatrain-agent");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{mode} run failed:\n{stderr}");
+    let t: std::collections::BTreeMap<u64, f64> = step_times(&log).into_iter().collect();
+    let mean = (t[&ITERS] - t[&FROM]) / (ITERS - FROM) as f64;
+    let _ = std::fs::remove_dir_all(&ckpt);
+    (mean, stderr)
+}
+
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let at = line.find(&format!("{key}="))? + key.len() + 1;
+    line[at..].split_whitespace().next()
+}
+
+fn main() {
+    let size = std::env::var("HATRAIN_BENCH_SIZE").unwrap_or_else(|_| "10m".into());
+    let reps: usize = std::env::var("HATRAIN_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let modes = ["none", "agent", "trainer"];
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    println!(
+        "model {size}, 2 ranks, {ITERS} steps, save every 10, step time over steps {FROM}..{ITERS}"
+    );
+    for rep in 0..reps {
+        for (i, mode) in modes.iter().enumerate() {
+            let (mean, stderr) = run(&size, mode, dir.path(), rep);
+            times[i].push(mean);
+            let mut note = String::new();
+            if *mode == "agent" {
+                let writes: Vec<String> = stderr
+                    .lines()
+                    .filter(|l| l.contains("checkpoint written from the snapshots"))
+                    .filter_map(|l| {
+                        let step = field(l, "step")?;
+                        let secs: f64 = field(l, "seconds")?.parse().ok()?;
+                        Some(format!("{step}:{secs:.3}s"))
+                    })
+                    .collect();
+                let skips = stderr
+                    .lines()
+                    .filter(|l| l.contains("skipping to the newest held step"))
+                    .count();
+                note = format!(" | agent wrote [{}], skip events {skips}", writes.join(" "));
+            }
+            println!("rep {rep} {mode:>7}: {:8.1} ms/step{note}", mean * 1e3);
+        }
+    }
+    let med: Vec<f64> = times.iter().map(|t| median(t.clone())).collect();
+    for (i, mode) in modes.iter().enumerate() {
+        println!(
+            "median {mode:>7}: {:8.1} ms/step, {:.3} × none",
+            med[i] * 1e3,
+            med[i] / med[0]
+        );
+    }
+}
