@@ -21,9 +21,10 @@ pub enum Command {
     /// Launch this host's workers, torchrun-style:
     /// `launch --nproc-per-node P [...] -- <worker command...>`.
     Launch(LaunchArgs),
-    /// Train the default model on 4 local ranks with periodic checkpoints,
-    /// once without faults and once with workers killed and rebooted in
-    /// place, and compare.
+    /// Train the default model on 4 local ranks with periodic checkpoints:
+    /// once without faults; once with workers killed, a memory error and a
+    /// hang, all repaired, then SIGTERM and a last-words checkpoint; once
+    /// resumed from it. Compares the weights and draws the loss curves.
     Demo(DemoArgs),
     /// Run the reference trainer in this process (the same as `hatrain-train`).
     Train(TrainArgs),

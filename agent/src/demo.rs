@@ -1,25 +1,28 @@
 //! `hatrain-agent demo`: the project's main job on an embedded default.
 //!
 //! It trains the reference model (this same binary's `train` subcommand, so
-//! one `cargo run` builds everything) on `--nproc` local ranks with periodic
-//! checkpoints, twice, with worker reboot on:
+//! one `cargo run` builds everything) on `--nproc` local ranks, each run a
+//! real `hatrain-agent launch` process with dump, retry and recover on and
+//! the agent writing the periodic checkpoints from shared memory:
 //! 1. a fault-free run, for reference;
-//! 2. the same run while `--kills` workers are killed with SIGKILL at steps,
-//!    ranks and points (forward pass, inside the update fences, mid snapshot
-//!    copy) drawn from `--fault-seed`.
+//! 2. the same run while `--kills` workers are killed with SIGKILL (at
+//!    steps, ranks and points drawn from `--fault-seed`: the forward pass,
+//!    inside the update fences, mid snapshot copy), a rank's AdamW moments
+//!    take an uncorrectable memory error and a rank hangs; near the end the
+//!    agent gets SIGTERM and writes its last-words checkpoint;
+//! 3. a resume from that checkpoint with `--load`, to the end.
 //!
-//! It ends with a summary: the loss against the data's entropy floor, every
-//! fault with the step it was repaired from, its recovery time and the steps
-//! lost, and whether the final weights of both runs are bit-identical.
+//! It ends with a summary (the loss against the data's entropy floor, every
+//! fault with its action, the step it was repaired from, its recovery time
+//! and the steps lost; the last-words checkpoint; whether the resumed run
+//! ended with weights bit-identical to the fault-free one) and a PNG of the
+//! loss curves with the faults marked.
 
 use crate::cli::DemoArgs;
-use crate::launch::{self, HaSettings, LaunchConfig};
 use crate::supervisor::Outcome;
 use anyhow::{Context, Result, bail};
-use hatrain_shared::control::FaultRecord;
-use hatrain_shared::ha::HaModes;
+use hatrain_shared::control::{FaultRecord, Request, Response};
 use hatrain_worker::data::SplitMix64;
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -110,18 +113,81 @@ fn plan(seed: u64, n: usize, nproc: usize, steps: u64) -> Vec<Kill> {
         .collect()
 }
 
+/// A finished run: how its agent exited, the faults it handled, its log.
 struct RunResult {
-    outcome: Outcome,
+    code: Option<i32>,
     faults: Vec<FaultRecord>,
     log: PathBuf,
+    ckpt: PathBuf,
     seconds: f64,
+}
+
+/// What a run does besides training to the end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Script {
+    /// Train to the end.
+    Plain,
+    /// Send the agent SIGTERM once `stop_at` is reached and every one of
+    /// `faults` faults is recovered.
+    SigtermAt { stop_at: u64, faults: usize },
+    /// `--load` the checkpoint directory of the run named here.
+    ResumeFrom(&'static str),
+}
+
+fn launch_command(
+    args: &DemoArgs,
+    exe: &Path,
+    job: &str,
+    work: &Path,
+    ckpt: &Path,
+    log: &Path,
+) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(exe);
+    c.args(["launch", "--nproc-per-node", &args.nproc.to_string()])
+        .args(["--job-id", job])
+        .arg("--shm-root")
+        .arg(&args.shm_root)
+        .args([
+            "--enable-high-availability",
+            "--enable-hbmfault-repair",
+            "--enable-worker-reboot",
+        ])
+        // A hang is declared after 10 median steps, at least 2 s.
+        .args(["--hang-floor-secs", "2", "--hang-startup-grace-secs", "120"])
+        // A slot held for the periodic save never costs a snapshot.
+        .args(["--snapshot-slots", "3"])
+        .arg("--")
+        .arg(exe)
+        .arg("train")
+        .args(["--model-size", &args.model_size])
+        .args(["--train-iters", &args.steps.to_string()])
+        .args(["--save-interval", &args.save_interval.to_string()])
+        .args(["--log-interval", "25"])
+        .arg("--save")
+        .arg(ckpt)
+        .arg("--log-jsonl")
+        .arg(log)
+        .current_dir(work)
+        .env_remove(hatrain_shared::ha::ENV)
+        .env_remove(hatrain_worker::runtime::ENV_FAULT_PLAN)
+        .kill_on_drop(true);
+    // SAFETY: prctl(2) only, between fork and exec: the agent of a run
+    // gets SIGTERM (and so stops its workers) if the demo dies.
+    unsafe {
+        c.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+                .map_err(std::io::Error::from)
+        });
+    }
+    c
 }
 
 async fn train_once(
     args: &DemoArgs,
     name: &str,
     kills: &[Kill],
-    shutdown: CancellationToken,
+    script: Script,
+    shutdown: &CancellationToken,
 ) -> Result<RunResult> {
     let exe = std::env::current_exe().context("cannot find the agent's own executable")?;
     let work = args.workdir.join(name);
@@ -130,62 +196,84 @@ async fn train_once(
             .with_context(|| format!("cannot clear {}", work.display()))?;
     }
     std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
-    let ckpt = work.join("checkpoints");
+    let work = work
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", work.display()))?;
     let log = work.join("train.jsonl");
-    let mut command: Vec<OsString> = vec![exe.into(), "train".into()];
-    for (k, v) in [
-        ("--model-size", args.model_size.clone()),
-        ("--train-iters", args.steps.to_string()),
-        ("--save-interval", args.save_interval.to_string()),
-        ("--log-interval", "25".into()),
-    ] {
-        command.push(k.into());
-        command.push(v.into());
+    let ckpt = work.join("checkpoints");
+    let job = format!("demo-{name}-{}", std::process::id());
+    let mut cmd = launch_command(args, &exe, &job, &work, &ckpt, &log);
+    if let Script::ResumeFrom(from) = script {
+        cmd.arg("--load")
+            .arg(work.with_file_name(from).join("checkpoints"));
     }
-    command.extend(["--save".into(), ckpt.into_os_string()]);
-    command.extend(["--log-jsonl".into(), log.clone().into_os_string()]);
-    let plan: Vec<String> = kills.iter().map(Kill::entry).collect();
-    // The fault plan reaches the workers through the environment the
-    // launcher passes on.
-    // SAFETY: the demo sets it before it starts any worker, from the only
-    // thread that reads the environment (the agent is single-threaded).
-    unsafe { std::env::set_var(hatrain_worker::runtime::ENV_FAULT_PLAN, plan.join(";")) };
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cfg = LaunchConfig {
-        nnodes: 1,
-        node_rank: 0,
-        nproc_per_node: args.nproc,
-        master_addr: "127.0.0.1".into(),
-        master_port: None,
-        job_id: format!("demo-{name}-{}", std::process::id()),
-        threads_per_worker: (cores / args.nproc.max(1)).max(1),
-        stop_grace: Duration::from_secs(5),
-        command,
-        ha: HaSettings {
-            modes: HaModes {
-                dump: true,
-                recover: true,
-                retry: true,
-                ..HaModes::default()
-            },
-            shm_root: args.shm_root.clone(),
-            // A hang is declared after 10 median steps, at least 2 s.
-            hang: crate::recovery::HangPolicy {
-                floor: Duration::from_secs(2),
-                startup_grace: Duration::from_secs(120),
-                ..crate::recovery::HangPolicy::default()
-            },
-            ..HaSettings::default()
-        },
-    };
+    if !kills.is_empty() {
+        let plan: Vec<String> = kills.iter().map(Kill::entry).collect();
+        cmd.env(hatrain_worker::runtime::ENV_FAULT_PLAN, plan.join(";"));
+    }
     let t = Instant::now();
-    let report = launch::run(&cfg, shutdown).await?;
+    let mut child = cmd.spawn().context("cannot start hatrain-agent launch")?;
+    let pid = child.id().context("the agent exited at once")?;
+    let socket = args.shm_root.join(&job).join("agent.sock");
+    let mut faults = Vec::new();
+    let mut signalled = false;
+    let status = loop {
+        tokio::select! {
+            st = child.wait() => break st.context("cannot wait for the agent")?,
+            _ = shutdown.cancelled(), if !signalled => {
+                signalled = true;
+                signal_agent(pid);
+            }
+            _ = tokio::time::sleep(Duration::from_millis(100)), if !signalled => {
+                let status = query(&socket, Request::Status).await;
+                if let Some(Response::Status(s)) = status {
+                    faults = s.faults.clone();
+                    if let Script::SigtermAt { stop_at, faults: n } = script {
+                        let step = s.workers.iter().map(|w| w.step).min().unwrap_or(0);
+                        let recovered = s.faults.len() >= n
+                            && s.faults.iter().all(|f| f.recovery_s.is_some());
+                        if step >= stop_at && recovered && !s.recovering {
+                            println!(
+                                "demo: every rank is past step {stop_at} and every fault is recovered: sending the agent (pid {pid}) SIGTERM"
+                            );
+                            signalled = true;
+                            signal_agent(pid);
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if shutdown.is_cancelled() {
+        bail!("the demo was interrupted");
+    }
     Ok(RunResult {
-        outcome: report.outcome,
-        faults: report.faults,
+        code: status.code(),
+        faults,
         log,
+        ckpt,
         seconds: t.elapsed().as_secs_f64(),
     })
+}
+
+fn signal_agent(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+}
+
+/// One request to a run's agent (none while its socket is not up yet).
+async fn query(socket: &Path, request: Request) -> Option<Response> {
+    let socket = socket.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        crate::control::request(&socket, &request, Duration::from_secs(5)).ok()
+    })
+    .await
+    .ok()
+    .flatten()
 }
 
 pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome> {
@@ -198,12 +286,24 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         args.nproc,
         args.steps,
     );
+    let last_fault = kills.iter().map(|k| k.step).max().unwrap_or(0);
+    let stop_at = (args.steps * 9 / 10).max(last_fault + 3);
+    if stop_at + 2 > args.steps {
+        bail!(
+            "--steps {} leaves no room for the SIGTERM after the last fault (step {last_fault}); use at least {}",
+            args.steps,
+            last_fault + 5
+        );
+    }
     println!(
-        "demo: training the {} model on {} local ranks for {} steps, twice, with worker reboot, \
-         step repair and the hang watchdog on:\n  1. without faults, for reference\n  2. with {} faults:\n     {}",
+        "demo: training the {} model on {} local ranks for {} steps, with worker reboot, \
+         step repair, the hang watchdog and the last-words dump on, checkpoints every {} steps \
+         written by the agent:\n  1. without faults, for reference\n  2. with {} faults:\n     {}\n     \
+         and SIGTERM to the agent after step {stop_at}: a last-words checkpoint\n  3. resumed from that checkpoint to the end",
         args.model_size,
         args.nproc,
         args.steps,
+        args.save_interval,
         kills.len(),
         kills
             .iter()
@@ -212,16 +312,41 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
             .join("\n     ")
     );
     println!("\n=== run 1: no faults ===");
-    let reference = train_once(args, "reference", &[], shutdown.clone()).await?;
-    if reference.outcome != Outcome::Succeeded {
-        return Ok(reference.outcome);
+    let reference = train_once(args, "reference", &[], Script::Plain, &shutdown).await?;
+    if reference.code != Some(0) {
+        bail!(
+            "the fault-free run failed (agent exit {:?})",
+            reference.code
+        );
     }
-    println!("\n=== run 2: with faults ===");
-    let faulty = train_once(args, "faulty", &kills, shutdown).await?;
-    if faulty.outcome != Outcome::Succeeded {
-        return Ok(faulty.outcome);
+    println!("\n=== run 2: with faults, then SIGTERM ===");
+    let script = Script::SigtermAt {
+        stop_at,
+        faults: kills.len(),
+    };
+    let faulty = train_once(args, "faulty", &kills, script, &shutdown).await?;
+    let sigterm = 128 + nix::sys::signal::Signal::SIGTERM as i32;
+    if faulty.code != Some(sigterm) {
+        bail!(
+            "the run with faults ended with agent exit {:?}, not {sigterm} after SIGTERM",
+            faulty.code
+        );
     }
-    summarise(args, &kills, &reference, &faulty)?;
+    let last_words = hatrain_shared::checkpoint::read_tracker(&faulty.ckpt)
+        .context("the last-words checkpoint is not there")?;
+    println!("\n=== run 3: resumed from the last-words checkpoint of iteration {last_words} ===");
+    let resumed = train_once(
+        args,
+        "resumed",
+        &[],
+        Script::ResumeFrom("faulty"),
+        &shutdown,
+    )
+    .await?;
+    if resumed.code != Some(0) {
+        bail!("the resumed run failed (agent exit {:?})", resumed.code);
+    }
+    summarise(args, &kills, &reference, &faulty, &resumed, last_words)?;
     Ok(Outcome::Succeeded)
 }
 
@@ -234,31 +359,47 @@ fn read_events(log: &Path) -> Result<Vec<serde_json::Value>> {
         .with_context(|| format!("{} is not JSON lines", log.display()))
 }
 
+/// The last logged loss of every step (a step redone is logged again).
+fn losses(ev: &[serde_json::Value]) -> Vec<(u64, f64)> {
+    let m: std::collections::BTreeMap<u64, f64> = ev
+        .iter()
+        .filter(|e| e["event"] == "step")
+        .filter_map(|e| Some((e["step"].as_u64()?, e["loss"].as_f64()?)))
+        .collect();
+    m.into_iter().collect()
+}
+
 fn summarise(
     args: &DemoArgs,
     kills: &[Kill],
     reference: &RunResult,
     faulty: &RunResult,
+    resumed: &RunResult,
+    last_words: u64,
 ) -> Result<()> {
-    let (a, b) = (read_events(&reference.log)?, read_events(&faulty.log)?);
+    let (a, b, c) = (
+        read_events(&reference.log)?,
+        read_events(&faulty.log)?,
+        read_events(&resumed.log)?,
+    );
     let last = |ev: &[serde_json::Value], kind: &str| {
         ev.iter().rev().find(|e| e["event"] == kind).cloned()
     };
-    let (Some(start), Some(fin_a), Some(fin_b)) =
-        (last(&a, "start"), last(&a, "final"), last(&b, "final"))
-    else {
+    let (Some(start), Some(fin_a), Some(fin_c), Some(start_c)) = (
+        last(&a, "start"),
+        last(&a, "final"),
+        last(&c, "final"),
+        last(&c, "start"),
+    ) else {
         bail!("the training logs are incomplete");
     };
     let floor = start["entropy_floor"].as_f64().unwrap_or(f64::NAN);
-    let first = a
-        .iter()
-        .find(|e| e["event"] == "step")
-        .and_then(|e| e["loss"].as_f64())
-        .unwrap_or(f64::NAN);
+    let (la, lb, lc) = (losses(&a), losses(&b), losses(&c));
+    let first = la.first().map_or(f64::NAN, |p| p.1);
     let final_loss = fin_a["loss"].as_f64().unwrap_or(f64::NAN);
-    let (sum_a, sum_b) = (
+    let (sum_a, sum_c) = (
         fin_a["param_xxh3"].as_str().unwrap_or("?"),
-        fin_b["param_xxh3"].as_str().unwrap_or("?"),
+        fin_c["param_xxh3"].as_str().unwrap_or("?"),
     );
     println!("\n=== demo summary ===");
     println!(
@@ -270,10 +411,11 @@ fn summarise(
         100.0 * (first - final_loss) / (first - floor)
     );
     println!(
-        "wall time: {:.1} s without faults, {:.1} s with {} fault(s)",
+        "wall time: {:.1} s without faults; {:.1} s with {} fault(s) up to the SIGTERM, then {:.1} s resumed",
         reference.seconds,
         faulty.seconds,
-        faulty.faults.len()
+        faulty.faults.len(),
+        resumed.seconds
     );
     println!(
         "{:>5} {:>6} {:>6} {:>4} {:>10} {:>6}  action",
@@ -292,18 +434,77 @@ fn summarise(
         );
     }
     println!(
+        "{:>5} {:>6} {:>6} {:>4} {:>10} {:>6}  last-words checkpoint of iteration {last_words}, then the job stopped (agent exit {})",
+        "-",
+        "all",
+        "SIGTERM",
+        last_words,
+        "-",
+        "-",
+        faulty.code.map_or("?".into(), |c| c.to_string()),
+    );
+    println!(
         "faults planned {}, handled {}",
         kills.len(),
         faulty.faults.len()
     );
-    let same = sum_a == sum_b;
+    let resumed_from = start_c["resumed_from"].as_u64();
+    // The resumed run logs each step once; each must equal the reference.
+    let want: std::collections::BTreeMap<u64, f64> = la.iter().copied().collect();
+    let same_losses = lc
+        .iter()
+        .all(|(s, l)| want.get(s).is_some_and(|w| w.to_bits() == l.to_bits()));
+    let same = sum_a == sum_c && resumed_from == Some(last_words) && same_losses;
     println!(
-        "final weights: {sum_a} without faults, {sum_b} with faults: {}",
+        "resumed from iteration {}: final weights {sum_c}, without faults {sum_a}: {}",
+        resumed_from.map_or("?".into(), |s| s.to_string()),
         if same { "bit-identical" } else { "DIFFERENT" }
     );
+    let png = args.workdir.join("loss.png");
+    // A fault is marked at the step it hit: the step the run was at when
+    // it was detected (s* + 1 for the step that was being computed).
+    let mut marks: Vec<crate::plot::Mark> = faulty
+        .faults
+        .iter()
+        .map(|f| crate::plot::Mark {
+            step: f.s_star.map_or(0, |s| s + 1),
+            label: format!("{} rank {:?}", f.kind, f.ranks),
+        })
+        .collect();
+    marks.push(crate::plot::Mark {
+        step: last_words,
+        label: format!("SIGTERM: last words @ {last_words}"),
+    });
+    let series = [
+        crate::plot::Series {
+            label: "without faults".into(),
+            points: la,
+        },
+        crate::plot::Series {
+            label: "with faults, to the SIGTERM".into(),
+            points: lb,
+        },
+        crate::plot::Series {
+            label: format!("resumed from iteration {last_words}"),
+            points: lc,
+        },
+    ];
+    crate::plot::loss_curve(
+        &png,
+        &format!(
+            "hatrain demo: {} model, {} ranks, {} faults and a SIGTERM",
+            args.model_size,
+            args.nproc,
+            faulty.faults.len()
+        ),
+        &series,
+        floor,
+        &marks,
+    )?;
+    println!("loss curve: {}", png.display());
     println!("logs and checkpoints: {}", args.workdir.display());
     if !same {
-        bail!("the run with faults ended with other weights than the run without");
+        bail!("the resumed run ended with other weights or losses than the run without faults");
     }
     Ok(())
 }

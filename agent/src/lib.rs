@@ -6,7 +6,9 @@
 //! - [`job`]: one host's job: the event loop, snapshot stores, recovery;
 //! - [`recovery`]: the pure decision functions (restart or stop, s\*);
 //! - [`control`]: the control socket for workers and `agentctl`;
-//! - [`demo`]: the main job on its embedded default;
+//! - [`demo`]: the main job on its embedded default, and [`plot`], its
+//!   loss curve;
+//! - [`persister`]: checkpoints written from the snapshots;
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
 
 pub mod cli;
@@ -16,6 +18,7 @@ pub mod gpu;
 pub mod job;
 pub mod launch;
 pub mod persister;
+pub mod plot;
 pub mod reaper;
 pub mod recovery;
 pub mod supervisor;

@@ -1,11 +1,10 @@
 //! `agentctl`: inspects a running hatrain agent over its control socket.
 //! One small function per verb; `--json` prints the agent's reply as JSON.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
-use hatrain_shared::control::{FaultRecord, PROTOCOL, Request, Response, WorkerReport};
+use hatrain_shared::control::{FaultRecord, Request, Response, WorkerReport};
 use hatrain_shared::shm::Injection;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -97,7 +96,8 @@ fn run(cli: Cli) -> Result<()> {
             offset,
         },
     };
-    let response = call(&socket, &request)?;
+    // A dump pauses the job and writes its state: allow it time.
+    let response = hatrain_agent::control::request(&socket, &request, Duration::from_secs(600))?;
     if cli.json {
         println!("{}", serde_json::to_string_pretty(&response)?);
         return Ok(());
@@ -158,15 +158,6 @@ fn run(cli: Cli) -> Result<()> {
         other => bail!("unexpected reply: {other:?}"),
     }
     Ok(())
-}
-
-fn call(socket: &PathBuf, request: &Request) -> Result<Response> {
-    let mut s = UnixStream::connect(socket)
-        .with_context(|| format!("cannot connect to the agent at {}", socket.display()))?;
-    // A dump pauses the job and writes its state: allow it time.
-    s.set_read_timeout(Some(Duration::from_secs(600)))?;
-    PROTOCOL.send_json(&mut s, request)?;
-    Ok(PROTOCOL.recv_json(&mut s)?)
 }
 
 fn print_workers(w: &[WorkerReport]) {
