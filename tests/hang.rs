@@ -147,10 +147,44 @@ fn agentctl_injects_a_hang_and_a_crash() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    ctl(&["inject", "crash", "--rank", "0"]);
+    // A crash at a given step; a step already done is refused.
+    let now = losses(&read_log(&log)).last().unwrap().0;
+    let refused = Command::new(agentctl())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["inject", "crash", "--rank", "0", "--at-step", "1"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("--at-step 1 must be later"), "{why}");
+    let at = now + 15;
+    let said = ctl(&[
+        "inject",
+        "crash",
+        "--rank",
+        "0",
+        "--at-step",
+        &at.to_string(),
+    ]);
+    assert!(said.contains(&format!("at step {at}")), "{said}");
     assert!(
         wait_until(Duration::from_secs(60), faults(2)),
         "crash not recovered"
+    );
+    let out = Command::new(agentctl())
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--json", "faults"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Killed as step `at` began: its state is that of step at-1 (or at-2
+    // when the kill tore the commit of at-1).
+    let s_star = v["faults"][1]["s_star"].as_u64().unwrap();
+    assert!(
+        (at - 2..at).contains(&s_star),
+        "s* {s_star} for a crash at step {at}"
     );
     let text = ctl(&["faults"]);
     assert!(text.contains("rank(s) [3] | hang"), "{text}");

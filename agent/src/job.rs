@@ -497,7 +497,7 @@ impl JobState<'_> {
                     xid = f.xid,
                     "GPU uncorrectable memory error: handled as a UCE"
                 );
-                store.inject(hatrain_shared::shm::Injection::Uce, 0);
+                store.inject(hatrain_shared::shm::Injection::Uce, 0, 0);
             }
             None => tracing::warn!(
                 device = f.device,
@@ -843,20 +843,38 @@ impl JobState<'_> {
                 fault,
                 buffer,
                 offset,
+                at_step,
             } => match self.stores.get(&rank) {
                 Some(store) if sup.pid(rank).is_some() => {
+                    let done = store.step();
+                    if let Some(at) = at_step.filter(|at| *at <= done) {
+                        return Response::Error {
+                            message: format!(
+                                "rank {rank} has completed step {done}; --at-step {at} must be later"
+                            ),
+                        };
+                    }
                     // State buffers are numbered after the metadata part.
                     let name = buffer.unwrap_or_else(|| "params".into());
                     let parts = self.registrations.get(&rank).map(|r| &r.0);
                     let index = parts
                         .and_then(|p| p.iter().skip(1).position(|x| x.name == name))
                         .unwrap_or(usize::MAX >> 16) as u64;
-                    store.inject(fault, (index << 48) | (offset & ((1 << 48) - 1)));
-                    tracing::warn!(rank, ?fault, "fault injected on request");
+                    store.inject(
+                        fault,
+                        (index << 48) | (offset & ((1 << 48) - 1)),
+                        at_step.unwrap_or(0),
+                    );
+                    tracing::warn!(rank, ?fault, ?at_step, "fault injected on request");
                     Response::Injected {
-                        message: format!(
-                            "rank {rank} will give itself a {fault:?} at its next step"
-                        ),
+                        message: match at_step {
+                            Some(at) => {
+                                format!("rank {rank} will give itself a {fault:?} at step {at}")
+                            }
+                            None => {
+                                format!("rank {rank} will give itself a {fault:?} at its next step")
+                            }
+                        },
                     }
                 }
                 _ => Response::Error {

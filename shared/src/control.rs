@@ -68,6 +68,9 @@ pub enum Request {
         buffer: Option<String>,
         #[serde(default)]
         offset: u64,
+        /// Give it at the start of this step instead of the next one.
+        #[serde(default)]
+        at_step: Option<u64>,
     },
     /// Job overview.
     Status,

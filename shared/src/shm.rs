@@ -26,6 +26,7 @@
 //! 224 1 while the rank waits in a collective (on its peers), else 0
 //! 232 injection argument (UCE: buffer index << 48 | byte offset)
 //! 240 persist hold: 0 none, else step << 16 | claimed << 8 | (slot + 1)
+//! 248 step the injected fault waits for (0: the next step)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\1"   8 version   16 seq (odd while written)   24 rank
@@ -109,6 +110,7 @@ mod ctl {
     pub const IN_COLLECTIVE: usize = 224;
     pub const INJECT_ARG: usize = 232;
     pub const HOLD: usize = 240;
+    pub const INJECT_AT: usize = 248;
 }
 
 /// Slot-header field offsets (bytes).
@@ -655,16 +657,24 @@ impl Store {
         self.ctl(ctl::IN_COLLECTIVE).load(Ordering::Acquire) != 0
     }
 
-    /// Asks the worker to inject a fault at its next step (agent side).
-    pub fn inject(&self, kind: Injection, arg: u64) {
+    /// Asks the worker to inject a fault at step `at` (0: its next step;
+    /// agent side).
+    pub fn inject(&self, kind: Injection, arg: u64, at: u64) {
         self.ctl(ctl::INJECT_ARG).store(arg, Ordering::Relaxed);
+        self.ctl(ctl::INJECT_AT).store(at, Ordering::Relaxed);
         self.ctl(ctl::INJECT).store(kind as u64, Ordering::Release);
     }
 
-    /// Takes a pending injected fault and its argument (worker side): one
-    /// atomic swap on the fast path.
-    pub fn take_injection(&self) -> Option<(Injection, u64)> {
-        let kind = match self.ctl(ctl::INJECT).swap(0, Ordering::AcqRel) {
+    /// Takes a pending injected fault due at `step` and its argument
+    /// (worker side): one atomic load on the fast path.
+    pub fn take_injection(&self, step: u64) -> Option<(Injection, u64)> {
+        let word = self.ctl(ctl::INJECT);
+        if word.load(Ordering::Acquire) == 0
+            || self.ctl(ctl::INJECT_AT).load(Ordering::Relaxed) > step
+        {
+            return None;
+        }
+        let kind = match word.swap(0, Ordering::AcqRel) {
             1 => Injection::Crash,
             2 => Injection::Hang,
             3 => Injection::Uce,

@@ -497,7 +497,7 @@ impl Runtime {
     pub fn begin_step(&self, step: u64) {
         if let Some(a) = &self.attached {
             a.store.set_phase(Phase::Computing);
-            match a.store.take_injection() {
+            match a.store.take_injection(step) {
                 Some((Injection::Uce, arg)) => {
                     let (buffer, offset) = ((arg >> 48) as usize, (arg & ((1 << 48) - 1)) as usize);
                     match self.plan.targets.get(buffer) {

@@ -43,7 +43,7 @@ enum Verb {
     /// Write a last-words checkpoint of the newest consistent step now, and
     /// carry on training.
     Dump,
-    /// Make a rank give itself a fault at its next step.
+    /// Make a rank give itself a fault at its next step (or at --at-step).
     Inject {
         /// crash (SIGKILL itself), hang (block inside the step) or uce (an
         /// uncorrectable memory error in a state buffer).
@@ -57,6 +57,9 @@ enum Verb {
         /// For uce: the byte offset in the buffer.
         #[arg(long, default_value_t = 0)]
         offset: u64,
+        /// The step to give it at (default: the next one).
+        #[arg(long)]
+        at_step: Option<u64>,
     },
 }
 
@@ -85,6 +88,7 @@ fn run(cli: Cli) -> Result<()> {
             rank,
             buffer,
             offset,
+            at_step,
         } => Request::Inject {
             rank,
             fault: match fault.as_str() {
@@ -94,6 +98,7 @@ fn run(cli: Cli) -> Result<()> {
             },
             buffer,
             offset,
+            at_step,
         },
     };
     // A dump pauses the job and writes its state: allow it time.
