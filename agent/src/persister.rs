@@ -318,7 +318,7 @@ impl Persister {
                     skipped = ?passed,
                     writing = step,
                     last_save_s = self.last_saved.map(|(_, t)| t),
-                    "the disk is slower than the save interval: skipping to the newest held step"
+                    "save steps came faster than checkpoints could be written (a disk slower than the save interval): skipping to the newest held step"
                 );
                 self.skipped.extend(&passed);
                 let extra = self.skipped.len().saturating_sub(SKIPPED_KEPT);
