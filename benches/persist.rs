@@ -18,7 +18,7 @@
 //! model size.
 
 mod common;
-use common::median;
+use common::{median, train_args};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -44,22 +44,7 @@ fn step_times(log: &Path) -> Vec<(u64, f64)> {
 fn run(size: &str, mode: &str, dir: &Path, rep: usize) -> (f64, String) {
     let log = dir.join(format!("{mode}-{rep}.jsonl"));
     let ckpt = dir.join(format!("{mode}-{rep}-ckpt"));
-    let mut train: Vec<String> = [
-        "--model-size",
-        size,
-        "--global-batch",
-        "16",
-        "--seq-len",
-        "32",
-        "--log-interval",
-        "1000",
-        "--train-iters",
-        &ITERS.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    train.extend(["--log-jsonl".into(), log.display().to_string()]);
+    let mut train = train_args(size, ITERS, &log, &[]);
     if mode != "none" {
         train.extend(["--save".into(), ckpt.display().to_string()]);
         train.extend(["--save-interval".into(), "10".into()]);

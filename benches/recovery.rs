@@ -19,7 +19,7 @@
 //!    baseline the time to step K; steps redone; the medians and ratios.
 
 mod common;
-use common::median;
+use common::{median, train_args};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -70,30 +70,6 @@ fn launch(nproc: usize, ha: bool, shm: &Path, train: &[String]) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     c.spawn().expect("start hatrain-agent")
-}
-
-fn train_args(size: &str, iters: u64, log: &Path, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--model-size",
-        size,
-        "--global-batch",
-        "16",
-        "--seq-len",
-        "32",
-        "--log-interval",
-        "1000",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend([
-        "--train-iters".into(),
-        iters.to_string(),
-        "--log-jsonl".into(),
-        log.display().to_string(),
-    ]);
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a
 }
 
 fn worker_pids(launcher: u32) -> Vec<(usize, i32)> {

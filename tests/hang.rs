@@ -103,19 +103,33 @@ fn agentctl_injects_a_hang_and_a_crash() {
     let job = job_id("inject");
     let mut guard = Job::spawn(launch(&job, &shm, &log, "", 100_000), &job);
     let socket = shm.join(&job).join("agent.sock");
-    let ctl = |args: &[&str]| {
-        let out = Command::new(agentctl())
+    let run_ctl = |args: &[&str]| {
+        Command::new(agentctl())
             .arg("--socket")
             .arg(&socket)
             .args(args)
             .output()
-            .unwrap();
+            .unwrap()
+    };
+    let ctl = |args: &[&str]| {
+        let out = run_ctl(args);
         assert!(
             out.status.success(),
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let fault_list = || {
+        let v: serde_json::Value =
+            serde_json::from_slice(&run_ctl(&["--json", "faults"]).stdout).unwrap_or_default();
+        v["faults"].as_array().cloned().unwrap_or_default()
+    };
+    let recovered = |n: usize| {
+        move || {
+            let f = fault_list();
+            f.len() >= n && f.iter().all(|x| !x["recovery_s"].is_null())
+        }
     };
     // Past the warm-up steps, so the adaptive bound applies.
     assert!(wait_until(Duration::from_secs(60), || losses(&read_log(
@@ -124,22 +138,7 @@ fn agentctl_injects_a_hang_and_a_crash() {
     .len()
         >= 20));
     ctl(&["inject", "hang", "--rank", "3"]);
-    let faults = |n: usize| {
-        let socket = socket.clone();
-        move || {
-            let out = Command::new(agentctl())
-                .arg("--socket")
-                .arg(&socket)
-                .args(["--json", "faults"])
-                .output()
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-            v["faults"]
-                .as_array()
-                .is_some_and(|f| f.len() >= n && f.iter().all(|x| !x["recovery_s"].is_null()))
-        }
-    };
-    if !wait_until(Duration::from_secs(60), faults(1)) {
+    if !wait_until(Duration::from_secs(60), recovered(1)) {
         kill(guard.pid(), libc::SIGTERM);
         let out = guard.wait_output(Duration::from_secs(30));
         panic!(
@@ -149,12 +148,7 @@ fn agentctl_injects_a_hang_and_a_crash() {
     }
     // A crash at a given step; a step already done is refused.
     let now = losses(&read_log(&log)).last().unwrap().0;
-    let refused = Command::new(agentctl())
-        .arg("--socket")
-        .arg(&socket)
-        .args(["inject", "crash", "--rank", "0", "--at-step", "1"])
-        .output()
-        .unwrap();
+    let refused = run_ctl(&["inject", "crash", "--rank", "0", "--at-step", "1"]);
     assert!(!refused.status.success());
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(why.contains("--at-step 1 must be later"), "{why}");
@@ -169,19 +163,12 @@ fn agentctl_injects_a_hang_and_a_crash() {
     ]);
     assert!(said.contains(&format!("at step {at}")), "{said}");
     assert!(
-        wait_until(Duration::from_secs(60), faults(2)),
+        wait_until(Duration::from_secs(60), recovered(2)),
         "crash not recovered"
     );
-    let out = Command::new(agentctl())
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--json", "faults"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     // Killed as step `at` began: its state is that of step at-1 (or at-2
     // when the kill tore the commit of at-1).
-    let s_star = v["faults"][1]["s_star"].as_u64().unwrap();
+    let s_star = fault_list()[1]["s_star"].as_u64().unwrap();
     assert!(
         (at - 2..at).contains(&s_star),
         "s* {s_star} for a crash at step {at}"

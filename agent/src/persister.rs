@@ -662,39 +662,34 @@ mod tests {
         drop(go);
     }
 
-    #[test]
-    fn finish_writes_the_final_step_once_and_says_when_it_cannot() {
+    /// Two ranks that sealed steps 7 and 8 and finished at 8, and a
+    /// final-only persister into a fresh directory.
+    fn finished() -> (Ranks, tempfile::TempDir, Persister) {
         let r = ranks(2);
         let out = tempfile::tempdir().unwrap();
-        let mut p = Persister::new(out.path().to_path_buf(), 0, 2);
+        let p = Persister::new(out.path().to_path_buf(), 0, 2);
         seal(&r, 7);
         seal(&r, 8);
         for x in &r.sources {
             x.store.set_step(8);
         }
-        assert_eq!(
-            p.finish(&r.sources).unwrap(),
-            Some((8, out.path().to_path_buf()))
-        );
+        (r, out, p)
+    }
+
+    #[test]
+    fn finish_writes_the_final_step_once_and_says_when_it_cannot() {
+        let (r, out, mut p) = finished();
+        let done = Some((8, out.path().to_path_buf()));
+        assert_eq!(p.finish(&r.sources).unwrap(), done);
         assert_eq!(checkpoint::read_tracker(out.path()).unwrap(), 8);
-        assert_eq!(
-            p.finish(&r.sources).unwrap(),
-            Some((8, out.path().to_path_buf()))
-        );
+        assert_eq!(p.finish(&r.sources).unwrap(), done);
         assert_eq!(p.report().saves, 1, "not written twice");
         let e = p.finish(&r.sources[..1]).unwrap_err();
         assert!(e.contains("all 2 ranks"), "{e}");
 
         // Rank 1's final snapshot is corrupt: step 7 is the newest every
         // rank has; it is written, and the missing final step is an error.
-        let r = ranks(2);
-        let out = tempfile::tempdir().unwrap();
-        let mut p = Persister::new(out.path().to_path_buf(), 0, 2);
-        seal(&r, 7);
-        seal(&r, 8);
-        for x in &r.sources {
-            x.store.set_step(8);
-        }
+        let (r, out, mut p) = finished();
         let slot8 = r.sources[1].store.find_step(8).unwrap().slot;
         r.sources[1].store.corrupt_slot_byte(slot8, 100);
         let e = p.finish(&r.sources).unwrap_err();

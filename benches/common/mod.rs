@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use hatrain_shared::model::ModelConfig;
+use std::path::Path;
 
 /// The median of `v` (upper median for an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -29,4 +30,30 @@ pub fn model_of_mib(mib: usize) -> ModelConfig {
         d_ff: 1024,
         layers: (per_buffer / (2 * 1024 * 1024)).max(1),
     }
+}
+
+/// Trainer arguments of the end-to-end benchmarks: global batch 16 × 32
+/// tokens, a JSON log, and `extra`.
+pub fn train_args(size: &str, iters: u64, log: &Path, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "--model-size",
+        size,
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "32",
+        "--log-interval",
+        "1000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend([
+        "--train-iters".into(),
+        iters.to_string(),
+        "--log-jsonl".into(),
+        log.display().to_string(),
+    ]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
 }
