@@ -8,7 +8,7 @@
 //! narrow the matrix.
 
 mod common;
-use common::median;
+use common::{median, train_args};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -34,23 +34,8 @@ fn main() {
             let status = Command::new(&agent)
                 .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
                 .arg(&agent)
-                .args([
-                    "train",
-                    "--model-size",
-                    size,
-                    "--global-batch",
-                    "16",
-                    "--seq-len",
-                    "32",
-                ])
-                .args([
-                    "--log-interval",
-                    "1000",
-                    "--train-iters",
-                    &STEPS.to_string(),
-                ])
-                .arg("--log-jsonl")
-                .arg(&log)
+                .arg("train")
+                .args(train_args(size, STEPS, &log, &[]))
                 .env("RUST_LOG", "warn")
                 .status()
                 .expect("run hatrain-agent");

@@ -1209,16 +1209,13 @@ mod tests {
     fn rollback_discards_the_abandoned_timeline() {
         let d = tempfile::tempdir().unwrap();
         let s = Store::create(&store_path(d.path(), 0), 0, Geometry::new(3, 64), 1, 1).unwrap();
+        let seal = |step: u64, epoch: u64| {
+            let slot = s.writable_slot().unwrap();
+            s.write_slot(slot, 0, step, epoch, &[&[step as u8; 64]], &mut |_, _| true)
+                .unwrap();
+        };
         for step in 3..=5 {
-            s.write_slot(
-                s.writable_slot().unwrap(),
-                0,
-                step,
-                0,
-                &[&[step as u8; 64]],
-                &mut |_, _| true,
-            )
-            .unwrap();
+            seal(step, 0);
         }
         s.discard_newer_than(3);
         assert_eq!(
@@ -1227,15 +1224,7 @@ mod tests {
         );
         // Redoing steps 4 and 5 keeps step 3 until newer steps exist.
         for step in 4..=5 {
-            s.write_slot(
-                s.writable_slot().unwrap(),
-                0,
-                step,
-                1,
-                &[&[step as u8; 64]],
-                &mut |_, _| true,
-            )
-            .unwrap();
+            seal(step, 1);
         }
         assert_eq!(
             s.sealed().iter().map(|i| i.step).collect::<Vec<_>>(),
