@@ -3,7 +3,8 @@
 //!
 //! Cases (state of one rank: parameters and two AdamW moments, f32):
 //! - `plain write+fsync`: one file of the same size, written and fsynced;
-//! - `save 1 rank`: `begin_save` + `write_shard` + `commit_save`;
+//! - `save 1 rank`: `begin_save` + `write_rank` (the trainer's state map)
+//!   + `commit_save`;
 //! - `load 1 rank`: `read_tracker` + `load_shard` with moments (page cache
 //!   warm, like a resume right after a save).
 //!
@@ -12,7 +13,8 @@
 
 mod common;
 use common::median;
-use hatrain_shared::checkpoint::{self, ShardData, ShardHeader};
+use hatrain_shared::checkpoint;
+use hatrain_trainer::checkpoint::{SaveTo, load_shard, state_map};
 use std::io::Write;
 use std::time::Instant;
 
@@ -31,6 +33,12 @@ fn main() {
         .unwrap_or_else(|| std::path::PathBuf::from("target/bench-checkpoint"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("bench directory");
+    let save_to = SaveTo {
+        dir: dir.clone(),
+        interval: 0,
+    };
+    let map = state_map(&model, 1, 0, Some(&save_to), serde_json::Value::Null);
+    let meta: Vec<u8> = [1u64, 1, 2].iter().flat_map(|w| w.to_le_bytes()).collect();
     let mut plain = Vec::new();
     let mut save = Vec::new();
     let mut load = Vec::new();
@@ -50,27 +58,19 @@ fn main() {
         let it = rep as u64 + 1;
         let t = Instant::now();
         let tmp = checkpoint::begin_save(&dir, it).expect("begin");
-        let header = ShardHeader {
-            iteration: it,
-            world_size: 1,
-            rank: 0,
-            model,
-            rng_state: 1,
-            data_position: 2,
-            args: serde_json::Value::Null,
-        };
-        let data = ShardData {
-            params: &p,
-            exp_avg: &m,
-            exp_avg_sq: &v,
-        };
-        checkpoint::write_shard(&tmp, &header, data).expect("write");
+        let parts: [&[u8]; 4] = [
+            &meta,
+            bytemuck::cast_slice(&p),
+            bytemuck::cast_slice(&m),
+            bytemuck::cast_slice(&v),
+        ];
+        checkpoint::write_rank(&tmp, &map, 0, it, &parts).expect("write");
         checkpoint::commit_save(&dir, it, 1).expect("commit");
         save.push(t.elapsed().as_secs_f64());
 
         let t = Instant::now();
         let it = checkpoint::read_tracker(&dir).expect("tracker");
-        let l = checkpoint::load_shard(&dir, it, &model, 0..n, true).expect("load");
+        let l = load_shard(&dir, it, &model, 0..n, true).expect("load");
         load.push(t.elapsed().as_secs_f64());
         assert_eq!(l.params.len(), n);
         if rep > 0 {

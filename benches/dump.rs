@@ -15,8 +15,8 @@
 mod common;
 use common::median;
 use hatrain_agent::persister::{RankSource, write_checkpoint};
-use hatrain_shared::control::{CheckpointInfo, StatePart};
 use hatrain_shared::shm::{Geometry, Store, store_path};
+use hatrain_trainer::checkpoint::{SaveTo, state_map};
 use std::io::Write;
 use std::time::Instant;
 
@@ -26,31 +26,28 @@ fn main() {
     let mib = common::bench_mib(256);
     let model = common::model_of_mib(mib);
     let n = model.numel();
-    let parts = vec![
-        StatePart {
-            name: "meta".into(),
-            bytes: 24,
-        },
-        StatePart {
-            name: "params".into(),
-            bytes: n as u64 * 4,
-        },
-        StatePart {
-            name: "exp_avg".into(),
-            bytes: n as u64 * 4,
-        },
-        StatePart {
-            name: "exp_avg_sq".into(),
-            bytes: n as u64 * 4,
-        },
-    ];
+    let dir = std::env::var_os("HATRAIN_BENCH_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("target/bench-dump"));
+    let save_to = SaveTo {
+        dir: dir.join("ckpt"),
+        interval: 0,
+    };
+    // One rank of a world of one: its moments are the whole buffer.
+    let map = state_map(&model, 1, 0, Some(&save_to), serde_json::Value::Null);
     let total = 24 + 12 * n;
     let shm = tempfile::Builder::new()
         .prefix("hatrain-bench-")
         .tempdir_in("/dev/shm")
         .expect("shm dir");
-    let store =
-        Store::create(&store_path(shm.path(), 0), 0, Geometry::new(2, total), 1, 1).expect("store");
+    let store = Store::create(
+        &store_path(shm.path(), 0),
+        0,
+        Geometry::new(2, total),
+        map.layout_hash(),
+        1,
+    )
+    .expect("store");
     let floats: Vec<f32> = (0..3 * n).map(|i| i as f32 * 1e-3).collect();
     let mut meta = Vec::new();
     for w in [7u64, 11, 13] {
@@ -66,23 +63,12 @@ fn main() {
             &mut |_, _| true,
         )
         .expect("seal the snapshot");
-    let info = CheckpointInfo {
-        model,
-        world_size: 1,
-        save_dir: None,
-        save_interval: 0,
-        args: serde_json::Value::Null,
-    };
     let src = [RankSource {
         rank: 0,
         store: &store,
-        parts: &parts,
-        info: &info,
+        map: &map,
     }];
 
-    let dir = std::env::var_os("HATRAIN_BENCH_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from("target/bench-dump"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("bench directory");
     let bytes: &[u8] = bytemuck::cast_slice(&floats);

@@ -18,17 +18,13 @@
 //! model size.
 
 mod common;
-use common::{median, train_args};
+use common::{agent, median, train_args, trainer};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 const ITERS: u64 = 40;
 const FROM: u64 = 5;
-
-fn agent() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"))
-}
 
 fn step_times(log: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(log)
@@ -60,8 +56,7 @@ fn run(size: &str, mode: &str, dir: &Path, rep: usize) -> (f64, String) {
     }
     let out = c
         .arg("--")
-        .arg(agent())
-        .arg("train")
+        .arg(trainer())
         .args(&train)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())

@@ -19,15 +19,11 @@
 //!    baseline the time to step K; steps redone; the medians and ratios.
 
 mod common;
-use common::{median, train_args};
+use common::{agent, median, train_args, trainer};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-fn agent() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"))
-}
 
 fn now() -> f64 {
     SystemTime::now()
@@ -65,7 +61,7 @@ fn launch(nproc: usize, ha: bool, shm: &Path, train: &[String]) -> Child {
     if ha {
         c.args(["--enable-high-availability", "--enable-worker-reboot"]);
     }
-    c.arg("--").arg(agent()).arg("train").args(train);
+    c.arg("--").arg(trainer()).args(train);
     c.env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null());

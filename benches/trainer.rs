@@ -9,13 +9,12 @@
 
 mod common;
 use common::{median, train_args};
-use std::path::PathBuf;
 use std::process::Command;
 
 const STEPS: u64 = 7;
 
 fn main() {
-    let agent = PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"));
+    let (agent, train) = (common::agent(), common::trainer());
     let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "10m,100m".into());
     let ranks = std::env::var("HATRAIN_BENCH_RANKS").unwrap_or_else(|_| "1,2,4".into());
     let dir = tempfile::tempdir().expect("tempdir");
@@ -33,8 +32,7 @@ fn main() {
             let log = dir.path().join(format!("{size}-{nproc}.jsonl"));
             let status = Command::new(&agent)
                 .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
-                .arg(&agent)
-                .arg("train")
+                .arg(&train)
                 .args(train_args(size, STEPS, &log, &[]))
                 .env("RUST_LOG", "warn")
                 .status()

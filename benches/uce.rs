@@ -11,13 +11,12 @@
 
 mod common;
 use common::median;
-use std::path::PathBuf;
 use std::process::Command;
 
 const RUNS: usize = 3;
 
 fn main() {
-    let agent = PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"));
+    let (agent, train) = (common::agent(), common::trainer());
     let dir = tempfile::Builder::new()
         .prefix("hatrain-bench-")
         .tempdir_in("/dev/shm")
@@ -41,9 +40,8 @@ fn main() {
             .arg("--shm-root")
             .arg(dir.path())
             .arg("--")
-            .arg(&agent)
+            .arg(&train)
             .args([
-                "train",
                 "--model-size",
                 "10m",
                 "--d-model",

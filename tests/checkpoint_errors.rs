@@ -10,8 +10,7 @@ use std::time::Duration;
 
 /// Runs the trainer as a one-rank job.
 fn train(args: &[String]) -> Output {
-    Command::new(agent())
-        .arg("train")
+    Command::new(trainer())
         .args(args)
         .env_remove("WORLD_SIZE")
         .env_remove("RANK")

@@ -1,4 +1,4 @@
-//! The main job end to end, shortened: `hatrain-agent demo` on the tiny
+//! The main job end to end, shortened: `hatrain-demo` on the tiny
 //! model runs three real agents (reference; faults and SIGTERM; resume
 //! from the last-words checkpoint), and must end bit-identical, with its
 //! loss curve drawn and nothing left running.
@@ -12,8 +12,8 @@ use std::time::Duration;
 fn demo_repairs_every_fault_and_resumes_from_its_last_words() {
     let d = tempfile::tempdir().unwrap();
     let (work, shm) = (d.path().join("demo"), d.path().join("shm"));
-    let mut cmd = Command::new(agent());
-    cmd.args(["demo", "--steps", "60", "--save-interval", "20"])
+    let mut cmd = Command::new(bin("hatrain-demo"));
+    cmd.args(["--steps", "60", "--save-interval", "20"])
         .args(["--model-size", "tiny"])
         .arg("--workdir")
         .arg(&work)

@@ -25,8 +25,7 @@ fn ha_launch(job: &str, shm: &Path, ha: &[&str], train: &[String], plan: Option<
         .arg("--shm-root")
         .arg(shm)
         .arg("--")
-        .arg(agent())
-        .arg("train")
+        .arg(trainer())
         .args(train)
         .env_remove("HIGH_AVAILABILITY")
         .env("RUST_LOG", "info");

@@ -1,7 +1,6 @@
 //! Command-line interface of `hatrain-agent`.
 
 use clap::{Args, Parser, Subcommand};
-use hatrain_worker::trainer::TrainArgs;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -21,13 +20,6 @@ pub enum Command {
     /// Launch this host's workers, torchrun-style:
     /// `launch --nproc-per-node P [...] -- <worker command...>`.
     Launch(LaunchArgs),
-    /// Train the default model on 4 local ranks with periodic checkpoints:
-    /// once without faults; once with workers killed, a memory error and a
-    /// hang, all repaired, then SIGTERM and a last-words checkpoint; once
-    /// resumed from it. Compares the weights and draws the loss curves.
-    Demo(DemoArgs),
-    /// Run the reference trainer in this process (the same as `hatrain-train`).
-    Train(TrainArgs),
 }
 
 #[derive(Debug, Args)]
@@ -117,32 +109,4 @@ pub struct HaArgs {
     pub hang_floor_secs: f64,
     #[arg(long, default_value_t = 600.0)]
     pub hang_startup_grace_secs: f64,
-}
-
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Workers (ranks) to train with.
-    #[arg(long, default_value_t = 4)]
-    pub nproc: usize,
-    /// Training steps.
-    #[arg(long, default_value_t = 200)]
-    pub steps: u64,
-    /// Save a checkpoint every N steps.
-    #[arg(long, default_value_t = 50)]
-    pub save_interval: u64,
-    /// Model size: tiny, small, 10m or 100m.
-    #[arg(long, default_value = "small")]
-    pub model_size: String,
-    /// Directory for the demo's checkpoints and log (replaced on each run).
-    #[arg(long, default_value = "hatrain-demo")]
-    pub workdir: PathBuf,
-    /// Workers to kill (SIGKILL) during the run, at steps and ranks drawn
-    /// from --fault-seed.
-    #[arg(long, default_value_t = 3)]
-    pub kills: usize,
-    #[arg(long, default_value_t = 7)]
-    pub fault_seed: u64,
-    /// Root directory of the shared-memory snapshot stores.
-    #[arg(long, default_value = "/dev/shm/hatrain")]
-    pub shm_root: PathBuf,
 }

@@ -13,22 +13,6 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-/// Sends one request to the agent listening on `socket` and returns its
-/// reply (a blocking client, for `agentctl` and the demo); `timeout` bounds
-/// the wait for the reply.
-pub fn request(
-    socket: &Path,
-    request: &Request,
-    timeout: std::time::Duration,
-) -> anyhow::Result<Response> {
-    use anyhow::Context;
-    let mut s = std::os::unix::net::UnixStream::connect(socket)
-        .with_context(|| format!("cannot connect to the agent at {}", socket.display()))?;
-    s.set_read_timeout(Some(timeout))?;
-    PROTOCOL.send_json(&mut s, request)?;
-    Ok(PROTOCOL.recv_json(&mut s)?)
-}
-
 /// A request for the job's event loop, with the channel for its reply.
 #[derive(Debug)]
 pub struct ControlMsg {
@@ -61,8 +45,7 @@ pub fn serve(
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path).map_err(bind_err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     tokio::spawn(async move {
         loop {
             let conn = tokio::select! {

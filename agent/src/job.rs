@@ -32,11 +32,12 @@ use crate::recovery::{self, ExitDecision, RankHistory};
 use crate::supervisor::{Outcome, Supervisor};
 use hatrain_shared::checkpoint;
 use hatrain_shared::control::{
-    CheckpointInfo, FaultRecord, PersistReport, Request, Response, SnapshotReport, StartMode,
-    StatePart, StatusReport, WorkerReport, layout_hash,
+    FaultKind, FaultRecord, InjectKind, PersistReport, Request, Response, SnapshotReport,
+    StartMode, StatusReport, WorkerReport,
 };
-use hatrain_shared::shm::{self, Directive, Geometry, Phase, Store};
-use hatrain_worker::rendezvous::StoreServer;
+use hatrain_shared::shm::{self, Directive, FaultFlags, Geometry, Injection, Phase, Store};
+use hatrain_shared::statemap::StateMap;
+use hatrain_shared::store::StoreServer;
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -87,7 +88,7 @@ struct JobState<'a> {
     faults: Vec<FaultRecord>,
     detected: Vec<Instant>,
     recovery: Option<Recovery>,
-    registrations: HashMap<usize, (Vec<StatePart>, Option<CheckpointInfo>)>,
+    registrations: HashMap<usize, Arc<StateMap>>,
     watch: HashMap<usize, Progress>,
     /// Recent step durations, over all ranks (for the adaptive hang bound).
     step_samples: VecDeque<Duration>,
@@ -322,18 +323,47 @@ async fn run_in(
     })
 }
 
+/// The injection `agentctl inject` asks for, against a rank's state map:
+/// a UCE goes into the part named `buffer` (default: the largest part).
+pub fn injection(
+    map: &StateMap,
+    kind: InjectKind,
+    buffer: Option<&str>,
+    offset: u64,
+) -> Result<Injection, String> {
+    Ok(match kind {
+        InjectKind::Crash => Injection::Crash,
+        InjectKind::Hang => Injection::Hang,
+        InjectKind::Uce => {
+            let part = match buffer {
+                Some(name) => map.part(name).ok_or_else(|| {
+                    let names: Vec<&str> = map.parts.iter().map(|p| p.name.as_str()).collect();
+                    format!("no state part named {name:?}; the rank's parts are {names:?}")
+                })?,
+                None => map
+                    .largest_part()
+                    .ok_or("the rank registered no state parts")?,
+            };
+            Injection::Uce {
+                part: part as u64,
+                offset,
+            }
+        }
+    })
+}
+
 /// A rank's store and registered layout, for the persister.
 fn owned_source(
     stores: &HashMap<usize, Arc<Store>>,
-    registrations: &HashMap<usize, (Vec<StatePart>, Option<CheckpointInfo>)>,
+    registrations: &HashMap<usize, Arc<StateMap>>,
     rank: usize,
 ) -> Option<persister::OwnedSource> {
-    let (parts, info) = registrations.get(&rank)?;
+    let map = registrations.get(&rank)?;
+    map.checkpoint.as_ref()?;
     Some(persister::OwnedSource {
         rank,
         store: Arc::clone(stores.get(&rank)?),
-        parts: parts.clone(),
-        info: info.clone()?,
+        map: Arc::clone(map),
     })
 }
 
@@ -349,10 +379,11 @@ impl JobState<'_> {
     /// Whether the agent writes this rank's checkpoints: with `--save`, one
     /// host holding every rank, and unless `--trainer-saves`. The first such
     /// registration sets up the persister.
-    fn agent_saves(&mut self, rank: usize, info: Option<&CheckpointInfo>) -> Result<bool, String> {
-        let Some((dir, info)) = info.and_then(|i| Some((i.save_dir.clone()?, i))) else {
+    fn agent_saves(&mut self, rank: usize, map: &StateMap) -> Result<bool, String> {
+        let Some(info) = map.checkpoint.as_ref() else {
             return Ok(false);
         };
+        let dir = info.dir.clone();
         if self.cfg.ha.trainer_saves {
             return Ok(false);
         }
@@ -374,12 +405,12 @@ impl JobState<'_> {
             None => {
                 tracing::info!(
                     dir = %dir.display(),
-                    interval = info.save_interval,
+                    interval = info.interval,
                     "checkpoints are written by the agent from the snapshots"
                 );
                 self.persister = Some(persister::Persister::new(
                     dir,
-                    info.save_interval,
+                    info.interval,
                     info.world_size,
                 ));
                 Ok(true)
@@ -388,7 +419,7 @@ impl JobState<'_> {
     }
 
     fn on_exit(&mut self, sup: &mut Supervisor, rank: usize, ev: ExitEvent) -> Option<Outcome> {
-        let crash_step = self.stores.get(&rank).map_or(0, |s| s.step());
+        let crash_step = self.stores.get(&rank).map_or(0, |s| s.page().step());
         let now = self.started.elapsed();
         let history = self.history.entry(rank).or_default();
         let (decision, reason) = recovery::on_exit(
@@ -414,7 +445,7 @@ impl JobState<'_> {
                 tracing::error!(rank, pid = ev.pid, status = %ev.status, %reason, "worker failed");
                 self.record_fault(
                     vec![rank],
-                    "crash",
+                    FaultKind::Crash,
                     ev.status.to_string(),
                     "stop the job".into(),
                     reason,
@@ -455,30 +486,32 @@ impl JobState<'_> {
 
     /// The kind and detail of a failed rank's fault: a hang the watchdog
     /// acted on, or a crash.
-    fn what_failed(&mut self, rank: usize, ev: ExitEvent) -> (&'static str, String) {
-        const UCE_FATAL: u64 = 2;
+    fn what_failed(&mut self, rank: usize, ev: ExitEvent) -> (FaultKind, String) {
         if let Some(seen) = self.hung.remove(&rank) {
             let kind = if seen.starts_with("SIGBUS") {
-                "uce"
+                FaultKind::Uce
             } else {
-                "hang"
+                FaultKind::Hang
             };
             return (kind, format!("{seen}; then {}", ev.status));
         }
-        let flags = self.stores.get(&rank).map_or(0, |s| s.fault().0);
-        if flags & UCE_FATAL != 0 {
+        let flags = self
+            .stores
+            .get(&rank)
+            .map_or(FaultFlags::empty(), |s| s.page().faults().0);
+        if flags.contains(FaultFlags::UCE_FATAL) {
             if let Some(s) = self.stores.get(&rank) {
-                s.clear_fault(UCE_FATAL);
+                s.page().clear_faults(FaultFlags::UCE_FATAL);
             }
             return (
-                "uce",
+                FaultKind::Uce,
                 format!(
                     "SIGBUS BUS_MCEERR outside the registered state: the process could not trust its memory; {}",
                     ev.status
                 ),
             );
         }
-        ("crash", ev.status.to_string())
+        (FaultKind::Crash, ev.status.to_string())
     }
 
     /// A GPU memory error: its rank is asked to treat it as a UCE in its
@@ -497,7 +530,12 @@ impl JobState<'_> {
                     xid = f.xid,
                     "GPU uncorrectable memory error: handled as a UCE"
                 );
-                store.inject(hatrain_shared::shm::Injection::Uce, 0, 0);
+                let part = self
+                    .registrations
+                    .get(&rank)
+                    .and_then(|m| m.largest_part())
+                    .unwrap_or(0) as u64;
+                store.page().inject(Injection::Uce { part, offset: 0 }, 0);
             }
             None => tracing::warn!(
                 device = f.device,
@@ -512,24 +550,23 @@ impl JobState<'_> {
     /// restarted; without it, worker reboot replaces the rank; without
     /// either, the job stops (after the last-words dump).
     fn watch_uces(&mut self, sup: &Supervisor) -> Option<Outcome> {
-        const REPAIRABLE: u64 = 1;
         let hit: Vec<(usize, u64, u64)> = sup
             .ranks()
             .iter()
             .filter_map(|r| {
                 let s = self.stores.get(r)?;
-                let (flags, offset, buffer) = s.fault();
-                (flags & REPAIRABLE != 0).then(|| {
-                    s.clear_fault(REPAIRABLE);
-                    (*r, offset, buffer)
+                let (flags, site) = s.page().faults();
+                flags.contains(FaultFlags::UCE_REPAIRABLE).then(|| {
+                    s.page().clear_faults(FaultFlags::UCE_REPAIRABLE);
+                    (*r, site.offset, site.part)
                 })
             })
             .collect();
-        for (rank, offset, buffer) in hit {
+        for (rank, offset, part) in hit {
             let name = self
                 .registrations
                 .get(&rank)
-                .and_then(|r| r.0.get(buffer as usize + 1))
+                .and_then(|m| m.parts.get(part as usize))
                 .map_or("?".into(), |p| p.name.clone());
             let detail = format!("SIGBUS BUS_MCEERR in {name} at byte {offset}");
             let modes = self.cfg.ha.modes;
@@ -540,7 +577,7 @@ impl JobState<'_> {
                 tracing::warn!(rank, %detail, %reason, "UCE: step repair");
                 let f = self.record_fault(
                     vec![rank],
-                    "uce",
+                    FaultKind::Uce,
                     detail,
                     "restore s* and recompute the step".into(),
                     reason,
@@ -560,7 +597,13 @@ impl JobState<'_> {
                     "rank {rank}: uncorrectable memory error in {name} and no repair is enabled"
                 );
                 tracing::error!(rank, %detail, %reason, "UCE: stopping the job");
-                self.record_fault(vec![rank], "uce", detail, "stop the job".into(), reason);
+                self.record_fault(
+                    vec![rank],
+                    FaultKind::Uce,
+                    detail,
+                    "stop the job".into(),
+                    reason,
+                );
                 return Some(Outcome::RecoveryFailed);
             }
         }
@@ -582,7 +625,7 @@ impl JobState<'_> {
                 self.watch.remove(&rank);
                 continue;
             };
-            let (step, beat) = (store.step(), store.heartbeat());
+            let (step, beat) = (store.page().step(), store.page().heartbeat());
             let p = self.watch.entry(rank).or_insert(Progress {
                 step,
                 heartbeat: beat,
@@ -615,8 +658,8 @@ impl JobState<'_> {
                     pid,
                     stalled_for,
                     bound,
-                    phase: store.phase(),
-                    in_collective: store.in_collective(),
+                    phase: store.page().phase(),
+                    in_collective: store.page().in_collective(),
                     step,
                 });
             }
@@ -648,7 +691,7 @@ impl JobState<'_> {
     fn record_fault(
         &mut self,
         ranks: Vec<usize>,
-        kind: &str,
+        kind: FaultKind,
         detail: String,
         action: String,
         reason: String,
@@ -656,7 +699,7 @@ impl JobState<'_> {
         self.faults.push(FaultRecord {
             id: self.faults.len() as u64 + 1,
             ranks,
-            kind: kind.into(),
+            kind,
             detail,
             detected_unix_s: unix_now(),
             s_star: None,
@@ -676,9 +719,14 @@ impl JobState<'_> {
         let pause_seq: HashMap<usize, u64> = self
             .stores
             .iter()
-            .map(|(&rank, s)| (rank, s.post(Directive::Pause { epoch })))
+            .map(|(&rank, s)| (rank, s.page().post(Directive::Pause { epoch })))
             .collect();
-        let max_step = self.stores.values().map(|s| s.step()).max().unwrap_or(0);
+        let max_step = self
+            .stores
+            .values()
+            .map(|s| s.page().step())
+            .max()
+            .unwrap_or(0);
         let deadline = Instant::now() + self.cfg.ha.pause_timeout;
         tracing::info!(epoch, "pausing every rank for recovery");
         match self.recovery.as_mut() {
@@ -716,8 +764,8 @@ impl JobState<'_> {
                         let paused = self.stores.get(rank).is_some_and(|s| {
                             r.pause_seq
                                 .get(rank)
-                                .is_some_and(|seq| s.acknowledged() >= *seq)
-                                && s.phase() == Phase::Paused
+                                .is_some_and(|seq| s.page().acknowledged() >= *seq)
+                                && s.page().phase() == Phase::Paused
                         });
                         !(paused && sup.pid(*rank).is_some())
                     })
@@ -734,17 +782,11 @@ impl JobState<'_> {
                 let per_rank: Vec<Vec<u64>> = ranks
                     .iter()
                     .map(|rank| {
-                        let s = &self.stores[rank];
-                        s.sealed()
-                            .into_iter()
-                            .filter_map(|i| match s.verify(i.slot) {
-                                Ok(v) => Some(v.step),
-                                Err(e) => {
-                                    tracing::warn!(rank, error = %e, "snapshot slot rejected");
-                                    None
-                                }
-                            })
-                            .collect()
+                        let (ok, rejected) = self.stores[rank].verified_steps();
+                        for e in rejected {
+                            tracing::warn!(rank, error = %e, "snapshot slot rejected");
+                        }
+                        ok
                     })
                     .collect();
                 let Some(s_star) = recovery::consistent_step(&per_rank) else {
@@ -754,7 +796,7 @@ impl JobState<'_> {
                 };
                 let epoch = r.epoch;
                 for rank in &ranks {
-                    self.stores[rank].post(Directive::Resume {
+                    self.stores[rank].page().post(Directive::Resume {
                         epoch,
                         step: s_star,
                     });
@@ -771,7 +813,7 @@ impl JobState<'_> {
                 let done = ranks.iter().all(|rank| {
                     self.stores
                         .get(rank)
-                        .is_some_and(|s| s.step() > s_star && s.epoch() == r.epoch)
+                        .is_some_and(|s| s.page().step() > s_star && s.page().epoch() == r.epoch)
                 });
                 if !done {
                     if now > r.deadline {
@@ -819,19 +861,19 @@ impl JobState<'_> {
 
     fn on_request(&mut self, sup: &Supervisor, req: Request) -> Response {
         match req {
-            Request::Register {
-                rank,
-                pid,
-                parts,
-                checkpoint,
-            } => {
-                let agent_saves = match self.agent_saves(rank, checkpoint.as_ref()) {
+            Request::Register { rank, pid, map } => {
+                if let Err(e) = map.validate() {
+                    return Response::Error {
+                        message: format!("rank {rank}: {e}"),
+                    };
+                }
+                let agent_saves = match self.agent_saves(rank, &map) {
                     Ok(yes) => yes,
                     Err(message) => return Response::Error { message },
                 };
-                let r = self.register(sup, rank, pid, &parts, agent_saves);
+                let r = self.register(sup, rank, pid, &map, agent_saves);
                 if matches!(r, Response::Registered { .. }) {
-                    self.registrations.insert(rank, (parts, checkpoint));
+                    self.registrations.insert(rank, Arc::new(map));
                 }
                 r
             }
@@ -846,7 +888,7 @@ impl JobState<'_> {
                 at_step,
             } => match self.stores.get(&rank) {
                 Some(store) if sup.pid(rank).is_some() => {
-                    let done = store.step();
+                    let done = store.page().step();
                     if let Some(at) = at_step.filter(|at| *at <= done) {
                         return Response::Error {
                             message: format!(
@@ -854,17 +896,22 @@ impl JobState<'_> {
                             ),
                         };
                     }
-                    // State buffers are numbered after the metadata part.
-                    let name = buffer.unwrap_or_else(|| "params".into());
-                    let parts = self.registrations.get(&rank).map(|r| &r.0);
-                    let index = parts
-                        .and_then(|p| p.iter().skip(1).position(|x| x.name == name))
-                        .unwrap_or(usize::MAX >> 16) as u64;
-                    store.inject(
-                        fault,
-                        (index << 48) | (offset & ((1 << 48) - 1)),
-                        at_step.unwrap_or(0),
-                    );
+                    let Some(map) = self.registrations.get(&rank) else {
+                        return Response::Error {
+                            message: format!("rank {rank} has not registered yet"),
+                        };
+                    };
+                    let injection = match injection(map, fault, buffer.as_deref(), offset) {
+                        Ok(i) => i,
+                        Err(message) => return Response::Error { message },
+                    };
+                    if !store.page().inject(injection, at_step.unwrap_or(0)) {
+                        return Response::Error {
+                            message: format!(
+                                "rank {rank} has not yet taken the fault injected before; try again"
+                            ),
+                        };
+                    }
                     tracing::warn!(rank, ?fault, ?at_step, "fault injected on request");
                     Response::Injected {
                         message: match at_step {
@@ -903,7 +950,7 @@ impl JobState<'_> {
         sup: &Supervisor,
         rank: usize,
         pid: u32,
-        parts: &[hatrain_shared::control::StatePart],
+        map: &StateMap,
         agent_saves: bool,
     ) -> Response {
         if !sup.ranks().contains(&rank) {
@@ -914,7 +961,7 @@ impl JobState<'_> {
                 ),
             };
         }
-        let Some(total) = parts.iter().try_fold(0u64, |a, p| a.checked_add(p.bytes)) else {
+        let Some(total) = map.total_bytes() else {
             return Response::Error {
                 message: "state size overflows".into(),
             };
@@ -924,11 +971,11 @@ impl JobState<'_> {
                 message: format!("state of {total} bytes does not fit this host"),
             };
         };
-        let layout = layout_hash(parts);
+        let layout = map.layout_hash();
         let reuse = self
             .stores
             .get(&rank)
-            .is_some_and(|s| s.layout_hash() == layout && s.geometry().capacity >= total);
+            .is_some_and(|s| s.page().layout_hash() == layout && s.geometry().capacity >= total);
         if !reuse {
             let path = shm::store_path(&self.dir, rank);
             let geometry = Geometry::new(self.cfg.ha.slots, total);
@@ -954,7 +1001,7 @@ impl JobState<'_> {
         let start = match self.recovery.as_mut() {
             Some(r) => {
                 if !r.pause_seq.contains_key(&rank) {
-                    let seq = store.post(Directive::Pause { epoch: r.epoch });
+                    let seq = store.page().post(Directive::Pause { epoch: r.epoch });
                     r.pause_seq.insert(rank, seq);
                 }
                 StartMode::AwaitDirective
@@ -997,7 +1044,7 @@ impl JobState<'_> {
         let save_dir = self
             .registrations
             .values()
-            .find_map(|(_, info)| info.as_ref().and_then(|i| i.save_dir.clone()));
+            .find_map(|m| m.checkpoint.as_ref().map(|c| c.dir.clone()));
         let Some(dir) = save_dir else {
             let m = "no last-words checkpoint: the trainer has no --save directory".to_string();
             tracing::warn!("{m}");
@@ -1022,7 +1069,7 @@ impl JobState<'_> {
             .collect();
         let seqs: Vec<(usize, u64)> = running
             .iter()
-            .map(|r| (*r, self.stores[r].post(Directive::Pause { epoch })))
+            .map(|r| (*r, self.stores[r].page().post(Directive::Pause { epoch })))
             .collect();
         let deadline = Instant::now() + self.cfg.ha.pause_timeout;
         loop {
@@ -1030,7 +1077,7 @@ impl JobState<'_> {
                 .iter()
                 .filter(|(r, seq)| {
                     let s = &self.stores[r];
-                    !(s.acknowledged() >= *seq && s.phase() == Phase::Paused)
+                    !(s.page().acknowledged() >= *seq && s.page().phase() == Phase::Paused)
                 })
                 .map(|(r, _)| *r)
                 .collect();
@@ -1050,12 +1097,9 @@ impl JobState<'_> {
         let per_rank: Vec<Vec<u64>> = ranks
             .iter()
             .map(|r| {
-                self.stores.get(r).map_or_else(Vec::new, |s| {
-                    s.sealed()
-                        .into_iter()
-                        .filter_map(|i| s.verify(i.slot).ok().map(|v| v.step))
-                        .collect()
-                })
+                self.stores
+                    .get(r)
+                    .map_or_else(Vec::new, |s| s.verified_steps().0)
             })
             .collect();
         // Ok((s*, the iteration on disk, its directory, whether written now)).
@@ -1072,12 +1116,13 @@ impl JobState<'_> {
                 let sources: Result<Vec<persister::RankSource<'_>>, String> = ranks
                     .iter()
                     .map(|r| match (self.stores.get(r), self.registrations.get(r)) {
-                        (Some(store), Some((parts, Some(info)))) => Ok(persister::RankSource {
-                            rank: *r,
-                            store,
-                            parts,
-                            info,
-                        }),
+                        (Some(store), Some(map)) if map.checkpoint.is_some() => {
+                            Ok(persister::RankSource {
+                                rank: *r,
+                                store,
+                                map,
+                            })
+                        }
                         _ => Err(format!("rank {r} did not register a checkpoint layout")),
                     })
                     .collect();
@@ -1107,7 +1152,7 @@ impl JobState<'_> {
                 tracing::warn!("{m}");
                 if resume {
                     for r in &running {
-                        self.stores[r].post(Directive::Resume {
+                        self.stores[r].page().post(Directive::Resume {
                             epoch,
                             step: s_star,
                         });
@@ -1122,7 +1167,9 @@ impl JobState<'_> {
                     // restores its own newest common step.
                     if let Some(s) = recovery::consistent_step(&per_rank) {
                         for r in &running {
-                            self.stores[r].post(Directive::Resume { epoch, step: s });
+                            self.stores[r]
+                                .page()
+                                .post(Directive::Resume { epoch, step: s });
                         }
                     }
                 }
@@ -1141,15 +1188,17 @@ impl JobState<'_> {
             .map(|(local_rank, &rank)| {
                 let s = self.stores.get(&rank);
                 let last = s.and_then(|s| s.sealed().into_iter().next());
-                let (commit_ns, block_ns, commits) = s.map_or((0, 0, 0), |s| s.commit_stats());
+                let stats = s.map(|s| s.page().commit_stats());
+                let (commit_ns, block_ns, commits) =
+                    stats.map_or((0, 0, 0), |c| (c.last_ns, c.last_blocking_ns, c.commits));
                 WorkerReport {
                     rank,
                     local_rank,
                     pid: sup.pid(rank),
-                    phase: s.map_or(Phase::Starting, |s| s.phase()),
-                    step: s.map_or(0, |s| s.step()),
-                    epoch: s.map_or(0, |s| s.epoch()),
-                    heartbeat: s.map_or(0, |s| s.heartbeat()),
+                    phase: s.map_or(Phase::Starting, |s| s.page().phase()),
+                    step: s.map_or(0, |s| s.page().step()),
+                    epoch: s.map_or(0, |s| s.page().epoch()),
+                    heartbeat: s.map_or(0, |s| s.page().heartbeat()),
                     restarts: self.history.get(&rank).map_or(0, |h| u64::from(h.restarts)),
                     last_snapshot: last.map(|i| SnapshotReport {
                         step: i.step,

@@ -13,7 +13,7 @@ use crate::recovery::{HangPolicy, RestartPolicy};
 use crate::supervisor::{SupervisorError, WorkerSpec};
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
-use hatrain_worker::rendezvous::RendezvousError;
+use hatrain_shared::store::RendezvousError;
 use std::ffi::OsString;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;

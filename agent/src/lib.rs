@@ -1,4 +1,5 @@
-//! `hatrain-agent`: the per-host agent.
+//! `hatrain-agent`: the per-host agent. It depends on `hatrain-shared`
+//! only: it knows no model and links no training framework.
 //!
 //! - [`reaper`]: the one SIGCHLD reaper;
 //! - [`supervisor`]: spawns, follows, restarts and stops one host's workers;
@@ -6,19 +7,16 @@
 //! - [`job`]: one host's job: the event loop, snapshot stores, recovery;
 //! - [`recovery`]: the pure decision functions (restart or stop, s\*);
 //! - [`control`]: the control socket for workers and `agentctl`;
-//! - [`demo`]: the main job on its embedded default, and [`plot`], its
-//!   loss curve;
 //! - [`persister`]: checkpoints written from the snapshots;
+//! - [`gpu`]: GPU memory errors as a fault source;
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
 
 pub mod cli;
 pub mod control;
-pub mod demo;
 pub mod gpu;
 pub mod job;
 pub mod launch;
 pub mod persister;
-pub mod plot;
 pub mod reaper;
 pub mod recovery;
 pub mod supervisor;

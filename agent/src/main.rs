@@ -3,10 +3,10 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use hatrain_agent::cli::{Cli, Command, LaunchArgs};
+use hatrain_agent::exit;
 use hatrain_agent::launch::{self, HaSettings, LaunchConfig, LaunchError};
 use hatrain_agent::recovery::{HangPolicy, RestartPolicy};
 use hatrain_agent::supervisor::Outcome;
-use hatrain_agent::{demo, exit};
 use hatrain_shared::ha::{self, HaFlags};
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -21,10 +21,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Train(args) = cli.command {
-        // The trainer runs here, before any runtime or thread exists.
-        return hatrain_worker::trainer::main(args);
-    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -78,8 +74,6 @@ fn run(command: Command) -> Result<ExitCode> {
                 }
                 report.outcome
             }
-            Command::Demo(args) => demo::run(&args, shutdown).await?,
-            Command::Train(_) => unreachable!("handled before the runtime starts"),
         };
         Ok(match outcome {
             Outcome::Succeeded => ExitCode::SUCCESS,

@@ -1,8 +1,18 @@
 //! Helpers shared by the benchmark harnesses.
 #![allow(dead_code)]
 
-use hatrain_shared::model::ModelConfig;
-use std::path::Path;
+use hatrain_trainer::config::ModelConfig;
+use std::path::{Path, PathBuf};
+
+/// The `hatrain-agent` binary, built first in the bench profile.
+pub fn agent() -> PathBuf {
+    hatrain_demo::bins::locate("hatrain-agent").expect("hatrain-agent")
+}
+
+/// The `hatrain-train` binary.
+pub fn trainer() -> PathBuf {
+    hatrain_demo::bins::locate("hatrain-train").expect("hatrain-train")
+}
 
 /// The median of `v` (upper median for an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {

@@ -6,12 +6,13 @@
 //! not parse. Requests that change anything are accepted only from the
 //! socket owner's uid or root (checked with SO_PEERCRED by the agent).
 
-use crate::frame::Protocol;
+use crate::frame::{FrameError, Protocol};
 use crate::ha::HaModes;
-use crate::model::ModelConfig;
-use crate::shm::{Injection, Phase};
+use crate::shm::Phase;
+use crate::statemap::StateMap;
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 pub const PROTOCOL: Protocol = Protocol {
     name: "control",
@@ -24,46 +25,22 @@ pub const PROTOCOL: Protocol = Protocol {
 /// Environment variable naming the control socket, set for workers.
 pub const ENV_SOCKET: &str = "HATRAIN_AGENT_SOCKET";
 
-/// One named part of a rank's state, in bytes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StatePart {
-    pub name: String,
-    pub bytes: u64,
-}
-
-/// A hash that identifies a layout (names and sizes, in order).
-pub fn layout_hash(parts: &[StatePart]) -> u64 {
-    let mut s = String::new();
-    for p in parts {
-        s.push_str(&p.name);
-        s.push(':');
-        s.push_str(&p.bytes.to_string());
-        s.push(';');
-    }
-    crate::shm::hash_str(&s)
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum Request {
-    /// A worker announces itself and its state layout.
+    /// A worker announces itself and its state map.
     Register {
         rank: usize,
         pid: u32,
-        parts: Vec<StatePart>,
-        /// What the agent needs to write this rank's snapshots as a
-        /// checkpoint (absent for workloads it cannot interpret).
-        #[serde(default)]
-        checkpoint: Option<CheckpointInfo>,
+        map: StateMap,
     },
     /// Write a last-words checkpoint now and carry on.
     Dump,
     /// Make a rank give itself a fault at its next step (for a UCE: in
-    /// state buffer `buffer`, default the parameters, at byte `offset`).
+    /// state part `buffer`, default the largest, at byte `offset`).
     Inject {
         rank: usize,
-        fault: Injection,
+        fault: InjectKind,
         #[serde(default)]
         buffer: Option<String>,
         #[serde(default)]
@@ -90,21 +67,16 @@ impl Request {
     }
 }
 
-/// How a rank's snapshot maps onto the checkpoint format: the snapshot is
-/// `meta` (step, RNG state, data position: three u64) then `params` (the
-/// full flat buffer) then this rank's `exp_avg` and `exp_avg_sq` shards.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CheckpointInfo {
-    pub model: ModelConfig,
-    pub world_size: usize,
-    /// Where checkpoints go (the trainer's `--save`).
-    pub save_dir: Option<PathBuf>,
-    /// The trainer's `--save-interval` (0: only at the end).
-    #[serde(default)]
-    pub save_interval: u64,
-    /// The training arguments, recorded in `meta.json`.
-    pub args: serde_json::Value,
+/// The fault an `Inject` request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InjectKind {
+    /// SIGKILL itself.
+    Crash,
+    /// Block inside the step forever.
+    Hang,
+    /// An uncorrectable memory error in a state part.
+    Uce,
 }
 
 /// How a registered worker starts.
@@ -182,13 +154,14 @@ pub struct WorkerReport {
 pub struct FaultRecord {
     pub id: u64,
     pub ranks: Vec<usize>,
-    /// What was seen: "crash", "hang", "uce"...
-    pub kind: String,
+    /// What was seen.
+    pub kind: FaultKind,
     /// How it was seen (exit status, signal...).
     pub detail: String,
     pub detected_unix_s: f64,
     /// The consistent step restored to, once decided.
     pub s_star: Option<u64>,
+    /// What was done about it, and how it went.
     pub action: String,
     /// Detection to the first step completed after recovery.
     pub recovery_s: Option<f64>,
@@ -233,6 +206,77 @@ pub struct PersistReport {
     pub last_error: Option<String>,
 }
 
+/// What kind of fault a record is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// A worker process died (signal or non-zero exit).
+    Crash,
+    /// A worker made no progress within its bound.
+    Hang,
+    /// An uncorrectable memory error.
+    Uce,
+    /// A worker exited 0 while its peers had not finished.
+    EarlyExit,
+    /// A worker did not pause for a recovery in time.
+    NoPause,
+}
+
+impl std::fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            Self::Crash => "crash",
+            Self::Hang => "hang",
+            Self::Uce => "uce",
+            Self::EarlyExit => "early exit",
+            Self::NoPause => "no pause",
+        })
+    }
+}
+
+/// Why a control request got no usable reply.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to the agent at {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("talking to the agent at {path}")]
+    Frame {
+        path: PathBuf,
+        #[source]
+        source: FrameError,
+    },
+}
+
+/// Sends one request to the agent listening on `socket` and returns its
+/// reply (a blocking client, for `agentctl`, workers and the demo);
+/// `timeout` bounds the wait for the reply.
+pub fn request(
+    socket: &Path,
+    request: &Request,
+    timeout: Duration,
+) -> Result<Response, ClientError> {
+    let frame = |source| ClientError::Frame {
+        path: socket.to_path_buf(),
+        source,
+    };
+    let mut s =
+        std::os::unix::net::UnixStream::connect(socket).map_err(|source| ClientError::Connect {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|source| ClientError::Connect {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+    PROTOCOL.send_json(&mut s, request).map_err(frame)?;
+    PROTOCOL.recv_json(&mut s).map_err(frame)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,8 +288,10 @@ mod tests {
             Request::Register {
                 rank: 0,
                 pid: 1,
-                parts: vec![],
-                checkpoint: None
+                map: StateMap {
+                    parts: vec![],
+                    checkpoint: None
+                },
             }
             .mutates()
         );
@@ -254,8 +300,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn requests_round_trip(rank in 0usize..100_000, pid in any::<u32>(), name in "[a-z_]{0,12}", bytes in any::<u64>()) {
-            let req = Request::Register { rank, pid, parts: vec![StatePart { name, bytes }], checkpoint: None };
+        fn requests_round_trip(rank in 0usize..100_000, pid in any::<u32>(), name in "[a-z_]{0,12}", len in any::<u64>()) {
+            use crate::statemap::{Dtype, Part, Sharing};
+            let map = StateMap { parts: vec![Part { name, dtype: Dtype::F32, len, sharing: Sharing::Unique }], checkpoint: None };
+            let req = Request::Register { rank, pid, map };
             let mut buf = Vec::new();
             PROTOCOL.send_json(&mut buf, &req).unwrap();
             let back: Request = PROTOCOL.recv_json(&mut &buf[..]).unwrap();

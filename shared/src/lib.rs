@@ -1,11 +1,15 @@
-//! `hatrain-shared`: the vocabulary every hatrain process agrees on.
+//! `hatrain-shared`: the vocabulary every hatrain process agrees on:
+//! formats and protocols, no policy.
 //!
 //! - [`frame`]: the length-prefixed, versioned frame every socket protocol uses;
-//! - [`rendezvous`]: the messages of the key-value store that ranks meet in;
-//! - [`model`]: the reference model's shape and the layout of its flat
-//!   parameter buffer, and how that buffer is sharded across ranks;
-//! - [`checkpoint`]: the on-disk checkpoint format (Megatron-style directories
-//!   of safetensors files with a `meta.json`), its writer and its reader.
+//! - [`control`]: the agent's control protocol (workers and `agentctl`);
+//! - [`rendezvous`] and [`store`]: the messages of the key-value store that
+//!   ranks meet in, and the store itself (server and client);
+//! - [`shm`]: the shared-memory snapshot store and its typed control page;
+//! - [`statemap`]: the self-describing map of a rank's state;
+//! - [`checkpoint`]: the on-disk checkpoint format, its writer and reader;
+//! - [`shard`]: how a flat buffer is split across the ranks of a group;
+//! - [`ha`]: the high-availability switches.
 //!
 //! Nothing here decides *when* anything happens; that is the agent's and the
 //! worker runtime's business.
@@ -14,6 +18,8 @@ pub mod checkpoint;
 pub mod control;
 pub mod frame;
 pub mod ha;
-pub mod model;
 pub mod rendezvous;
+pub mod shard;
 pub mod shm;
+pub mod statemap;
+pub mod store;

@@ -8,8 +8,18 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+/// A project binary, built first (once per test process) in the test's
+/// profile.
+pub fn bin(name: &str) -> PathBuf {
+    hatrain_demo::bins::locate(name).unwrap_or_else(|e| panic!("{e}"))
+}
+
 pub fn agent() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hatrain-agent"))
+    bin("hatrain-agent")
+}
+
+pub fn trainer() -> PathBuf {
+    bin("hatrain-train")
 }
 
 /// A job id unique to this test process and call, so the orphan check finds
@@ -42,7 +52,7 @@ pub fn tiny_args(iters: u64) -> Vec<String> {
     .collect()
 }
 
-/// `hatrain-agent launch --nproc-per-node n -- hatrain-agent train <args>`.
+/// `hatrain-agent launch --nproc-per-node n -- hatrain-train <args>`.
 pub fn launch_cmd(nproc: usize, job: &str, train: &[String]) -> Command {
     let mut c = Command::new(agent());
     c.args([
@@ -53,8 +63,7 @@ pub fn launch_cmd(nproc: usize, job: &str, train: &[String]) -> Command {
         job,
     ])
     .args(["--threads-per-worker", "1", "--stop-grace-secs", "3", "--"])
-    .arg(agent())
-    .arg("train")
+    .arg(trainer())
     .args(train)
     .env_remove("RAYON_NUM_THREADS")
     .env("RUST_LOG", "info");
@@ -274,7 +283,7 @@ pub fn s(v: &[&str]) -> Vec<String> {
 }
 
 pub fn agentctl() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_agentctl"))
+    bin("agentctl")
 }
 
 /// The one-letter state of a process (`R`, `S`, `T` for stopped, `Z`...).

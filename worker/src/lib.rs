@@ -1,17 +1,15 @@
-//! `hatrain-worker`: what a training process links.
+//! `hatrain-worker`: the runtime a training process links.
 //!
-//! - [`rendezvous`]: the store the ranks of an epoch meet in (server, client);
-//! - [`collective`]: abortable ring collectives over TCP, one per epoch;
-//! - [`data`], [`model`], [`optim`]: the reference workload (a synthetic
-//!   Markov-chain token stream, a small language model in candle, AdamW over
-//!   a ZeRO-1 shard);
-//! - [`trainer`]: the reference trainer `hatrain-train`.
+//! - [`runtime`]: registration with the agent, the step boundary, the update
+//!   fences, background snapshot commits and the agent's directives;
+//! - [`comm`]: the small seam through which the runtime reaches a
+//!   framework's communicator (abort), and test hooks;
+//! - [`uce`]: the SIGBUS handler that repairs uncorrectable memory errors in
+//!   registered state buffers.
+//!
+//! It knows no model and no collective: the reference trainer
+//! (`hatrain-trainer`) and the Python binding sit on top of it.
 
-pub mod collective;
-pub mod data;
-pub mod model;
-pub mod optim;
-pub mod rendezvous;
+pub mod comm;
 pub mod runtime;
-pub mod trainer;
 pub mod uce;

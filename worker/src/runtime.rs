@@ -2,7 +2,7 @@
 //! a consistent copy of its state and repair faults around it (DESIGN.md
 //! section 3).
 //!
-//! 1. [`Runtime::connect`] registers the rank and its state layout with the
+//! 1. [`Runtime::connect`] registers the rank and its [`StateMap`] with the
 //!    agent (`HATRAIN_AGENT_SOCKET`) and maps the rank's snapshot store. The
 //!    reply says whether to start fresh or, for a replacement process, to
 //!    wait for the agent's directive and restore from shared memory. Without
@@ -19,23 +19,19 @@
 //!    final) until the agent says which step to resume from.
 //!
 //! A watcher thread polls the directive word every millisecond and aborts
-//! the current communicator when the agent pauses the job, which releases a
-//! rank blocked in a collective on a hung peer.
+//! the current communicator (through [`crate::comm::Abort`]) when the agent
+//! pauses the job, which releases a rank blocked in a collective on a hung
+//! peer.
 //!
-//! Deterministic fault injection for tests and demos comes from
-//! `HATRAIN_FAULT_PLAN`: `RANK:STEP:POINT:ACTION` entries separated by `;`,
-//! POINT one of `forward`, `update` (inside the fences), `commit` (halfway
-//! through the snapshot copy), ACTION one of `stop` (SIGSTOP itself, for a
-//! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17),
-//! `hang` (block forever), `sleepMS` (sleep MS milliseconds: a slow rank). An
-//! optional fifth field names the incarnation (restart count) the entry
-//! fires in: a number (default 0, the first process) or `*` for every one.
-//! An entry fires at most once per process.
+//! The snapshot is the state map's parts in order: part 0 is the metadata
+//! block the loop passes to each commit, parts 1.. are the registered
+//! buffers.
 
-use crate::collective::{AbortHandle, Communicator};
-use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode, StatePart};
+use crate::comm::{Abort, Communicator, Hooks};
+use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode};
 use hatrain_shared::frame::FrameError;
-use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store};
+use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store, UceSite};
+use hatrain_shared::statemap::{Dtype, StateMap, StateMapError};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,8 +44,6 @@ use std::time::{Duration, Instant};
 /// and takes the write lock only inside the update fences.
 pub type SharedBuf = Arc<RwLock<Vec<f32>>>;
 
-/// Environment variable with the fault plan.
-pub const ENV_FAULT_PLAN: &str = "HATRAIN_FAULT_PLAN";
 /// Environment variable with the restart count of this rank.
 pub const ENV_RESTART_COUNT: &str = "HATRAIN_RESTART_COUNT";
 
@@ -69,12 +63,14 @@ pub enum RuntimeError {
     Unexpected { expected: &'static str, got: String },
     #[error(transparent)]
     Shm(#[from] ShmError),
+    #[error(transparent)]
+    Map(#[from] StateMapError),
+    #[error("the state map does not describe the buffers: {0}")]
+    Buffers(String),
     #[error("snapshot store {path} was made for another state layout")]
     Layout { path: PathBuf },
     #[error("no verified snapshot of step {step} in {path}")]
     NoSnapshot { step: u64, path: PathBuf },
-    #[error("invalid {ENV_FAULT_PLAN} entry {entry:?}: {detail}")]
-    Plan { entry: String, detail: String },
     #[error("cannot start the {what} thread")]
     Thread {
         what: &'static str,
@@ -83,176 +79,60 @@ pub enum RuntimeError {
     },
 }
 
-/// Where in a step a planned fault fires.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Point {
-    Forward,
-    Update,
-    Commit,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Action {
-    Stop,
-    Kill,
-    Exit,
-    /// Block forever, as a rank stuck in a driver call would.
-    Hang,
-    /// Sleep this many milliseconds: a slow but live rank.
-    Sleep(u64),
-    /// An uncorrectable memory error at a byte of a state buffer (by
-    /// name), or outside every registered buffer (`None`).
-    Uce(Option<String>, usize),
-}
-
-/// Blocks the calling thread forever.
-fn hang() -> ! {
+/// Blocks the calling thread forever, as a rank stuck in a driver call
+/// would.
+pub fn hang() -> ! {
     loop {
         thread::sleep(Duration::from_secs(3600));
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct PlanEntry {
-    rank: usize,
-    step: u64,
-    point: Point,
-    action: Action,
+/// Injects uncorrectable memory errors into the registered buffers of this
+/// process (for `agentctl inject uce` and fault plans): the address is
+/// always inside a buffer the runtime watches, or in scratch memory of its
+/// own for an error "outside the state".
+#[derive(Debug, Clone)]
+pub struct UceInjector {
+    /// (part index, start address, bytes) of each registered buffer.
+    targets: Arc<Vec<(usize, usize, usize)>>,
 }
 
-/// The planned faults of this rank.
-#[derive(Debug, Default)]
-pub struct FaultPlan {
-    entries: Vec<(PlanEntry, AtomicBool)>,
-    /// The state buffers a planned UCE may hit: name, address, bytes.
-    targets: Vec<(String, usize, usize)>,
-}
-
-impl FaultPlan {
-    /// Parses a plan, keeping the entries of `rank` that fire in
-    /// `incarnation`.
-    pub fn parse(text: &str, rank: usize, incarnation: u64) -> Result<Self, RuntimeError> {
-        let mut entries = Vec::new();
-        for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
-            let bad = |detail: &str| RuntimeError::Plan {
-                entry: entry.to_string(),
-                detail: detail.to_string(),
-            };
-            let f: Vec<&str> = entry.split(':').collect();
-            let (r, s, p, a, inc) = match f[..] {
-                [r, s, p, a] => (r, s, p, a, "0"),
-                [r, s, p, a, inc] => (r, s, p, a, inc),
-                _ => return Err(bad("expected RANK:STEP:POINT:ACTION[:INCARNATION]")),
-            };
-            let fires_now = match inc {
-                "*" => true,
-                n => {
-                    n.parse::<u64>()
-                        .map_err(|_| bad("INCARNATION must be a number or *"))?
-                        == incarnation
-                }
-            };
-            let e = PlanEntry {
-                rank: r.parse().map_err(|_| bad("RANK is not a number"))?,
-                step: s.parse().map_err(|_| bad("STEP is not a number"))?,
-                point: match p {
-                    "forward" => Point::Forward,
-                    "update" => Point::Update,
-                    "commit" => Point::Commit,
-                    _ => return Err(bad("POINT must be forward, update or commit")),
-                },
-                action: match a {
-                    "stop" => Action::Stop,
-                    "kill" => Action::Kill,
-                    "exit" => Action::Exit,
-                    "hang" => Action::Hang,
-                    "uce-outside" => Action::Uce(None, 0),
-                    other => match (other.strip_prefix("sleep"), other.strip_prefix("uce-")) {
-                        (Some(ms), _) => {
-                            Action::Sleep(ms.parse().map_err(|_| bad("sleepMS needs a number"))?)
-                        }
-                        (_, Some(target)) => {
-                            let (buf, off) = target
-                                .rsplit_once('-')
-                                .ok_or_else(|| bad("uce-BUFFER-OFFSET or uce-outside"))?;
-                            Action::Uce(
-                                Some(buf.to_string()),
-                                off.parse().map_err(|_| bad("OFFSET is not a number"))?,
-                            )
-                        }
-                        _ => {
-                            return Err(bad(
-                                "ACTION must be stop, kill, exit, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
-                            ));
-                        }
-                    },
-                },
-            };
-            if e.rank == rank && fires_now {
-                entries.push((e, AtomicBool::new(false)));
+impl UceInjector {
+    /// A UCE at byte `offset` (clamped) of state part `part`; a part that is
+    /// not a registered buffer gets one outside the state instead.
+    pub fn inject(&self, part: usize, offset: usize) {
+        match self.targets.iter().find(|t| t.0 == part) {
+            Some(&(_, start, len)) => {
+                let addr = (start + offset.min(len.saturating_sub(1))) as *const u8;
+                // SAFETY: `addr` lies in a registered state buffer, which
+                // the training loop never reallocates; its page is replaced
+                // by the handler and restored from the snapshot.
+                report(unsafe { crate::uce::inject(addr) }, addr, part, offset);
             }
-        }
-        Ok(Self {
-            entries,
-            targets: Vec::new(),
-        })
-    }
-
-    /// Fires the entry for (`step`, `point`), if any and not yet fired.
-    pub fn hit(&self, step: u64, point: Point) {
-        for (e, fired) in &self.entries {
-            if e.step == step && e.point == point && !fired.swap(true, Ordering::SeqCst) {
-                eprintln!(
-                    "fault plan: rank {} {:?} at step {step} ({point:?})",
-                    e.rank, e.action
-                );
-                if let Action::Uce(target, offset) = &e.action {
-                    self.inject_uce(target.as_deref(), *offset);
-                    continue;
-                }
-                // SAFETY: raise(3) and _exit(2) take plain integers.
-                unsafe {
-                    match e.action {
-                        Action::Stop => {
-                            libc::raise(libc::SIGSTOP);
-                        }
-                        Action::Kill => {
-                            libc::raise(libc::SIGKILL);
-                        }
-                        Action::Exit => libc::_exit(17),
-                        Action::Hang => hang(),
-                        Action::Sleep(ms) => thread::sleep(Duration::from_millis(ms)),
-                        Action::Uce(..) => {}
-                    }
-                }
-            }
+            None => self.inject_outside(),
         }
     }
-}
 
-impl FaultPlan {
-    /// Injects a UCE into state buffer `target` at byte `offset` (or, with
-    /// `None`, outside every registered buffer).
-    pub fn inject_uce(&self, target: Option<&str>, offset: usize) {
+    /// A UCE outside every registered buffer: the process cannot trust its
+    /// memory and dies of it.
+    pub fn inject_outside(&self) {
         let outside = [0u8; 64];
-        let addr = match target {
-            None => outside.as_ptr(),
-            Some(name) => match self.targets.iter().find(|t| t.0 == name) {
-                Some(&(_, start, len)) => (start + offset.min(len.saturating_sub(1))) as *const u8,
-                None => {
-                    eprintln!("fault plan: no state buffer named {name:?}");
-                    return;
-                }
-            },
-        };
-        // SAFETY: `addr` is in a registered state buffer (its page is lost
-        // and restored from the snapshot) or in `outside`, a local scratch
-        // buffer that lives until after the injection.
-        match unsafe { crate::uce::inject(addr) } {
-            Ok(path) => eprintln!("UCE injected at {addr:p} ({target:?} + {offset}) via {path:?}"),
-            Err(e) => eprintln!("UCE injection failed: {e}"),
-        }
+        // SAFETY: a local scratch buffer that lives until after the
+        // injection; losing its page loses nothing.
+        report(
+            unsafe { crate::uce::inject(outside.as_ptr()) },
+            outside.as_ptr(),
+            usize::MAX,
+            0,
+        );
         std::hint::black_box(&outside);
+    }
+}
+
+fn report(r: std::io::Result<crate::uce::InjectPath>, addr: *const u8, part: usize, offset: usize) {
+    match r {
+        Ok(path) => eprintln!("UCE injected at {addr:p} (part {part} + {offset}) via {path:?}"),
+        Err(e) => eprintln!("UCE injection failed: {e}"),
     }
 }
 
@@ -285,7 +165,7 @@ struct Attached {
     recover: bool,
     jobs: Option<mpsc::Sender<CommitJob>>,
     progress: Arc<(Mutex<CommitProgress>, Condvar)>,
-    abort: Arc<Mutex<Option<AbortHandle>>>,
+    abort: Arc<Mutex<Option<Arc<dyn Abort>>>>,
     handled: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -317,70 +197,100 @@ pub enum Start {
 #[derive(Debug)]
 pub struct Runtime {
     rank: usize,
+    map: StateMap,
     buffers: Vec<SharedBuf>,
     meta_len: usize,
     interval: u64,
     /// `Some(save interval)` when the agent writes the checkpoints (0: only
     /// the last step).
     agent_saves: Option<u64>,
-    plan: Arc<FaultPlan>,
+    hooks: Arc<dyn Hooks>,
+    injector: UceInjector,
     attached: Option<Attached>,
     commit_seq: u64,
 }
 
+/// Checks that `map` describes a metadata block (part 0, bytes) and then
+/// `buffers`, in order.
+fn check_buffers(map: &StateMap, buffers: &[SharedBuf]) -> Result<usize, RuntimeError> {
+    map.validate()?;
+    let bad = |m: String| Err(RuntimeError::Buffers(m));
+    if map.parts.len() != buffers.len() + 1 {
+        return bad(format!(
+            "{} parts for a metadata block and {} buffers",
+            map.parts.len(),
+            buffers.len()
+        ));
+    }
+    if buffers.len() >= crate::uce::MAX_RANGES {
+        return bad(format!(
+            "{} buffers; at most {} can be watched for memory errors",
+            buffers.len(),
+            crate::uce::MAX_RANGES - 1
+        ));
+    }
+    if map.parts[0].dtype != Dtype::U8 {
+        return bad(format!(
+            "part 0 ({:?}) must be the U8 metadata block",
+            map.parts[0].name
+        ));
+    }
+    for (p, b) in map.parts[1..].iter().zip(buffers) {
+        let len = b.read().unwrap_or_else(|e| e.into_inner()).len() as u64;
+        if p.dtype != Dtype::F32 || p.len != len {
+            return bad(format!(
+                "part {:?} is {:?}[{}], its buffer F32[{len}]",
+                p.name, p.dtype, p.len
+            ));
+        }
+    }
+    Ok(map.parts[0].len as usize)
+}
+
 impl Runtime {
     /// Registers with the agent named by `HATRAIN_AGENT_SOCKET` (if any).
-    /// `parts` are the named state buffers in snapshot order, after a
-    /// `meta_len`-byte metadata block.
+    /// `map` describes the snapshot: part 0 is the metadata block given to
+    /// each [`Runtime::commit`], parts 1.. are `buffers`, in order.
     pub fn connect(
         rank: usize,
-        parts: Vec<(String, SharedBuf)>,
-        meta_len: usize,
+        map: StateMap,
+        buffers: Vec<SharedBuf>,
         snapshot_interval: u64,
-        checkpoint: Option<control::CheckpointInfo>,
+        hooks: Arc<dyn Hooks>,
     ) -> Result<(Self, Start), RuntimeError> {
+        let meta_len = check_buffers(&map, &buffers)?;
         let incarnation: u64 = std::env::var(ENV_RESTART_COUNT)
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let mut plan = match std::env::var(ENV_FAULT_PLAN) {
-            Ok(text) => FaultPlan::parse(&text, rank, incarnation)?,
-            Err(_) => FaultPlan::default(),
-        };
-        // The buffers' memory is watched for UCEs. INVARIANT: the training
-        // loop never reallocates a registered buffer, so these stay valid.
-        for (i, (name, buf)) in parts.iter().enumerate() {
+        // The buffers' memory is watched for UCEs, by part index.
+        // INVARIANT: the training loop never reallocates a registered
+        // buffer, so these stay valid.
+        let mut targets = Vec::new();
+        for (i, buf) in buffers.iter().enumerate() {
             let g = buf.read().unwrap_or_else(|p| p.into_inner());
             let (start, len) = (g.as_ptr() as usize, g.len() * 4);
-            crate::uce::register(i, start as *const u8, len);
-            plan.targets.push((name.clone(), start, len));
+            crate::uce::register(i + 1, start as *const u8, len);
+            targets.push((i + 1, start, len));
         }
-        let plan = Arc::new(plan);
         let mut rt = Self {
             rank,
-            buffers: parts.iter().map(|(_, b)| Arc::clone(b)).collect(),
+            buffers,
             meta_len,
             interval: snapshot_interval.max(1),
             agent_saves: None,
-            plan,
+            hooks,
+            injector: UceInjector {
+                targets: Arc::new(targets),
+            },
             attached: None,
             commit_seq: 0,
+            map,
         };
         let Some(socket) = std::env::var_os(control::ENV_SOCKET).map(PathBuf::from) else {
             return Ok((rt, Start::Standalone));
         };
-        let mut layout = vec![StatePart {
-            name: "meta".into(),
-            bytes: meta_len as u64,
-        }];
-        for (name, buf) in &parts {
-            let len = buf.read().unwrap_or_else(|p| p.into_inner()).len();
-            layout.push(StatePart {
-                name: name.clone(),
-                bytes: (len * 4) as u64,
-            });
-        }
-        let save_interval = checkpoint.as_ref().map(|c| c.save_interval);
+        let save_interval = rt.map.checkpoint.as_ref().map(|c| c.interval);
         let mut conn = UnixStream::connect(&socket).map_err(|source| RuntimeError::Connect {
             path: socket.clone(),
             source,
@@ -390,8 +300,7 @@ impl Runtime {
             &Request::Register {
                 rank,
                 pid: std::process::id(),
-                parts: layout.clone(),
-                checkpoint,
+                map: rt.map.clone(),
             },
         )?;
         let (store_path, start, recover) = match PROTOCOL.recv_json(&mut conn)? {
@@ -413,31 +322,38 @@ impl Runtime {
             }
         };
         let store = Arc::new(Store::open(&store_path)?);
-        crate::uce::install(Some(store.fault_word())).map_err(|source| RuntimeError::Thread {
-            what: "SIGBUS handler",
-            source,
-        })?;
-        if store.layout_hash() != control::layout_hash(&layout) {
+        if store.page().layout_hash() != rt.map.layout_hash() {
             return Err(RuntimeError::Layout { path: store_path });
         }
-        store.set_pid(std::process::id());
-        store.set_restarts(incarnation);
-        store.set_phase(Phase::Starting);
-        let handled = Arc::new(AtomicU64::new(store.acknowledged()));
+        // The SIGBUS handler records fatal faults in the control page, so the
+        // mapping must outlive every signal: one reference is kept for the
+        // life of the process.
+        let forever: &'static Store = Box::leak(Box::new(Arc::clone(&store)));
+        crate::uce::install(Some(forever.page().fault_word())).map_err(|source| {
+            RuntimeError::Thread {
+                what: "SIGBUS handler",
+                source,
+            }
+        })?;
+        let page = store.page();
+        page.set_pid(std::process::id());
+        page.set_restarts(incarnation);
+        page.set_phase(Phase::Starting);
+        let handled = Arc::new(AtomicU64::new(page.acknowledged()));
         let progress = Arc::new((Mutex::new(CommitProgress::default()), Condvar::new()));
         let abort = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<CommitJob>();
         let committer = {
-            let (store, bufs, progress, plan) = (
+            let (store, bufs, progress, hooks) = (
                 Arc::clone(&store),
                 rt.buffers.clone(),
                 Arc::clone(&progress),
-                Arc::clone(&rt.plan),
+                Arc::clone(&rt.hooks),
             );
             thread::Builder::new()
                 .name("hatrain-commit".into())
-                .spawn(move || commit_loop(rx, &store, &bufs, &progress, &plan, rank as u64))
+                .spawn(move || commit_loop(rx, &store, &bufs, &progress, &*hooks, rank as u64))
                 .map_err(|source| RuntimeError::Thread {
                     what: "commit",
                     source,
@@ -488,36 +404,44 @@ impl Runtime {
     /// handled. One atomic load; no syscall.
     pub fn directive_pending(&self) -> bool {
         self.attached.as_ref().is_some_and(|a| {
-            a.store.beat();
-            a.store.directive_seq() != a.handled.load(Ordering::Acquire)
+            let page = a.store.page();
+            page.beat();
+            page.directive_seq() != a.handled.load(Ordering::Acquire)
         })
     }
 
-    /// The forward and backward passes of `step` begin.
+    /// The state map this rank registered.
+    pub fn map(&self) -> &StateMap {
+        &self.map
+    }
+
+    /// Injects memory errors into this rank's registered buffers.
+    pub fn uce_injector(&self) -> UceInjector {
+        self.injector.clone()
+    }
+
+    /// The forward and backward passes of `step` begin: carries out a fault
+    /// that `agentctl inject` left for this step.
     pub fn begin_step(&self, step: u64) {
-        if let Some(a) = &self.attached {
-            a.store.set_phase(Phase::Computing);
-            match a.store.take_injection(step) {
-                Some((Injection::Uce, arg)) => {
-                    let (buffer, offset) = ((arg >> 48) as usize, (arg & ((1 << 48) - 1)) as usize);
-                    match self.plan.targets.get(buffer) {
-                        Some((name, ..)) => self.plan.inject_uce(Some(&name.clone()), offset),
-                        None => self.plan.inject_uce(None, 0),
-                    }
-                }
-                Some((Injection::Crash, _)) => {
-                    eprintln!("rank {}: injected crash at step {step}", self.rank);
-                    // SAFETY: raise(3) with a plain signal number.
-                    unsafe { libc::raise(libc::SIGKILL) };
-                }
-                Some((Injection::Hang, _)) => {
-                    eprintln!("rank {}: injected hang at step {step}", self.rank);
-                    hang();
-                }
-                None => {}
+        let Some(a) = &self.attached else { return };
+        let page = a.store.page();
+        page.set_phase(Phase::Computing);
+        match page.take_injection(step) {
+            Some(Injection::Uce { part, offset }) => {
+                let part = usize::try_from(part).unwrap_or(usize::MAX);
+                self.injector
+                    .inject(part, usize::try_from(offset).unwrap_or(usize::MAX));
             }
+            Some(Injection::Crash) => {
+                eprintln!("rank {}: injected crash at step {step}", self.rank);
+                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+            }
+            Some(Injection::Hang) => {
+                eprintln!("rank {}: injected hang at step {step}", self.rank);
+                hang();
+            }
+            None => {}
         }
-        self.plan.hit(step, Point::Forward);
     }
 
     /// The UCE the SIGBUS handler repaired since the last check, if any:
@@ -525,21 +449,16 @@ impl Runtime {
     /// last consistent snapshot. Reports it in the control page.
     pub fn check_uce(&self) -> Option<crate::uce::Uce> {
         let u = crate::uce::take_pending()?;
-        let name = self
-            .plan
-            .targets
-            .get(u.buffer)
-            .map_or("?", |t| t.0.as_str());
+        let name = self.map.parts.get(u.part).map_or("?", |p| p.name.as_str());
         eprintln!(
             "rank {}: uncorrectable memory error in {name} at byte {}: the step is thrown away and recomputed",
             self.rank, u.offset
         );
         if let Some(a) = &self.attached {
-            a.store.record_fault(
-                crate::uce::FAULT_UCE_REPAIRABLE,
-                u.offset as u64,
-                u.buffer as u64,
-            );
+            a.store.page().record_uce(UceSite {
+                part: u.part as u64,
+                offset: u.offset as u64,
+            });
         }
         Some(u)
     }
@@ -547,35 +466,34 @@ impl Runtime {
     /// Runs a collective, marked in the control page as waiting on peers, so
     /// that the agent can tell a hung rank from the ranks waiting for it.
     pub fn collective<T>(&self, f: impl FnOnce() -> T) -> T {
-        let store = self.attached.as_ref().map(|a| &a.store);
-        if let Some(s) = store {
-            s.set_in_collective(true);
+        let page = self.attached.as_ref().map(|a| a.store.page());
+        if let Some(p) = page {
+            p.set_in_collective(true);
         }
         let r = f();
-        if let Some(s) = store {
-            s.set_in_collective(false);
+        if let Some(p) = page {
+            p.set_in_collective(false);
         }
         r
     }
 
     /// Start-update fence: waits for the running snapshot copy (the update
     /// may now change the state), then marks the state as being updated.
-    pub fn start_update(&self, step: u64) {
+    pub fn start_update(&self) {
         if let Some(a) = &self.attached {
             let t = Instant::now();
             self.wait_commit();
             let blocked = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            a.store.record_commit_blocking(blocked);
-            a.store.set_phase(Phase::Updating);
+            a.store.page().record_commit_blocking(blocked);
+            a.store.page().set_phase(Phase::Updating);
         }
-        self.plan.hit(step, Point::Update);
     }
 
     /// End-update fence: the state is consistent again at `step`.
     pub fn end_update(&self, step: u64) {
         if let Some(a) = &self.attached {
-            a.store.set_step(step);
-            a.store.set_phase(Phase::Computing);
+            a.store.page().set_step(step);
+            a.store.page().set_phase(Phase::Computing);
         }
     }
 
@@ -635,10 +553,10 @@ impl Runtime {
     }
 
     /// Tells the watcher which communicator to abort on a pause.
-    pub fn set_communicator(&self, comm: &Communicator) {
+    pub fn set_communicator(&self, comm: &dyn Communicator) {
         if let Some(a) = &self.attached {
             *a.abort.lock().unwrap_or_else(|p| p.into_inner()) = Some(comm.abort_handle());
-            a.store.set_epoch(comm.epoch());
+            a.store.page().set_epoch(comm.epoch());
         }
     }
 
@@ -654,36 +572,37 @@ impl Runtime {
         }
         self.wait_commit();
         let store = Arc::clone(&a.store);
+        let page = store.page();
         loop {
-            let (seq, d) = store.directive();
+            let (seq, d) = page.directive();
             let handled = a.handled.load(Ordering::Acquire);
             if seq != handled {
                 match d {
                     Directive::Pause { .. } | Directive::None => {
-                        store.set_phase(Phase::Paused);
+                        page.set_phase(Phase::Paused);
                         a.handled.store(seq, Ordering::Release);
-                        store.acknowledge(seq);
+                        page.acknowledge(seq);
                     }
                     Directive::Resume { step, .. } => {
                         // Snapshots past the step every rank returns to are
                         // of an abandoned timeline (no commit runs now).
                         store.discard_newer_than(step);
                         a.handled.store(seq, Ordering::Release);
-                        store.acknowledge(seq);
-                        store.set_phase(Phase::Restoring);
+                        page.acknowledge(seq);
+                        page.set_phase(Phase::Restoring);
                         return d;
                     }
                     Directive::Stop => {
                         a.handled.store(seq, Ordering::Release);
-                        store.acknowledge(seq);
+                        page.acknowledge(seq);
                         return d;
                     }
                 }
-            } else if store.phase() != Phase::Paused {
+            } else if page.phase() != Phase::Paused {
                 // Nothing posted yet (the rank noticed the fault first).
-                store.set_phase(Phase::Paused);
+                page.set_phase(Phase::Paused);
             }
-            store.beat();
+            page.beat();
             thread::sleep(Duration::from_millis(1));
         }
     }
@@ -714,9 +633,16 @@ impl Runtime {
                 outs.push(bytemuck::cast_slice_mut(&mut g[..]));
             }
             match a.store.read_slot(info.slot, &mut outs) {
-                Ok(_) => {
+                Ok(read) if read.step == step => {
                     restored = true;
                     break;
+                }
+                Ok(read) => {
+                    last_err = Some(ShmError::BadSlot {
+                        path: a.store.path().to_path_buf(),
+                        slot: read.slot,
+                        detail: format!("holds step {}, not {step}", read.step),
+                    })
                 }
                 Err(e) => last_err = Some(e),
             }
@@ -731,7 +657,7 @@ impl Runtime {
             });
         }
         drop(guards);
-        a.store.set_step(step);
+        a.store.page().set_step(step);
         Ok(meta)
     }
 
@@ -740,7 +666,7 @@ impl Runtime {
     pub fn finish(&self, step: u64) -> bool {
         self.wait_commit();
         let Some(a) = &self.attached else { return true };
-        a.store.set_phase(Phase::Finished);
+        a.store.page().set_phase(Phase::Finished);
         a.progress
             .0
             .lock()
@@ -767,7 +693,7 @@ fn commit_loop(
     store: &Store,
     bufs: &[SharedBuf],
     progress: &(Mutex<CommitProgress>, Condvar),
-    plan: &FaultPlan,
+    hooks: &dyn Hooks,
     rank: u64,
 ) {
     // Whether a hold has cost a snapshot yet (said once).
@@ -792,7 +718,7 @@ fn commit_loop(
                     .write_slot(slot, rank, job.step, job.epoch, &parts, &mut |at, len| {
                         if !halfway && at * 2 >= len {
                             halfway = true;
-                            plan.hit(job.step, Point::Commit);
+                            hooks.commit_halfway(job.step);
                         }
                         // A UCE repaired meanwhile may have zeroed bytes being
                         // copied.
@@ -802,14 +728,14 @@ fn commit_loop(
                         // Refused only while the agent still writes an older
                         // step; it then skips to a newer one and says so.
                         if job.hold {
-                            let _ = store.hold(job.step, info.slot);
+                            let _ = store.page().hold(job.step, info.slot);
                         }
                         Some(job.step)
                     })
                     .map_err(|e| e.to_string())
             }
             None => {
-                if !said_blocked && let Some(h) = store.held() {
+                if !said_blocked && let Some(h) = store.page().held() {
                     said_blocked = true;
                     eprintln!(
                         "rank {rank}: snapshot of step {} skipped: its slot is held while the agent writes iteration {} to disk (with --snapshot-slots 3 snapshots go on meanwhile; said once)",
@@ -820,7 +746,7 @@ fn commit_loop(
             }
         };
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        store.record_commit(ns);
+        store.page().record_commit(ns);
         let (lock, cv) = progress;
         let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
         p.done = job.seq;
@@ -842,15 +768,15 @@ fn free_slot(store: &Store, job: &CommitJob) -> Option<usize> {
         if let Some(slot) = store.writable_slot() {
             return Some(slot);
         }
-        let h = store.held()?;
+        let h = store.page().held()?;
         if !job.hold {
             return None;
         }
         if !h.claimed {
-            store.release_hold(h);
+            store.page().release_hold(h);
         } else if job.last {
             // Alive, not hung: the training loop waits for this commit.
-            store.beat();
+            store.page().beat();
             thread::sleep(Duration::from_millis(1));
         } else {
             return None;
@@ -860,15 +786,15 @@ fn free_slot(store: &Store, job: &CommitJob) -> Option<usize> {
 
 fn watch_loop(
     store: &Store,
-    abort: &Mutex<Option<AbortHandle>>,
+    abort: &Mutex<Option<Arc<dyn Abort>>>,
     handled: &AtomicU64,
     stop: &AtomicBool,
 ) {
     let mut aborted_for = 0;
     while !stop.load(Ordering::SeqCst) {
-        let seq = store.directive_seq();
+        let seq = store.page().directive_seq();
         if seq != handled.load(Ordering::Acquire) && seq != aborted_for {
-            let (seq, d) = store.directive();
+            let (seq, d) = store.page().directive();
             if matches!(d, Directive::Pause { .. } | Directive::Stop) {
                 if let Some(h) = abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     h.abort();
@@ -877,33 +803,5 @@ fn watch_loop(
             }
         }
         thread::sleep(Duration::from_millis(1));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fault_plans_parse_and_filter() {
-        let p =
-            FaultPlan::parse("1:12:forward:stop; 2:20:update:kill;1:30:commit:exit", 1, 0).unwrap();
-        assert_eq!(p.entries.len(), 2);
-        assert_eq!(p.entries[1].0.point, Point::Commit);
-        assert!(
-            FaultPlan::parse("1:12:forward:stop", 1, 1)
-                .unwrap()
-                .entries
-                .is_empty()
-        );
-        for bad in [
-            "1:12:forward",
-            "x:1:forward:stop",
-            "1:1:sideways:stop",
-            "1:1:forward:nap",
-        ] {
-            let e = FaultPlan::parse(bad, 1, 0).unwrap_err().to_string();
-            assert!(e.contains(bad), "{e}");
-        }
     }
 }

@@ -3,8 +3,7 @@
 
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
-use hatrain_shared::control::{FaultRecord, Request, Response, WorkerReport};
-use hatrain_shared::shm::Injection;
+use hatrain_shared::control::{FaultRecord, InjectKind, Request, Response, WorkerReport};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -51,7 +50,8 @@ enum Verb {
         fault: String,
         #[arg(long)]
         rank: usize,
-        /// For uce: the state buffer (params, exp_avg, exp_avg_sq).
+        /// For uce: the state part, by name (default: the largest; the
+        /// reference trainer's are params, exp_avg, exp_avg_sq).
         #[arg(long)]
         buffer: Option<String>,
         /// For uce: the byte offset in the buffer.
@@ -92,9 +92,9 @@ fn run(cli: Cli) -> Result<()> {
         } => Request::Inject {
             rank,
             fault: match fault.as_str() {
-                "crash" => Injection::Crash,
-                "hang" => Injection::Hang,
-                _ => Injection::Uce,
+                "crash" => InjectKind::Crash,
+                "hang" => InjectKind::Hang,
+                _ => InjectKind::Uce,
             },
             buffer,
             offset,
@@ -102,7 +102,7 @@ fn run(cli: Cli) -> Result<()> {
         },
     };
     // A dump pauses the job and writes its state: allow it time.
-    let response = hatrain_agent::control::request(&socket, &request, Duration::from_secs(600))?;
+    let response = hatrain_shared::control::request(&socket, &request, Duration::from_secs(600))?;
     if cli.json {
         println!("{}", serde_json::to_string_pretty(&response)?);
         return Ok(());

@@ -1,5 +1,4 @@
-//! The reference model's shape, the layout of its flat parameter buffer, and
-//! the ZeRO-1 sharding of that buffer.
+//! The reference model's shape and the layout of its flat parameter buffer.
 //!
 //! Every parameter lives in one flat `f32` buffer, tensor after tensor, in the
 //! order [`ModelConfig::layout`] gives. The optimizer state (AdamW's two
@@ -7,6 +6,9 @@
 //! [`shard_range`]`(numel, W, r)`: it alone keeps the moments for it and
 //! updates those parameters. Checkpoints store each rank's range, so a
 //! checkpoint written at one world size can be re-sliced at another.
+
+#[cfg(doc)]
+use hatrain_shared::shard::shard_range;
 
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -160,27 +162,9 @@ impl ModelConfig {
     }
 }
 
-/// The element range of the flat buffer that `rank` of `world` owns.
-///
-/// The first `numel % world` ranks get one element more, so the ranges are
-/// contiguous, in rank order, cover `0..numel` exactly and differ in length by
-/// at most one.
-pub fn shard_range(numel: usize, world: usize, rank: usize) -> Range<usize> {
-    assert!(
-        world > 0 && rank < world,
-        "rank {rank} outside world {world}"
-    );
-    let base = numel / world;
-    let rem = numel % world;
-    let start = rank * base + rank.min(rem);
-    let len = base + usize::from(rank < rem);
-    start..start + len
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
     #[test]
     fn layout_is_contiguous_and_sizes_are_as_named() {
@@ -199,23 +183,6 @@ mod tests {
             }
             assert_eq!(cfg.numel(), next);
             assert!((lo..hi).contains(&next), "{size:?} has {next} parameters");
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn shards_partition_the_buffer(numel in 0usize..100_000, world in 1usize..64) {
-            let mut next = 0;
-            let mut lens = Vec::new();
-            for r in 0..world {
-                let range = shard_range(numel, world, r);
-                prop_assert_eq!(range.start, next);
-                next = range.end;
-                lens.push(range.len());
-            }
-            prop_assert_eq!(next, numel);
-            let (min, max) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
-            prop_assert!(max - min <= 1);
         }
     }
 }

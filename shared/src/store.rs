@@ -9,8 +9,8 @@
 //! each connection. Waits are bounded by the client's `wait_ms` and by
 //! [`MAX_WAIT`], so no request parks a thread forever.
 
-use hatrain_shared::frame::FrameError;
-use hatrain_shared::rendezvous::{PROTOCOL, Request, Response};
+use crate::frame::FrameError;
+use crate::rendezvous::{PROTOCOL, Request, Response};
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};

@@ -36,9 +36,9 @@
 //! blocked in `read` or `write` then returns [`CollectiveError::Aborted`].
 //! This is how a rank stuck on a hung peer is released.
 
-use crate::rendezvous::{RendezvousError, StoreClient};
-use hatrain_shared::model::shard_range;
 use hatrain_shared::rendezvous::ring_key;
+use hatrain_shared::shard::shard_range;
+use hatrain_shared::store::{RendezvousError, StoreClient};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
@@ -112,6 +112,22 @@ impl AbortHandle {
         for s in self.streams.iter() {
             let _ = s.shutdown(Shutdown::Both);
         }
+    }
+}
+
+impl hatrain_worker::comm::Abort for AbortHandle {
+    fn abort(&self) {
+        AbortHandle::abort(self);
+    }
+}
+
+impl hatrain_worker::comm::Communicator for Communicator {
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn abort_handle(&self) -> std::sync::Arc<dyn hatrain_worker::comm::Abort> {
+        std::sync::Arc::new(self.abort.clone())
     }
 }
 
@@ -472,7 +488,7 @@ fn accept_until(listener: &TcpListener, deadline: Instant) -> Result<TcpStream, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rendezvous::StoreServer;
+    use hatrain_shared::store::StoreServer;
     use proptest::prelude::*;
 
     /// Runs the reduce-scatter schedule on in-memory ranks.

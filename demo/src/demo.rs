@@ -1,9 +1,9 @@
-//! `hatrain-agent demo`: the project's main job on an embedded default.
+//! `hatrain-demo`: the project's main job on an embedded default.
 //!
-//! It trains the reference model (this same binary's `train` subcommand, so
-//! one `cargo run` builds everything) on `--nproc` local ranks, each run a
-//! real `hatrain-agent launch` process with dump, retry and recover on and
-//! the agent writing the periodic checkpoints from shared memory:
+//! It trains the reference model (`hatrain-train`) on `--nproc` local ranks,
+//! each run a real `hatrain-agent launch` process with dump, retry and
+//! recover on and the agent writing the periodic checkpoints from shared
+//! memory:
 //! 1. a fault-free run, for reference;
 //! 2. the same run while `--kills` workers are killed with SIGKILL (at
 //!    steps, ranks and points drawn from `--fault-seed`: the forward pass,
@@ -18,16 +18,45 @@
 //! ended with weights bit-identical to the fault-free one) and a PNG of the
 //! loss curves with the faults marked.
 
-use crate::cli::DemoArgs;
-use crate::supervisor::Outcome;
 use anyhow::{Context, Result, bail};
+use clap::Args;
 use hatrain_shared::control::{FaultRecord, Request, Response};
-use hatrain_worker::data::SplitMix64;
+use hatrain_trainer::data::SplitMix64;
+use hatrain_trainer::faults::ENV_FAULT_PLAN;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 const POINTS: [&str; 3] = ["forward", "update", "commit"];
+
+/// What the demo trains, and the faults it injects.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Workers (ranks) to train with.
+    #[arg(long, default_value_t = 4)]
+    pub nproc: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Save a checkpoint every N steps.
+    #[arg(long, default_value_t = 50)]
+    pub save_interval: u64,
+    /// Model size: tiny, small, 10m or 100m.
+    #[arg(long, default_value = "small")]
+    pub model_size: String,
+    /// Directory for the demo's checkpoints and log (replaced on each run).
+    #[arg(long, default_value = "hatrain-demo")]
+    pub workdir: PathBuf,
+    /// Workers to kill (SIGKILL) during the run, at steps and ranks drawn
+    /// from --fault-seed.
+    #[arg(long, default_value_t = 3)]
+    pub kills: usize,
+    #[arg(long, default_value_t = 7)]
+    pub fault_seed: u64,
+    /// Root directory of the shared-memory snapshot stores.
+    #[arg(long, default_value = "/dev/shm/hatrain")]
+    pub shm_root: PathBuf,
+}
 
 /// One planned fault: a kill (SIGKILL) at a point, or a UCE or hang.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,15 +163,22 @@ enum Script {
     ResumeFrom(&'static str),
 }
 
+/// The binaries a run starts.
+#[derive(Debug, Clone)]
+struct Bins {
+    agent: PathBuf,
+    train: PathBuf,
+}
+
 fn launch_command(
     args: &DemoArgs,
-    exe: &Path,
+    bins: &Bins,
     job: &str,
     work: &Path,
     ckpt: &Path,
     log: &Path,
 ) -> tokio::process::Command {
-    let mut c = tokio::process::Command::new(exe);
+    let mut c = tokio::process::Command::new(&bins.agent);
     c.args(["launch", "--nproc-per-node", &args.nproc.to_string()])
         .args(["--job-id", job])
         .arg("--shm-root")
@@ -157,8 +193,7 @@ fn launch_command(
         // A slot held for the periodic save never costs a snapshot.
         .args(["--snapshot-slots", "3"])
         .arg("--")
-        .arg(exe)
-        .arg("train")
+        .arg(&bins.train)
         .args(["--model-size", &args.model_size])
         .args(["--train-iters", &args.steps.to_string()])
         .args(["--save-interval", &args.save_interval.to_string()])
@@ -169,7 +204,7 @@ fn launch_command(
         .arg(log)
         .current_dir(work)
         .env_remove(hatrain_shared::ha::ENV)
-        .env_remove(hatrain_worker::runtime::ENV_FAULT_PLAN)
+        .env_remove(ENV_FAULT_PLAN)
         .kill_on_drop(true);
     // SAFETY: prctl(2) only, between fork and exec: the agent of a run
     // gets SIGTERM (and so stops its workers) if the demo dies.
@@ -184,12 +219,12 @@ fn launch_command(
 
 async fn train_once(
     args: &DemoArgs,
+    bins: &Bins,
     name: &str,
     kills: &[Kill],
     script: Script,
     shutdown: &CancellationToken,
 ) -> Result<RunResult> {
-    let exe = std::env::current_exe().context("cannot find the agent's own executable")?;
     let work = args.workdir.join(name);
     if work.exists() {
         std::fs::remove_dir_all(&work)
@@ -202,14 +237,14 @@ async fn train_once(
     let log = work.join("train.jsonl");
     let ckpt = work.join("checkpoints");
     let job = format!("demo-{name}-{}", std::process::id());
-    let mut cmd = launch_command(args, &exe, &job, &work, &ckpt, &log);
+    let mut cmd = launch_command(args, bins, &job, &work, &ckpt, &log);
     if let Script::ResumeFrom(from) = script {
         cmd.arg("--load")
             .arg(work.with_file_name(from).join("checkpoints"));
     }
     if !kills.is_empty() {
         let plan: Vec<String> = kills.iter().map(Kill::entry).collect();
-        cmd.env(hatrain_worker::runtime::ENV_FAULT_PLAN, plan.join(";"));
+        cmd.env(ENV_FAULT_PLAN, plan.join(";"));
     }
     let t = Instant::now();
     let mut child = cmd.spawn().context("cannot start hatrain-agent launch")?;
@@ -269,17 +304,22 @@ fn signal_agent(pid: u32) {
 async fn query(socket: &Path, request: Request) -> Option<Response> {
     let socket = socket.to_path_buf();
     tokio::task::spawn_blocking(move || {
-        crate::control::request(&socket, &request, Duration::from_secs(5)).ok()
+        hatrain_shared::control::request(&socket, &request, Duration::from_secs(5)).ok()
     })
     .await
     .ok()
     .flatten()
 }
 
-pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome> {
+/// Runs the demo's three trainings and prints the summary.
+pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<()> {
     if args.nproc < 2 {
         bail!("the demo needs --nproc 2 or more (worker reboot needs a replica)");
     }
+    let bins = Bins {
+        agent: crate::bins::locate("hatrain-agent")?,
+        train: crate::bins::locate("hatrain-train")?,
+    };
     let kills = schedule(
         args.fault_seed,
         args.kills.min(args.nproc),
@@ -312,7 +352,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
             .join("\n     ")
     );
     println!("\n=== run 1: no faults ===");
-    let reference = train_once(args, "reference", &[], Script::Plain, &shutdown).await?;
+    let reference = train_once(args, &bins, "reference", &[], Script::Plain, &shutdown).await?;
     if reference.code != Some(0) {
         bail!(
             "the fault-free run failed (agent exit {:?})",
@@ -324,7 +364,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         stop_at,
         faults: kills.len(),
     };
-    let faulty = train_once(args, "faulty", &kills, script, &shutdown).await?;
+    let faulty = train_once(args, &bins, "faulty", &kills, script, &shutdown).await?;
     let sigterm = 128 + nix::sys::signal::Signal::SIGTERM as i32;
     if faulty.code != Some(sigterm) {
         bail!(
@@ -337,6 +377,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
     println!("\n=== run 3: resumed from the last-words checkpoint of iteration {last_words} ===");
     let resumed = train_once(
         args,
+        &bins,
         "resumed",
         &[],
         Script::ResumeFrom("faulty"),
@@ -347,7 +388,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<Outcome
         bail!("the resumed run failed (agent exit {:?})", resumed.code);
     }
     summarise(args, &kills, &reference, &faulty, &resumed, last_words)?;
-    Ok(Outcome::Succeeded)
+    Ok(())
 }
 
 fn read_events(log: &Path) -> Result<Vec<serde_json::Value>> {

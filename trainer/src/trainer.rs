@@ -15,17 +15,21 @@
 //! The training state is [`TrainState`]: the flat parameters, this rank's two
 //! moment shards, the step, the sampler RNG and the data position.
 
+use crate::checkpoint::{self as ck, SaveTo};
 use crate::collective::{CollectiveError, Communicator};
+use crate::config::{ModelConfig, ModelSize};
 use crate::data::{MarkovChain, SplitMix64};
+use crate::faults::{ENV_FAULT_PLAN, FaultPlan, PlanError, Point};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
-use crate::rendezvous::{RendezvousError, StoreClient, StoreServer};
-use crate::runtime::{CommitOf, Runtime, RuntimeError, SharedBuf, Start};
 use clap::Parser;
-use hatrain_shared::checkpoint::{self, CheckpointError, ShardData, ShardHeader};
-use hatrain_shared::model::{ModelConfig, ModelSize, shard_range};
+use hatrain_shared::checkpoint::{self, CheckpointError};
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
+use hatrain_shared::shard::shard_range;
 use hatrain_shared::shm::Directive;
+use hatrain_shared::statemap::StateMap;
+use hatrain_shared::store::{RendezvousError, StoreClient, StoreServer};
+use hatrain_worker::runtime::{CommitOf, Runtime, RuntimeError, SharedBuf, Start};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -193,6 +197,8 @@ pub enum TrainError {
     SaveElsewhere { iteration: u64, ranks: Vec<usize> },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
     #[error("stopped by the agent")]
     Stopped,
     #[error("an uncorrectable memory error tore the state and step repair is not enabled")]
@@ -293,7 +299,7 @@ pub struct Scalars {
 }
 
 /// Size of [`Scalars`] in a snapshot: three little-endian u64.
-pub const META_LEN: usize = 24;
+pub const META_LEN: usize = ck::META_LEN as usize;
 
 impl Scalars {
     pub fn encode(&self) -> Vec<u8> {
@@ -468,6 +474,10 @@ struct Trainer<'a> {
     /// Between the update fences: the live state cannot be trusted.
     torn: bool,
     last_loss: Option<f64>,
+    /// The rank's state map: registered with the agent, and the layout of
+    /// the trainer's own saves.
+    map: StateMap,
+    plan: Arc<FaultPlan>,
 }
 
 /// Runs the trainer to `--train-iters` and returns its summary.
@@ -501,23 +511,40 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             data_position: 0,
         },
     };
+    let incarnation: u64 = std::env::var(hatrain_worker::runtime::ENV_RESTART_COUNT)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let plan = Arc::new(match std::env::var(ENV_FAULT_PLAN) {
+        Ok(text) => FaultPlan::parse(&text, rank, incarnation)?,
+        Err(_) => FaultPlan::default(),
+    });
+    let save = args.save.as_ref().map(|dir| SaveTo {
+        dir: dir.clone(),
+        interval: args.save_interval,
+    });
+    let map = ck::state_map(
+        &cfg,
+        world,
+        rank,
+        save.as_ref(),
+        serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
+    );
     let (mut rt, start) = Runtime::connect(
         rank,
+        map.clone(),
         vec![
-            ("params".into(), Arc::clone(&state.params)),
-            ("exp_avg".into(), Arc::clone(&state.exp_avg)),
-            ("exp_avg_sq".into(), Arc::clone(&state.exp_avg_sq)),
+            Arc::clone(&state.params),
+            Arc::clone(&state.exp_avg),
+            Arc::clone(&state.exp_avg_sq),
         ],
-        META_LEN,
         args.snapshot_interval,
-        Some(hatrain_shared::control::CheckpointInfo {
-            model: cfg,
-            world_size: world,
-            save_dir: args.save.clone(),
-            save_interval: args.save_interval,
-            args: serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
-        }),
+        Arc::clone(&plan) as Arc<dyn hatrain_worker::comm::Hooks>,
     )?;
+    plan.set_targets(
+        map.parts.iter().map(|p| p.name.clone()).collect(),
+        rt.uce_injector(),
+    );
     let mut t = Trainer {
         args,
         cfg,
@@ -534,6 +561,8 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         epoch: 0,
         torn: false,
         last_loss: None,
+        map,
+        plan,
     };
     let mut dist = Dist::start(env.clone())?;
 
@@ -590,7 +619,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     t.log.write(serde_json::json!({
         "event": "start", "world_size": world, "params": numel, "model": cfg,
         "entropy_floor": floor, "start_step": t.state.scalars.step, "resumed_from": resumed_from,
-        "restart_count": std::env::var(crate::runtime::ENV_RESTART_COUNT).ok(),
+        "restart_count": std::env::var(hatrain_worker::runtime::ENV_RESTART_COUNT).ok(),
         "args": args,
     }))?;
 
@@ -671,6 +700,7 @@ impl Trainer<'_> {
         let t0 = Instant::now();
         let step = self.state.scalars.step + 1;
         rt.begin_step(step);
+        self.plan.hit(step, Point::Forward);
         // 1. The global batch's seeds (drawn from a copy of the RNG, which
         //    becomes the state only when the step is complete).
         let local_batch = args.global_batch / self.world;
@@ -709,7 +739,8 @@ impl Trainer<'_> {
             .for_each(|g| *g *= scale);
         // 4. and 5. AdamW on this rank's shard, then everyone gets the new
         //    parameters: the update fences enclose both.
-        rt.start_update(step);
+        rt.start_update();
+        self.plan.hit(step, Point::Update);
         self.torn = true;
         if rt.check_uce().is_some() {
             return Err(StepError::Uce);
@@ -844,9 +875,8 @@ impl Trainer<'_> {
         let lead = self.rank == 0;
         let iteration = checkpoint::read_tracker(dir).map_err(TrainError::Load)?;
         let with_moments = !args.finetune && !args.no_load_optim;
-        let loaded =
-            checkpoint::load_shard(dir, iteration, &self.cfg, self.shard.clone(), with_moments)
-                .map_err(TrainError::Load)?;
+        let loaded = ck::load_shard(dir, iteration, &self.cfg, self.shard.clone(), with_moments)
+            .map_err(TrainError::Load)?;
         {
             let mut params = write(&self.state.params);
             params[self.shard.clone()].copy_from_slice(&loaded.params);
@@ -900,15 +930,6 @@ impl Trainer<'_> {
             Ok(())
         };
         agree(comm, iteration, prepared)?;
-        let header = ShardHeader {
-            iteration,
-            world_size: world,
-            rank,
-            model: self.cfg,
-            rng_state: self.state.scalars.rng.state,
-            data_position: self.state.scalars.data_position,
-            args: serde_json::to_value(self.args).unwrap_or(serde_json::Value::Null),
-        };
         let tmp = checkpoint::tmp_iter_dir(dir, iteration);
         let written = {
             let (p, m, v) = (
@@ -916,12 +937,14 @@ impl Trainer<'_> {
                 read(&self.state.exp_avg),
                 read(&self.state.exp_avg_sq),
             );
-            let data = ShardData {
-                params: &p[self.shard.clone()],
-                exp_avg: &m,
-                exp_avg_sq: &v,
-            };
-            checkpoint::write_shard(&tmp, &header, data)
+            let meta = self.state.scalars.encode();
+            let parts: [&[u8]; 4] = [
+                &meta,
+                bytemuck::cast_slice(&p),
+                bytemuck::cast_slice(&m),
+                bytemuck::cast_slice(&v),
+            ];
+            checkpoint::write_rank(&tmp, &self.map, rank, iteration, &parts)
         };
         agree(comm, iteration, written)?;
         // Rank 0 publishes; everyone learns whether it worked.
@@ -970,7 +993,7 @@ impl TrainError {
     /// The documented exit code for this error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Self::Env(_) | Self::Args(_) => exit::USAGE,
+            Self::Env(_) | Self::Args(_) | Self::Plan(_) => exit::USAGE,
             Self::Load(_) => exit::LOAD,
             Self::Save { .. } | Self::SaveElsewhere { .. } => exit::SAVE,
             Self::Stopped => exit::STOPPED,

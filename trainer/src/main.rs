@@ -1,7 +1,7 @@
-//! `hatrain-train`: the reference trainer (see `hatrain_worker::trainer`).
+//! `hatrain-train`: the reference trainer (see `hatrain_trainer::trainer`).
 
 use clap::Parser;
-use hatrain_worker::trainer::{self, TrainArgs};
+use hatrain_trainer::trainer::{self, TrainArgs};
 use std::process::ExitCode;
 
 #[global_allocator]

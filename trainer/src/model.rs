@@ -14,9 +14,9 @@
 //! the same layout, which is what the collectives and the sharded optimizer
 //! work on.
 
+use crate::config::{ModelConfig, TensorSlot};
 use crate::data::SplitMix64;
 use candle_core::{D, DType, Device, Tensor, Var};
-use hatrain_shared::model::{ModelConfig, TensorSlot};
 
 const RMS_EPS: f64 = 1e-5;
 
@@ -166,7 +166,7 @@ fn rms_norm(x: &Tensor, gain: &Tensor) -> candle_core::Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hatrain_shared::model::ModelSize;
+    use crate::config::ModelSize;
 
     #[test]
     fn gradient_matches_finite_differences() {

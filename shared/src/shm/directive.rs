@@ -1,0 +1,136 @@
+//! Directives: the agent's instructions to a rank, posted in its control
+//! page with a sequence lock.
+//!
+//! The agent posts by making `directive seq` odd, writing kind, epoch and
+//! step, then making it even again (release). The worker polls `directive
+//! seq` with one atomic load (no syscall) at every step boundary; it reads
+//! a directive consistently by re-checking the sequence after the fields,
+//! and acknowledges it by storing its sequence in `acknowledged seq`.
+//!
+//! ```text
+//! kind word: 0 none | 1 pause | 2 resume | 3 stop
+//! ```
+
+use super::page::ControlPage;
+use std::sync::atomic::{Ordering, fence};
+
+/// An instruction from the agent to a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Directive {
+    None,
+    /// Abort the communicator, finish any commit, wait for the next
+    /// directive. `epoch` is the epoch being formed.
+    Pause {
+        epoch: u64,
+    },
+    /// Roll back to `step` (restoring from the sealed slot of that step
+    /// unless the live state is exactly there) and rebuild the communicator
+    /// under `epoch`.
+    Resume {
+        epoch: u64,
+        step: u64,
+    },
+    /// Leave the training loop and exit.
+    Stop,
+}
+
+impl Directive {
+    /// The directive as its three words (kind, epoch, step).
+    pub fn encode(self) -> [u64; 3] {
+        match self {
+            Self::None => [0, 0, 0],
+            Self::Pause { epoch } => [1, epoch, 0],
+            Self::Resume { epoch, step } => [2, epoch, step],
+            Self::Stop => [3, 0, 0],
+        }
+    }
+
+    /// The directive of three words; an unknown kind reads as `None`.
+    pub fn decode([kind, epoch, step]: [u64; 3]) -> Self {
+        match kind {
+            1 => Self::Pause { epoch },
+            2 => Self::Resume { epoch, step },
+            3 => Self::Stop,
+            _ => Self::None,
+        }
+    }
+}
+
+impl ControlPage {
+    /// Posts a directive (agent side). Returns its sequence number.
+    pub fn post(&self, d: Directive) -> u64 {
+        let [kind, epoch, step] = d.encode();
+        let start = self.dir_seq.fetch_add(1, Ordering::AcqRel) + 1;
+        debug_assert!(start % 2 == 1, "one poster at a time");
+        self.dir_kind.store(kind, Ordering::Relaxed);
+        self.dir_epoch.store(epoch, Ordering::Relaxed);
+        self.dir_step.store(step, Ordering::Relaxed);
+        self.dir_seq.fetch_add(1, Ordering::Release) + 1
+    }
+
+    /// The directive sequence number: one atomic load, the step-boundary
+    /// fast path.
+    pub fn directive_seq(&self) -> u64 {
+        self.dir_seq.load(Ordering::Acquire)
+    }
+
+    /// Reads the current directive and its sequence number consistently.
+    pub fn directive(&self) -> (u64, Directive) {
+        loop {
+            let s1 = self.dir_seq.load(Ordering::Acquire);
+            if s1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let words = [
+                self.dir_kind.load(Ordering::Relaxed),
+                self.dir_epoch.load(Ordering::Relaxed),
+                self.dir_step.load(Ordering::Relaxed),
+            ];
+            fence(Ordering::Acquire);
+            if self.dir_seq.load(Ordering::Relaxed) == s1 {
+                return (s1, Directive::decode(words));
+            }
+        }
+    }
+
+    /// Worker side: `seq` has been carried out (or, for a pause, obeyed).
+    pub fn acknowledge(&self, seq: u64) {
+        self.ack.store(seq, Ordering::Release);
+    }
+
+    pub fn acknowledged(&self) -> u64 {
+        self.ack.load(Ordering::Acquire)
+    }
+
+    /// The directive the rank has acknowledged, if it is the current one.
+    pub fn acknowledged_directive(&self) -> Option<Directive> {
+        let (seq, d) = self.directive();
+        (seq != 0 && self.acknowledged() == seq).then_some(d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn directives_round_trip(kind in 0u8..4, epoch in any::<u64>(), step in any::<u64>()) {
+            let d = match kind {
+                0 => Directive::None,
+                1 => Directive::Pause { epoch },
+                2 => Directive::Resume { epoch, step },
+                _ => Directive::Stop,
+            };
+            prop_assert_eq!(Directive::decode(d.encode()), d);
+        }
+
+        #[test]
+        fn any_words_decode(words in any::<[u64; 3]>()) {
+            let _ = Directive::decode(words);
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! Snapshot slots: each a header page and `capacity` data bytes.
+//!
+//! INVARIANT: a writer never touches the newest sealed slot
+//! ([`Store::writable_slot`]), and seals a slot by writing its header last:
+//! `seq` goes odd and `state` to writing first; then the data is copied and
+//! hashed in one pass; then rank, step, epoch, length, identities and the
+//! checksum are stored; then `state` becomes sealed and `seq` even, with
+//! release ordering. Whatever instant the writer dies at, another slot still
+//! holds a sealed, verifiable snapshot.
+//!
+//! The checksum is xxh3-64 over the data followed by the header words it
+//! vouches for (rank, step, epoch, length, job hash, layout hash, sealed
+//! at), so a header changed after sealing fails verification as surely as
+//! a flipped data bit. Readers ([`Store::verify`], [`Store::read_slot`])
+//! check magic, version, seq, state, bounds, identities and the checksum,
+//! and reject anything else.
+
+use super::mapping::Words;
+use super::{PAGE, ShmError, Store, VERSION_WORD};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+pub const SLOT_MAGIC: u64 = u64::from_le_bytes(*b"HTRSLOT\x02");
+/// Bytes hashed per piece while copying: the piece is still in cache when
+/// it is hashed, so the data is read from memory once.
+const COPY_PIECE: usize = 256 * 1024;
+
+const STATE_EMPTY: u64 = 0;
+const STATE_WRITING: u64 = 1;
+const STATE_SEALED: u64 = 2;
+
+/// A slot's header page, word by word (see the diagram in [`super`]).
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct SlotHeader {
+    magic: AtomicU64,
+    version: AtomicU64,
+    seq: AtomicU64,
+    state: AtomicU64,
+    rank: AtomicU64,
+    step: AtomicU64,
+    epoch: AtomicU64,
+    len: AtomicU64,
+    job: AtomicU64,
+    layout: AtomicU64,
+    sealed_at: AtomicU64,
+    checksum: AtomicU64,
+}
+
+// SAFETY: repr(C), only AtomicU64 fields.
+unsafe impl Words for SlotHeader {}
+
+const _: () = {
+    use std::mem::offset_of;
+    assert!(offset_of!(SlotHeader, seq) == 16);
+    assert!(offset_of!(SlotHeader, step) == 40);
+    assert!(offset_of!(SlotHeader, len) == 56);
+    assert!(offset_of!(SlotHeader, checksum) == 88);
+    assert!(size_of::<SlotHeader>() <= PAGE);
+};
+
+/// A header word that a fault-injection test may overwrite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderWord {
+    Rank,
+    Step,
+    Epoch,
+    Len,
+    Checksum,
+}
+
+/// What a slot holds, read from its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SlotInfo {
+    pub slot: usize,
+    pub rank: u64,
+    pub step: u64,
+    pub epoch: u64,
+    pub len: u64,
+    pub checksum: u64,
+    pub sealed_at_unix_ns: u64,
+}
+
+fn now_unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+impl Store {
+    fn header(&self, slot: usize) -> &SlotHeader {
+        self.map.at(self.geometry.slot_offset(slot))
+    }
+
+    fn data_offset(&self, slot: usize) -> usize {
+        self.geometry.slot_offset(slot) + PAGE
+    }
+
+    /// Feeds the header words the checksum covers into `h`, after the data.
+    fn sum_header(&self, h: &mut xxhash_rust::xxh3::Xxh3, info: &SlotInfo) -> u64 {
+        let page = self.page();
+        for w in [
+            info.rank,
+            info.step,
+            info.epoch,
+            info.len,
+            page.job_hash(),
+            page.layout_hash(),
+            info.sealed_at_unix_ns,
+        ] {
+            h.update(&w.to_le_bytes());
+        }
+        h.digest()
+    }
+
+    /// The header of `slot` if it claims to be sealed (not verified).
+    pub fn slot_info(&self, slot: usize) -> Option<SlotInfo> {
+        if slot >= self.geometry.slots {
+            return None;
+        }
+        let h = self.header(slot);
+        let seq = h.seq.load(Ordering::Acquire);
+        if seq % 2 == 1
+            || h.magic.load(Ordering::Relaxed) != SLOT_MAGIC
+            || h.state.load(Ordering::Relaxed) != STATE_SEALED
+        {
+            return None;
+        }
+        let info = SlotInfo {
+            slot,
+            rank: h.rank.load(Ordering::Relaxed),
+            step: h.step.load(Ordering::Relaxed),
+            epoch: h.epoch.load(Ordering::Relaxed),
+            len: h.len.load(Ordering::Relaxed),
+            checksum: h.checksum.load(Ordering::Relaxed),
+            sealed_at_unix_ns: h.sealed_at.load(Ordering::Relaxed),
+        };
+        fence(Ordering::Acquire);
+        (h.seq.load(Ordering::Relaxed) == seq).then_some(info)
+    }
+
+    /// Headers of every slot that claims to be sealed, newest step first.
+    pub fn sealed(&self) -> Vec<SlotInfo> {
+        let mut v: Vec<SlotInfo> = (0..self.geometry.slots)
+            .filter_map(|s| self.slot_info(s))
+            .collect();
+        v.sort_by(|a, b| {
+            b.step
+                .cmp(&a.step)
+                .then(b.sealed_at_unix_ns.cmp(&a.sealed_at_unix_ns))
+        });
+        v
+    }
+
+    /// The slot a new snapshot may be written to: never the newest sealed
+    /// one nor a held one; an unsealed slot if there is one, else the oldest
+    /// sealed. `None` when every other slot is held for the persister.
+    pub fn writable_slot(&self) -> Option<usize> {
+        let sealed = self.sealed();
+        let held = self.page().held().map(|h| h.slot);
+        let newest = sealed.first().map(|i| i.slot);
+        let usable = |s: &usize| Some(*s) != held && Some(*s) != newest;
+        if let Some(free) = (0..self.geometry.slots)
+            .filter(usable)
+            .find(|s| !sealed.iter().any(|i| i.slot == *s))
+        {
+            return Some(free);
+        }
+        sealed.iter().rev().map(|i| i.slot).find(usable)
+    }
+
+    /// Empties every sealed slot newer than `step` (writer side, while no
+    /// commit runs). After a rollback to `step` those snapshots belong to an
+    /// abandoned timeline; emptied, they are the first to be rewritten, so
+    /// the slot holding `step` survives the next commit.
+    pub fn discard_newer_than(&self, step: u64) {
+        let page = self.page();
+        if let Some(h) = page.held().filter(|h| h.step > step) {
+            // A claimed one too: the agent's check after reading the slot
+            // sees it emptied and drops that save.
+            page.release_hold(h);
+        }
+        for slot in 0..self.geometry.slots {
+            if self.slot_info(slot).is_some_and(|i| i.step > step) {
+                let h = self.header(slot);
+                let seq = h.seq.load(Ordering::Acquire);
+                h.seq.store(seq + 1, Ordering::Relaxed);
+                fence(Ordering::Release);
+                h.state.store(STATE_EMPTY, Ordering::Relaxed);
+                h.seq.store(seq + 2, Ordering::Release);
+            }
+        }
+    }
+
+    /// Fully verifies `slot`: header, bounds, identities and checksum.
+    pub fn verify(&self, slot: usize) -> Result<SlotInfo, ShmError> {
+        let info = self.check_header(slot)?;
+        // SAFETY: reading sealed bytes; a concurrent writer would first make
+        // seq odd, which `check_sum` detects.
+        let data = unsafe { self.map.bytes(self.data_offset(slot), info.len as usize) };
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(data);
+        let sum = self.sum_header(&mut h, &info);
+        self.check_sum(slot, &info, sum)?;
+        Ok(info)
+    }
+
+    /// The newest slot holding `step` that verifies, if any.
+    pub fn find_step(&self, step: u64) -> Option<SlotInfo> {
+        self.sealed()
+            .into_iter()
+            .filter(|i| i.step == step)
+            .find_map(|i| self.verify(i.slot).ok())
+    }
+
+    /// The steps of every slot that verifies, newest first, and why each
+    /// other sealed-looking slot was rejected.
+    pub fn verified_steps(&self) -> (Vec<u64>, Vec<ShmError>) {
+        let mut ok = Vec::new();
+        let mut rejected = Vec::new();
+        for i in self.sealed() {
+            match self.verify(i.slot) {
+                Ok(v) => ok.push(v.step),
+                Err(e) => rejected.push(e),
+            }
+        }
+        (ok, rejected)
+    }
+
+    /// Writes `parts` (concatenated) into `slot` as rank `rank`'s snapshot
+    /// of `step`, copying and hashing in one pass, and seals it. `progress`
+    /// is called after each piece with the bytes copied so far; if it returns
+    /// false the slot is left unsealed (torn) and the write fails: the copy
+    /// cannot be trusted (a memory error hit the source meanwhile).
+    ///
+    /// The caller must be the store's only writer, and `slot` one that
+    /// [`Store::writable_slot`] returned.
+    pub fn write_slot(
+        &self,
+        slot: usize,
+        rank: u64,
+        step: u64,
+        epoch: u64,
+        parts: &[&[u8]],
+        progress: &mut dyn FnMut(usize, usize) -> bool,
+    ) -> Result<SlotInfo, ShmError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len > self.geometry.capacity {
+            return Err(ShmError::TooLarge {
+                path: self.path.clone(),
+                len,
+                capacity: self.geometry.capacity,
+            });
+        }
+        if slot >= self.geometry.slots {
+            return Err(self.bad(slot, format!("only {} slots", self.geometry.slots)));
+        }
+        let h = self.header(slot);
+        // Open: seq odd, state writing, before any data byte changes.
+        let seq = h.seq.load(Ordering::Acquire);
+        let open = if seq.is_multiple_of(2) {
+            seq + 1
+        } else {
+            seq + 2
+        };
+        h.seq.store(open, Ordering::Relaxed);
+        h.state.store(STATE_WRITING, Ordering::Relaxed);
+        h.version.store(VERSION_WORD, Ordering::Relaxed);
+        h.magic.store(SLOT_MAGIC, Ordering::Relaxed);
+        fence(Ordering::Release);
+
+        // SAFETY: this slot is not the newest sealed one and we are the only
+        // writer; readers see seq odd and ignore its bytes.
+        let dst = unsafe { self.map.bytes_mut(self.data_offset(slot), len) };
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut at = 0;
+        for part in parts {
+            for piece in part.chunks(COPY_PIECE) {
+                let out = &mut dst[at..at + piece.len()];
+                out.copy_from_slice(piece);
+                hasher.update(out);
+                at += piece.len();
+                if !progress(at, len) {
+                    return Err(self.bad(
+                        slot,
+                        "copy abandoned: its source was hit by a memory error".into(),
+                    ));
+                }
+            }
+        }
+        let mut info = SlotInfo {
+            slot,
+            rank,
+            step,
+            epoch,
+            len: len as u64,
+            checksum: 0,
+            sealed_at_unix_ns: now_unix_ns(),
+        };
+        info.checksum = self.sum_header(&mut hasher, &info);
+        // Seal: header fields, then state and an even seq, released.
+        h.rank.store(rank, Ordering::Relaxed);
+        h.step.store(step, Ordering::Relaxed);
+        h.epoch.store(epoch, Ordering::Relaxed);
+        h.len.store(info.len, Ordering::Relaxed);
+        h.job.store(self.page().job_hash(), Ordering::Relaxed);
+        h.layout.store(self.page().layout_hash(), Ordering::Relaxed);
+        h.sealed_at.store(info.sealed_at_unix_ns, Ordering::Relaxed);
+        h.checksum.store(info.checksum, Ordering::Relaxed);
+        h.state.store(STATE_SEALED, Ordering::Relaxed);
+        h.seq.store(open + 1, Ordering::Release);
+        Ok(info)
+    }
+
+    /// Copies a verified slot's bytes into `out` (which must be exactly the
+    /// slot's length), verifying the checksum of what was copied.
+    pub fn read_slot(&self, slot: usize, out: &mut [&mut [u8]]) -> Result<SlotInfo, ShmError> {
+        let info = self.check_header(slot)?;
+        let total: usize = out.iter().map(|o| o.len()).sum();
+        if total as u64 != info.len {
+            return Err(self.bad(
+                slot,
+                format!("holds {} bytes, the state has {total}", info.len),
+            ));
+        }
+        // SAFETY: as in `verify`; the checksum of the copy is checked below.
+        let src = unsafe { self.map.bytes(self.data_offset(slot), total) };
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut at = 0;
+        for o in out.iter_mut() {
+            for piece in o.chunks_mut(COPY_PIECE) {
+                piece.copy_from_slice(&src[at..at + piece.len()]);
+                hasher.update(piece);
+                at += piece.len();
+            }
+        }
+        let sum = self.sum_header(&mut hasher, &info);
+        self.check_sum(slot, &info, sum)?;
+        Ok(info)
+    }
+
+    /// Read-only view of a verified slot's bytes (agent side: checkpoints).
+    ///
+    /// # Safety
+    /// The caller must make sure the slot is not rewritten while the slice
+    /// is in use (the worker is paused or gone, or the slot is held), or
+    /// re-verify afterwards and discard what it read if that fails.
+    pub unsafe fn slot_bytes(&self, slot: usize) -> Result<(SlotInfo, &[u8]), ShmError> {
+        let info = self.verify(slot)?;
+        // SAFETY: verified bounds; rewrites are excluded by the caller.
+        let bytes = unsafe { self.map.bytes(self.data_offset(slot), info.len as usize) };
+        Ok((info, bytes))
+    }
+
+    /// Flips one bit of a slot's data (fault-injection tests: simulates
+    /// memory corruption).
+    pub fn corrupt_slot_byte(&self, slot: usize, offset: usize) {
+        let off = self.data_offset(slot) + (offset % self.geometry.capacity);
+        let word: &AtomicU64 = self.map.at(off & !7);
+        word.fetch_xor(1 << ((off % 8) * 8), Ordering::AcqRel);
+    }
+
+    /// Overwrites one header word of a slot (fault-injection tests: a header
+    /// that lies about what the slot holds).
+    pub fn tamper_header(&self, slot: usize, word: HeaderWord, value: u64) {
+        let h = self.header(slot);
+        let w = match word {
+            HeaderWord::Rank => &h.rank,
+            HeaderWord::Step => &h.step,
+            HeaderWord::Epoch => &h.epoch,
+            HeaderWord::Len => &h.len,
+            HeaderWord::Checksum => &h.checksum,
+        };
+        w.store(value, Ordering::Release);
+    }
+
+    fn bad(&self, slot: usize, detail: String) -> ShmError {
+        ShmError::BadSlot {
+            path: self.path.clone(),
+            slot,
+            detail,
+        }
+    }
+
+    /// Checks that the slot was not rewritten since `info` was read and that
+    /// `sum` (of its data and header) matches the header.
+    fn check_sum(&self, slot: usize, info: &SlotInfo, sum: u64) -> Result<(), ShmError> {
+        if self.slot_info(slot).as_ref() != Some(info) {
+            return Err(self.bad(slot, "overwritten while read".into()));
+        }
+        if sum != info.checksum {
+            return Err(self.bad(
+                slot,
+                format!(
+                    "checksum mismatch (data and header {sum:016x}, recorded {:016x}): corrupt or altered",
+                    info.checksum
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks `slot`'s header: magic, version, sealed state, bounds and the
+    /// rank and identities it names.
+    fn check_header(&self, slot: usize) -> Result<SlotInfo, ShmError> {
+        if slot >= self.geometry.slots {
+            return Err(self.bad(slot, format!("only {} slots", self.geometry.slots)));
+        }
+        let h = self.header(slot);
+        let magic = h.magic.load(Ordering::Acquire);
+        if magic != SLOT_MAGIC {
+            return Err(self.bad(
+                slot,
+                if magic == 0 {
+                    "empty".into()
+                } else {
+                    format!("bad magic {magic:#018x}")
+                },
+            ));
+        }
+        if h.version.load(Ordering::Relaxed) != VERSION_WORD {
+            return Err(self.bad(slot, "unknown slot version".into()));
+        }
+        let seq = h.seq.load(Ordering::Acquire);
+        let state = h.state.load(Ordering::Relaxed);
+        if seq.is_multiple_of(2) && state == STATE_EMPTY {
+            return Err(self.bad(slot, "empty (discarded after a rollback)".into()));
+        }
+        if seq % 2 == 1 || state != STATE_SEALED {
+            return Err(self.bad(slot, "torn: its writer did not finish".into()));
+        }
+        let info = self
+            .slot_info(slot)
+            .ok_or_else(|| self.bad(slot, "changed while read".into()))?;
+        if info.len > self.geometry.capacity as u64 {
+            return Err(self.bad(
+                slot,
+                format!(
+                    "length {} exceeds capacity {}",
+                    info.len, self.geometry.capacity
+                ),
+            ));
+        }
+        if info.rank != self.page().rank() {
+            return Err(self.bad(
+                slot,
+                format!(
+                    "names rank {}, but the store is rank {}'s",
+                    info.rank,
+                    self.page().rank()
+                ),
+            ));
+        }
+        let page = self.page();
+        if h.job.load(Ordering::Relaxed) != page.job_hash()
+            || h.layout.load(Ordering::Relaxed) != page.layout_hash()
+        {
+            return Err(self.bad(
+                slot,
+                "sealed by another job or for another state layout".into(),
+            ));
+        }
+        Ok(info)
+    }
+}

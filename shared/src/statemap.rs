@@ -1,0 +1,520 @@
+//! The state map: a self-describing account of what a rank's snapshot holds,
+//! sent by the worker when it registers.
+//!
+//! A snapshot is the concatenation of the map's [`Part`]s, in order, each
+//! `len` elements of its [`Dtype`]. With a [`CheckpointMap`] the map also says
+//! how a snapshot becomes a checkpoint rank directory (the format of
+//! [`crate::checkpoint`]): which slice of which part goes into which tensor of
+//! which file, and which named fields `meta.json` carries, each either a
+//! constant JSON value or a little-endian `u64` read from the snapshot. The
+//! agent writes periodic saves and last-words checkpoints from the map
+//! alone; it knows no model.
+//!
+//! ```text
+//! snapshot bytes:  | part 0 (len0 × size0) | part 1 (len1 × size1) | ...
+//! checkpoint:      <rank dir>/<file>: safetensors, tensor = part[range]
+//!                  <rank dir>/meta.json: format, version, iteration,
+//!                  world_size, rank, <fields in map order>, files
+//! ```
+//!
+//! A map is external input: [`StateMap::validate`] checks every index, range
+//! and name before the agent uses it, and every error names what is wrong.
+
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+use std::path::PathBuf;
+
+/// Most parts a map may have.
+pub const MAX_PARTS: usize = 64;
+/// Most files and fields a checkpoint map may have.
+pub const MAX_FILES: usize = 64;
+pub const MAX_FIELDS: usize = 256;
+/// Longest part, tensor, file or field name.
+pub const MAX_NAME: usize = 128;
+
+/// Field names `meta.json` always has; a map may not redefine them.
+pub const RESERVED_FIELDS: [&str; 6] = [
+    "format",
+    "version",
+    "iteration",
+    "world_size",
+    "rank",
+    "files",
+];
+
+/// Element type of a part, with safetensors' names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Dtype {
+    U8,
+    I8,
+    U16,
+    I16,
+    F16,
+    BF16,
+    U32,
+    I32,
+    F32,
+    U64,
+    I64,
+    F64,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::U8 | Self::I8 => 1,
+            Self::U16 | Self::I16 | Self::F16 | Self::BF16 => 2,
+            Self::U32 | Self::I32 | Self::F32 => 4,
+            Self::U64 | Self::I64 | Self::F64 => 8,
+        }
+    }
+
+    /// The same type in the `safetensors` crate.
+    pub fn safetensors(self) -> safetensors::Dtype {
+        use safetensors::Dtype as S;
+        match self {
+            Self::U8 => S::U8,
+            Self::I8 => S::I8,
+            Self::U16 => S::U16,
+            Self::I16 => S::I16,
+            Self::F16 => S::F16,
+            Self::BF16 => S::BF16,
+            Self::U32 => S::U32,
+            Self::I32 => S::I32,
+            Self::F32 => S::F32,
+            Self::U64 => S::U64,
+            Self::I64 => S::I64,
+            Self::F64 => S::F64,
+        }
+    }
+}
+
+/// Whether a part exists only on this rank or identically on every rank of
+/// its data-parallel group.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Sharing {
+    /// Held by this rank alone (its optimizer shard, RNG, data position).
+    #[default]
+    Unique,
+    /// The same bytes on each of the `group` ranks of the data-parallel
+    /// group; this rank is number `index` in it.
+    Replicated { group: usize, index: usize },
+}
+
+/// One part of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Part {
+    pub name: String,
+    pub dtype: Dtype,
+    /// Elements of `dtype`.
+    pub len: u64,
+    #[serde(default)]
+    pub sharing: Sharing,
+}
+
+impl Part {
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.dtype.size() as u64)
+    }
+}
+
+/// One tensor of a checkpoint file: elements `range` of part `part`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorMap {
+    pub name: String,
+    pub part: usize,
+    pub range: Range<u64>,
+}
+
+/// One file of a checkpoint rank directory (a safetensors file).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileMap {
+    pub name: String,
+    pub tensors: Vec<TensorMap>,
+}
+
+/// Where a `meta.json` field's value comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum FieldValue {
+    /// The same value in every checkpoint of this rank.
+    Const(serde_json::Value),
+    /// A little-endian u64 at byte `offset` of part `part` of the snapshot.
+    U64 { part: usize, offset: u64 },
+}
+
+/// One named `meta.json` field.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetaField {
+    pub name: String,
+    pub value: FieldValue,
+}
+
+/// How a snapshot is written as one rank's checkpoint directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointMap {
+    /// The save directory (the trainer's `--save`).
+    pub dir: PathBuf,
+    /// Save every `interval` steps (0: only the last step).
+    pub interval: u64,
+    /// Ranks that write a checkpoint of this job.
+    pub world_size: usize,
+    pub files: Vec<FileMap>,
+    pub fields: Vec<MetaField>,
+}
+
+/// What a rank's snapshot holds and how it maps to a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateMap {
+    pub parts: Vec<Part>,
+    /// Absent when checkpoints of this worker are not the agent's to write.
+    #[serde(default)]
+    pub checkpoint: Option<CheckpointMap>,
+}
+
+/// Why a map was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateMapError {
+    #[error("state map: {0}")]
+    Invalid(String),
+}
+
+fn name_ok(what: &str, name: &str) -> Result<(), StateMapError> {
+    if name.is_empty() || name.len() > MAX_NAME || name.chars().any(char::is_control) {
+        return Err(StateMapError::Invalid(format!(
+            "{what} name {name:?} must be 1 to {MAX_NAME} printable characters"
+        )));
+    }
+    Ok(())
+}
+
+impl StateMap {
+    /// Bytes of the whole snapshot (`None` on overflow).
+    pub fn total_bytes(&self) -> Option<u64> {
+        self.parts.iter().try_fold(0u64, |a, p| {
+            a.checked_add(p.len.checked_mul(p.dtype.size() as u64)?)
+        })
+    }
+
+    /// Byte range of each part in the snapshot.
+    pub fn offsets(&self) -> Vec<Range<usize>> {
+        let mut at = 0usize;
+        self.parts
+            .iter()
+            .map(|p| {
+                let len = p.bytes() as usize;
+                let r = at..at + len;
+                at += len;
+                r
+            })
+            .collect()
+    }
+
+    /// The index of the part named `name`.
+    pub fn part(&self, name: &str) -> Option<usize> {
+        self.parts.iter().position(|p| p.name == name)
+    }
+
+    /// The part with the most bytes (the default target of an injected
+    /// memory error).
+    pub fn largest_part(&self) -> Option<usize> {
+        (0..self.parts.len()).max_by_key(|&i| (self.parts[i].bytes(), usize::MAX - i))
+    }
+
+    /// A hash identifying the snapshot layout: part names, types and lengths,
+    /// in order.
+    pub fn layout_hash(&self) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for p in &self.parts {
+            h.update(p.name.as_bytes());
+            h.update(&[0]);
+            h.update(format!("{:?}", p.dtype).as_bytes());
+            h.update(&p.len.to_le_bytes());
+        }
+        h.digest()
+    }
+
+    /// Checks every name, index and range, so that nothing derived from the
+    /// map can be out of bounds.
+    pub fn validate(&self) -> Result<(), StateMapError> {
+        let bad = |m: String| Err(StateMapError::Invalid(m));
+        if self.parts.is_empty() || self.parts.len() > MAX_PARTS {
+            return bad(format!(
+                "{} parts; 1 to {MAX_PARTS} allowed",
+                self.parts.len()
+            ));
+        }
+        for (i, p) in self.parts.iter().enumerate() {
+            name_ok("part", &p.name)?;
+            if self.parts[..i].iter().any(|q| q.name == p.name) {
+                return bad(format!("part name {:?} is used twice", p.name));
+            }
+            if let Sharing::Replicated { group, index } = p.sharing
+                && (group == 0 || index >= group)
+            {
+                return bad(format!(
+                    "part {:?}: index {index} in a replicated group of {group}",
+                    p.name
+                ));
+            }
+        }
+        let Some(total) = self.total_bytes() else {
+            return bad("the parts' sizes overflow".into());
+        };
+        if usize::try_from(total).is_err() {
+            return bad(format!("{total} bytes do not fit this host"));
+        }
+        let Some(ck) = &self.checkpoint else {
+            return Ok(());
+        };
+        if ck.world_size == 0 {
+            return bad("checkpoint world_size must be at least 1".into());
+        }
+        if ck.files.is_empty() || ck.files.len() > MAX_FILES {
+            return bad(format!(
+                "{} checkpoint files; 1 to {MAX_FILES} allowed",
+                ck.files.len()
+            ));
+        }
+        if ck.fields.len() > MAX_FIELDS {
+            return bad(format!(
+                "{} meta fields; at most {MAX_FIELDS} allowed",
+                ck.fields.len()
+            ));
+        }
+        for (i, f) in ck.files.iter().enumerate() {
+            name_ok("file", &f.name)?;
+            let plain = std::path::Path::new(&f.name)
+                .file_name()
+                .is_some_and(|n| n == f.name.as_str());
+            if !plain || f.name.starts_with('.') || f.name == crate::checkpoint::META_FILE {
+                return bad(format!(
+                    "file name {:?} must be a plain file name, not {:?} and not hidden",
+                    f.name,
+                    crate::checkpoint::META_FILE
+                ));
+            }
+            if ck.files[..i].iter().any(|g| g.name == f.name) {
+                return bad(format!("file {:?} is named twice", f.name));
+            }
+            if f.tensors.is_empty() {
+                return bad(format!("file {:?} has no tensors", f.name));
+            }
+            for (j, t) in f.tensors.iter().enumerate() {
+                name_ok("tensor", &t.name)?;
+                if f.tensors[..j].iter().any(|u| u.name == t.name) {
+                    return bad(format!(
+                        "tensor {:?} is named twice in {:?}",
+                        t.name, f.name
+                    ));
+                }
+                let Some(part) = self.parts.get(t.part) else {
+                    return bad(format!(
+                        "tensor {:?} of {:?} names part {}, but there are {}",
+                        t.name,
+                        f.name,
+                        t.part,
+                        self.parts.len()
+                    ));
+                };
+                if t.range.start > t.range.end || t.range.end > part.len {
+                    return bad(format!(
+                        "tensor {:?} of {:?}: elements {:?} are outside part {:?} of {} elements",
+                        t.name, f.name, t.range, part.name, part.len
+                    ));
+                }
+            }
+        }
+        for (i, m) in ck.fields.iter().enumerate() {
+            name_ok("field", &m.name)?;
+            if RESERVED_FIELDS.contains(&m.name.as_str()) {
+                return bad(format!(
+                    "meta field {:?} is reserved ({RESERVED_FIELDS:?})",
+                    m.name
+                ));
+            }
+            if ck.fields[..i].iter().any(|n| n.name == m.name) {
+                return bad(format!("meta field {:?} is named twice", m.name));
+            }
+            if let FieldValue::U64 { part, offset } = m.value {
+                let fits = self
+                    .parts
+                    .get(part)
+                    .is_some_and(|p| offset.checked_add(8).is_some_and(|end| end <= p.bytes()));
+                if !fits {
+                    return bad(format!(
+                        "meta field {:?}: 8 bytes at offset {offset} of part {part} are outside the snapshot",
+                        m.name
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads field `value` from a snapshot's parts (validated map).
+    pub fn field(&self, value: &FieldValue, parts: &[&[u8]]) -> serde_json::Value {
+        match value {
+            FieldValue::Const(v) => v.clone(),
+            FieldValue::U64 { part, offset } => {
+                let at = *offset as usize;
+                let word = parts
+                    .get(*part)
+                    .and_then(|p| p.get(at..at + 8))
+                    .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                    .map_or(0, u64::from_le_bytes);
+                serde_json::Value::from(word)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    pub(crate) fn sample() -> StateMap {
+        StateMap {
+            parts: vec![
+                Part {
+                    name: "meta".into(),
+                    dtype: Dtype::U8,
+                    len: 16,
+                    sharing: Sharing::Unique,
+                },
+                Part {
+                    name: "w".into(),
+                    dtype: Dtype::F32,
+                    len: 10,
+                    sharing: Sharing::Replicated { group: 2, index: 1 },
+                },
+            ],
+            checkpoint: Some(CheckpointMap {
+                dir: "/tmp/x".into(),
+                interval: 5,
+                world_size: 2,
+                files: vec![FileMap {
+                    name: "w.safetensors".into(),
+                    tensors: vec![TensorMap {
+                        name: "w".into(),
+                        part: 1,
+                        range: 5..10,
+                    }],
+                }],
+                fields: vec![MetaField {
+                    name: "seed".into(),
+                    value: FieldValue::U64 { part: 0, offset: 8 },
+                }],
+            }),
+        }
+    }
+
+    #[test]
+    fn sizes_offsets_and_fields() {
+        let m = sample();
+        m.validate().unwrap();
+        assert_eq!(m.total_bytes(), Some(56));
+        assert_eq!(m.offsets(), vec![0..16, 16..56]);
+        assert_eq!(m.largest_part(), Some(1));
+        let meta: Vec<u8> = (0..16u8).collect();
+        let v = m.field(&FieldValue::U64 { part: 0, offset: 8 }, &[&meta, &[]]);
+        assert_eq!(
+            v,
+            serde_json::json!(u64::from_le_bytes([8, 9, 10, 11, 12, 13, 14, 15]))
+        );
+    }
+
+    #[test]
+    fn bad_maps_are_named() {
+        type Change = Box<dyn Fn(&mut StateMap)>;
+        let cases: Vec<(Change, &str)> = vec![
+            (Box::new(|m| m.parts.clear()), "0 parts"),
+            (Box::new(|m| m.parts[1].name = "meta".into()), "used twice"),
+            (Box::new(|m| m.parts[1].name = String::new()), "part name"),
+            (Box::new(|m| m.parts[1].len = u64::MAX), "overflow"),
+            (
+                Box::new(|m| m.parts[1].sharing = Sharing::Replicated { group: 2, index: 2 }),
+                "replicated group",
+            ),
+            (
+                Box::new(|m| m.checkpoint.as_mut().unwrap().files[0].tensors[0].part = 7),
+                "names part 7",
+            ),
+            (
+                Box::new(|m| m.checkpoint.as_mut().unwrap().files[0].tensors[0].range = 5..11),
+                "outside part",
+            ),
+            (
+                Box::new(|m| m.checkpoint.as_mut().unwrap().files[0].name = "../x".into()),
+                "plain file name",
+            ),
+            (
+                Box::new(|m| m.checkpoint.as_mut().unwrap().files[0].name = "meta.json".into()),
+                "plain file name",
+            ),
+            (
+                Box::new(|m| m.checkpoint.as_mut().unwrap().fields[0].name = "iteration".into()),
+                "reserved",
+            ),
+            (
+                Box::new(|m| {
+                    m.checkpoint.as_mut().unwrap().fields[0].value =
+                        FieldValue::U64 { part: 0, offset: 9 }
+                }),
+                "outside the snapshot",
+            ),
+            (
+                Box::new(|m| m.checkpoint.as_mut().unwrap().world_size = 0),
+                "world_size",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut m = sample();
+            change(&mut m);
+            let e = m.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{want:?} not in {e:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_json_is_refused_or_valid_never_a_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            if let Ok(m) = serde_json::from_slice::<StateMap>(&bytes) {
+                let _ = m.validate();
+            }
+        }
+
+        #[test]
+        fn validated_maps_stay_in_bounds(lens in proptest::collection::vec(0u64..1000, 1..6), start in 0u64..2000, len in 0u64..2000, offset in 0u64..4000) {
+            let parts: Vec<Part> = lens.iter().enumerate().map(|(i, &len)| Part {
+                name: format!("p{i}"), dtype: if i % 2 == 0 { Dtype::U8 } else { Dtype::F32 }, len, sharing: Sharing::Unique,
+            }).collect();
+            let last = parts.len() - 1;
+            let m = StateMap {
+                parts,
+                checkpoint: Some(CheckpointMap {
+                    dir: "/d".into(), interval: 1, world_size: 1,
+                    files: vec![FileMap { name: "f".into(), tensors: vec![TensorMap { name: "t".into(), part: last, range: start..start + len }] }],
+                    fields: vec![MetaField { name: "x".into(), value: FieldValue::U64 { part: 0, offset } }],
+                }),
+            };
+            if m.validate().is_ok() {
+                let offs = m.offsets();
+                let t = &m.checkpoint.as_ref().unwrap().files[0].tensors[0];
+                let size = m.parts[t.part].dtype.size() as u64;
+                prop_assert!(offs[t.part].start as u64 + t.range.end * size <= offs[t.part].end as u64);
+                prop_assert!(offset + 8 <= m.parts[0].bytes());
+            }
+        }
+    }
+}
