@@ -21,6 +21,10 @@ fn ha_launch(job: &str, shm: &Path, ha: &[&str], train: &[String], plan: Option<
     let mut cmd = Command::new(agent());
     cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
         .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        // With two slots, snapshots pause while the agent writes a periodic
+        // save from one of them, and the newest consistent step can then be
+        // older than the step before a crash; three keep them going.
+        .args(["--snapshot-slots", "3"])
         .args(ha)
         .arg("--shm-root")
         .arg(shm)
@@ -221,7 +225,7 @@ fn an_unrepairable_crash_ends_with_a_last_words_checkpoint() {
     let it = tracker(&ckpt);
     assert_eq!(
         it, 26,
-        "the dump holds the step before the update that crashed"
+        "the dump holds the step before the update that crashed: {stderr}"
     );
     resume_matches(d.path(), &ckpt, it, &reference);
 }

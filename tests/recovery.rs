@@ -40,7 +40,7 @@ fn agentctl_status(socket: &std::path::Path) -> StatusReport {
         String::from_utf8_lossy(&out.stderr)
     );
     match serde_json::from_slice(&out.stdout).unwrap() {
-        Response::Status(s) => s,
+        Response::Status(s) => *s,
         other => panic!("unexpected {other:?}"),
     }
 }

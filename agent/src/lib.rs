@@ -4,8 +4,9 @@
 //! - [`reaper`]: the one SIGCHLD reaper;
 //! - [`supervisor`]: spawns, follows, restarts and stops one host's workers;
 //! - [`launch`]: the torchrun-style launcher's configuration;
-//! - [`job`]: one host's job: the event loop, snapshot stores, recovery;
-//! - [`recovery`]: the pure decision functions (restart or stop, s\*);
+//! - [`job`]: one host's job: the event loop around the recovery machine;
+//! - [`recovery`]: the recovery machine, a state machine without I/O, and
+//!   its pure policies (restarts, the hang watchdog, s\*);
 //! - [`control`]: the control socket for workers and `agentctl`;
 //! - [`persister`]: checkpoints written from the snapshots;
 //! - [`gpu`]: GPU memory errors as a fault source;
@@ -20,6 +21,18 @@ pub mod persister;
 pub mod reaper;
 pub mod recovery;
 pub mod supervisor;
+
+/// An error and its sources, joined with ": ".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
 
 /// Exit codes of `hatrain-agent`.
 ///

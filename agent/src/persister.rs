@@ -21,6 +21,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use crate::recovery::Written;
+
 /// One rank's store and the state map it registered.
 #[derive(Debug, Clone, Copy)]
 pub struct RankSource<'a> {
@@ -189,7 +191,11 @@ pub struct Persister {
     write: WriteFn,
     interval: u64,
     world: usize,
+    /// Writes the periodic saves (else only dumps and nothing at the end).
+    periodic: bool,
     writing: Option<Writing>,
+    /// A dump waiting for the write in progress: its epoch, step, sources.
+    pending_dump: Option<(u64, u64, Vec<OwnedSource>)>,
     last_saved: Option<(u64, f64)>,
     last_started: Option<u64>,
     saves: u64,
@@ -214,22 +220,35 @@ struct Writing {
     step: u64,
     bytes: u64,
     started: Instant,
+    /// `Some(epoch)` for a dump the recovery machine waits for.
+    dump: Option<u64>,
     thread: JoinHandle<Result<PathBuf, PersistError>>,
+}
+
+/// A dump's write that finished: the epoch it was asked for under, and the
+/// checkpoint or why not.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DumpDone {
+    pub epoch: u64,
+    pub result: Result<Written, String>,
 }
 
 /// Save steps listed in a report at most (the newest).
 const SKIPPED_KEPT: usize = 64;
 
 impl Persister {
-    /// Saves every `interval` steps (0: only the last) of a `world`-rank
-    /// job into `dir`.
-    pub fn new(dir: PathBuf, interval: u64, world: usize) -> Self {
+    /// Writes the checkpoints of a `world`-rank job into `dir`: with
+    /// `periodic`, every `interval` steps (0: only the last), else only the
+    /// dumps it is given.
+    pub fn new(dir: PathBuf, interval: u64, world: usize, periodic: bool) -> Self {
         Self {
             dir,
             write: Arc::new(write_checkpoint),
             interval,
             world,
+            periodic,
             writing: None,
+            pending_dump: None,
             last_saved: None,
             last_started: None,
             saves: 0,
@@ -260,13 +279,79 @@ impl Persister {
         }
     }
 
-    /// Collects a finished write, and starts the next one when every rank
-    /// holds the same new step. `source` gives a rank's store and layout.
-    pub fn poll(&mut self, ranks: &[usize], source: impl Fn(usize) -> Option<OwnedSource>) {
-        self.reap(false);
-        if self.writing.is_some() || ranks.len() != self.world {
-            return;
+    /// Whether it writes the periodic saves.
+    pub fn periodic(&self) -> bool {
+        self.periodic
+    }
+
+    /// Queues a dump of iteration `step` from `sources` (asked for under
+    /// `epoch`); it starts once no other write runs, so there is one writer
+    /// per directory. Its result comes from [`Persister::poll`].
+    pub fn dump(&mut self, epoch: u64, step: u64, sources: Vec<OwnedSource>) {
+        self.pending_dump = Some((epoch, step, sources));
+    }
+
+    /// Collects a finished write, then starts a queued dump, or the next
+    /// periodic save when every rank holds the same new step. `source`
+    /// gives a rank's store and layout. Returns the dumps that finished.
+    pub fn poll(
+        &mut self,
+        ranks: &[usize],
+        source: impl Fn(usize) -> Option<OwnedSource>,
+    ) -> Vec<DumpDone> {
+        let mut done: Vec<DumpDone> = self.reap(false).into_iter().collect();
+        if self.writing.is_none() {
+            done.extend(self.start_dump());
         }
+        if self.writing.is_some() || !self.periodic || ranks.len() != self.world {
+            return done;
+        }
+        self.start_periodic(ranks, source);
+        done
+    }
+
+    /// Starts the queued dump, or finishes it at once when the step (or a
+    /// newer one) is already on disk.
+    fn start_dump(&mut self) -> Option<DumpDone> {
+        let (epoch, step, sources) = self.pending_dump.take()?;
+        if let Some(on_disk) = self.last_saved().filter(|d| *d >= step) {
+            return Some(DumpDone {
+                epoch,
+                result: Ok(Written {
+                    iteration: on_disk,
+                    dir: self.dir.clone(),
+                    written: false,
+                    seconds: 0.0,
+                }),
+            });
+        }
+        let bytes = checkpoint_bytes(&sources.iter().map(|s| s.borrow()).collect::<Vec<_>>());
+        let (dir, write) = (self.dir.clone(), Arc::clone(&self.write));
+        let spawned = std::thread::Builder::new()
+            .name("hatrain-dump".into())
+            .spawn(move || {
+                let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
+                write(&borrowed, step, &dir)
+            });
+        match spawned {
+            Ok(thread) => {
+                self.writing = Some(Writing {
+                    step,
+                    bytes,
+                    started: Instant::now(),
+                    dump: Some(epoch),
+                    thread,
+                });
+                None
+            }
+            Err(e) => Some(DumpDone {
+                epoch,
+                result: Err(format!("cannot start the writer thread: {e}")),
+            }),
+        }
+    }
+
+    fn start_periodic(&mut self, ranks: &[usize], source: impl Fn(usize) -> Option<OwnedSource>) {
         let sources: Option<Vec<OwnedSource>> = ranks.iter().map(|&r| source(r)).collect();
         let Some(sources) = sources else { return };
         let holds: Option<Vec<Hold>> = sources.iter().map(|s| s.store.page().held()).collect();
@@ -340,6 +425,7 @@ impl Persister {
                     step,
                     bytes,
                     started: Instant::now(),
+                    dump: None,
                     thread,
                 });
             }
@@ -351,7 +437,7 @@ impl Persister {
                         src.store.page().release_hold(h);
                     }
                 }
-                self.fail(step, format!("cannot start the writer thread: {e}"));
+                let _ = self.fail(step, format!("cannot start the writer thread: {e}"));
             }
         }
     }
@@ -359,7 +445,7 @@ impl Persister {
     /// Waits for the write in progress (before a dump into the same
     /// directory, or at the end of the job).
     pub fn wait(&mut self) {
-        self.reap(true);
+        let _ = self.reap(true);
     }
 
     /// At the end of a successful job: waits for the write in progress, then
@@ -409,10 +495,12 @@ impl Persister {
             let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
             let t0 = Instant::now();
             match (self.write)(&borrowed, step, &self.dir) {
-                Ok(path) => self.saved(step, &path, checkpoint_bytes(&borrowed), t0),
+                Ok(path) => {
+                    self.saved(step, &path, checkpoint_bytes(&borrowed), t0, true);
+                }
                 Err(e) => {
                     let m = e.to_string();
-                    self.fail(step, m.clone());
+                    let _ = self.fail(step, m.clone());
                     return Err(m);
                 }
             }
@@ -425,23 +513,43 @@ impl Persister {
         Ok(Some((step, self.dir.clone())))
     }
 
-    fn reap(&mut self, block: bool) {
+    /// Collects the write in progress if it finished (or, with `block`,
+    /// waits for it); returns it if it was a dump.
+    fn reap(&mut self, block: bool) -> Option<DumpDone> {
         if !self
             .writing
             .as_ref()
             .is_some_and(|w| block || w.thread.is_finished())
         {
-            return;
+            return None;
         }
-        let Some(w) = self.writing.take() else { return };
-        match w.thread.join() {
-            Ok(Ok(path)) => self.saved(w.step, &path, w.bytes, w.started),
-            Ok(Err(e)) => self.fail(w.step, e.to_string()),
-            Err(_) => self.fail(w.step, "the writer thread panicked".into()),
-        }
+        let w = self.writing.take()?;
+        let result = match w.thread.join() {
+            Ok(Ok(path)) => Ok(self.saved(w.step, &path, w.bytes, w.started, w.dump.is_none())),
+            Ok(Err(e)) => Err(self.fail(w.step, e.to_string())),
+            Err(_) => Err(self.fail(w.step, "the writer thread panicked".into())),
+        };
+        let epoch = w.dump?;
+        Some(DumpDone {
+            epoch,
+            result: result.map(|seconds| Written {
+                iteration: w.step,
+                dir: self.dir.clone(),
+                written: true,
+                seconds,
+            }),
+        })
     }
 
-    fn saved(&mut self, step: u64, path: &Path, bytes: u64, started: Instant) {
+    /// Records a checkpoint on disk; returns how long it took.
+    fn saved(
+        &mut self,
+        step: u64,
+        path: &Path,
+        bytes: u64,
+        started: Instant,
+        periodic: bool,
+    ) -> f64 {
         let secs = started.elapsed().as_secs_f64();
         tracing::info!(
             step,
@@ -451,11 +559,15 @@ impl Persister {
             "checkpoint written from the snapshots"
         );
         self.last_saved = Some((step, secs));
-        self.saves += 1;
+        if periodic {
+            self.saves += 1;
+        }
         self.last_error = None;
+        secs
     }
 
-    fn fail(&mut self, step: u64, why: String) {
+    /// Records a failed write; returns the message.
+    fn fail(&mut self, step: u64, why: String) -> String {
         tracing::error!(
             step,
             reason = %why,
@@ -463,6 +575,7 @@ impl Persister {
             "checkpoint from the snapshots failed; the previous checkpoint is intact"
         );
         self.last_error = Some(format!("iteration {step}: {why}"));
+        why
     }
 }
 
@@ -612,7 +725,7 @@ mod tests {
     fn a_slow_disk_skips_to_the_newest_held_step_and_never_queues() {
         let r = ranks(3);
         let out = tempfile::tempdir().unwrap();
-        let mut p = Persister::new(out.path().to_path_buf(), 10, 2);
+        let mut p = Persister::new(out.path().to_path_buf(), 10, 2, true);
         let (go, started) = gated(&mut p);
         let poll = |p: &mut Persister| p.poll(&[0, 1], |i| Some(r.sources[i].clone()));
 
@@ -697,7 +810,7 @@ mod tests {
     fn finished() -> (Ranks, tempfile::TempDir, Persister) {
         let r = ranks(2);
         let out = tempfile::tempdir().unwrap();
-        let p = Persister::new(out.path().to_path_buf(), 0, 2);
+        let p = Persister::new(out.path().to_path_buf(), 0, 2, true);
         seal(&r, 7);
         seal(&r, 8);
         for x in &r.sources {

@@ -3,8 +3,13 @@
 //! INVARIANT: nothing else in the process waits for children. A single task
 //! handles SIGCHLD and loops `waitpid(-1, WNOHANG)` until no exited child is
 //! left, because one SIGCHLD may stand for several exits (signals of one kind
-//! coalesce, signal(7)). Every exit is published on a broadcast channel;
-//! a supervisor subscribes *before* it spawns, so no exit can be missed.
+//! coalesce, signal(7)).
+//!
+//! Exits are delivered per process, as containerd's shim does: a child is
+//! spawned through [`Reaper::spawn`], which registers the channel its exit
+//! goes to under the same lock as the spawn, so the exit cannot be reaped
+//! before it has somewhere to go (subscribe before spawn). The channel is
+//! unbounded: nothing lags and nothing is dropped.
 //!
 //! The agent is also a child subreaper (`PR_SET_CHILD_SUBREAPER`, prctl(2)),
 //! so a worker's own children that outlive it are reparented here and reaped
@@ -13,8 +18,11 @@
 use nix::errno::Errno;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
+use std::collections::HashMap;
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex};
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::broadcast;
+use tokio::sync::mpsc::UnboundedSender;
 use tokio_util::sync::CancellationToken;
 
 /// How a child ended.
@@ -67,53 +75,64 @@ pub enum ReaperError {
     Subreaper(#[source] Errno),
 }
 
+/// Where each watched child's exit goes.
+type Watchers = Arc<Mutex<HashMap<i32, UnboundedSender<ExitEvent>>>>;
+
 /// Handle to the reaper task.
 #[derive(Debug, Clone)]
 pub struct Reaper {
-    tx: broadcast::Sender<ExitEvent>,
+    watchers: Watchers,
 }
 
 impl Reaper {
     /// Installs the SIGCHLD handler and starts the reaping task on the
     /// current runtime. Call before spawning any child.
     pub fn start(shutdown: CancellationToken) -> Result<Self, ReaperError> {
-        // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes one integer
-        // argument and touches no memory of ours.
-        let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        if rc != 0 {
-            return Err(ReaperError::Subreaper(Errno::last()));
-        }
+        nix::sys::prctl::set_child_subreaper(true).map_err(ReaperError::Subreaper)?;
         let mut sigchld = signal(SignalKind::child()).map_err(ReaperError::Signal)?;
-        let (tx, _) = broadcast::channel(1024);
-        let reaper = Self { tx: tx.clone() };
+        let reaper = Self {
+            watchers: Arc::default(),
+        };
+        let watchers = Arc::clone(&reaper.watchers);
         tokio::spawn(async move {
             loop {
-                reap_all(&tx);
+                reap_all(&watchers);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     got = sigchld.recv() => if got.is_none() { break },
                 }
             }
             // Children that exited during shutdown are still collected.
-            reap_all(&tx);
+            reap_all(&watchers);
         });
         Ok(reaper)
     }
 
-    /// Subscribes to every exit from now on.
-    pub fn subscribe(&self) -> broadcast::Receiver<ExitEvent> {
-        self.tx.subscribe()
+    /// Spawns `cmd` and sends its exit to `exits`. The returned `Child` must
+    /// not be waited for: its exit is the reaper's.
+    pub fn spawn(
+        &self,
+        cmd: &mut Command,
+        exits: &UnboundedSender<ExitEvent>,
+    ) -> std::io::Result<Child> {
+        // INVARIANT: the lock is held from before the fork until the pid is
+        // registered, and `reap_all` takes it for every exit it delivers.
+        let mut w = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        let child = cmd.spawn()?;
+        let pid = i32::try_from(child.id()).expect("pids fit in i32");
+        w.insert(pid, exits.clone());
+        Ok(child)
     }
 
     /// Reaps now, without waiting for a SIGCHLD (used after sending signals).
     pub fn poll(&self) {
-        reap_all(&self.tx);
+        reap_all(&self.watchers);
     }
 }
 
-fn reap_all(tx: &broadcast::Sender<ExitEvent>) {
+fn reap_all(watchers: &Watchers) {
     loop {
-        let status = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+        let ev = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
             Ok(WaitStatus::Exited(pid, code)) => ExitEvent {
                 pid: pid.as_raw(),
                 status: ExitStatus::Exited(code),
@@ -130,9 +149,18 @@ fn reap_all(tx: &broadcast::Sender<ExitEvent>) {
                 return;
             }
         };
-        // No receiver is fine: an exit nobody asked about (a reparented
-        // grandchild) is simply collected.
-        let _ = tx.send(status);
+        let to = watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ev.pid);
+        match to {
+            // A closed channel: its supervisor is gone, the exit is moot.
+            Some(tx) => {
+                let _ = tx.send(ev);
+            }
+            // A reparented grandchild (we are a subreaper): collected.
+            None => tracing::debug!(pid = ev.pid, status = %ev.status, "reaped an orphan"),
+        }
     }
 }
 
@@ -150,5 +178,39 @@ mod tests {
             ExitStatus::Signaled(9).to_string(),
             "killed by signal 9 (SIGKILL)"
         );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    // The children are waited for by the reaper under test.
+    #[allow(clippy::zombie_processes)]
+    async fn every_exit_reaches_its_watcher_and_none_is_dropped() {
+        use std::collections::HashMap;
+        let stop = CancellationToken::new();
+        let reaper = Reaper::start(stop.clone()).unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        // More exits than the old broadcast channel held (1024), none read
+        // until all have happened.
+        let n = 1100;
+        let mut want = HashMap::new();
+        for i in 0..n {
+            let code = i % 7;
+            let child = reaper
+                .spawn(
+                    Command::new("sh").args(["-c", &format!("exit {code}")]),
+                    &tx,
+                )
+                .unwrap();
+            want.insert(child.id() as i32, ExitStatus::Exited(code));
+        }
+        let mut got = HashMap::new();
+        while got.len() < n as usize {
+            let ev = tokio::time::timeout(std::time::Duration::from_secs(30), rx.recv())
+                .await
+                .expect("every exit arrives")
+                .expect("channel open");
+            assert!(got.insert(ev.pid, ev.status).is_none(), "delivered once");
+        }
+        assert_eq!(got, want);
+        stop.cancel();
     }
 }

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::sync::broadcast;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -59,20 +59,6 @@ pub enum WorkerState {
     Exited(ExitStatus),
 }
 
-/// How supervision ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    Succeeded,
-    WorkerFailed {
-        rank: usize,
-        status: ExitStatus,
-    },
-    /// A recovery could not be completed; the reason is logged and in the
-    /// fault history.
-    RecoveryFailed,
-    Interrupted,
-}
-
 /// One host's workers.
 #[derive(Debug)]
 pub struct Supervisor {
@@ -80,28 +66,30 @@ pub struct Supervisor {
     states: Vec<WorkerState>,
     ranks: Vec<usize>,
     by_pid: HashMap<i32, usize>,
-    exits: broadcast::Receiver<ExitEvent>,
+    exits: mpsc::UnboundedReceiver<ExitEvent>,
+    exits_tx: mpsc::UnboundedSender<ExitEvent>,
     reaper: Reaper,
     output: TaskTracker,
     grace: Duration,
 }
 
 impl Supervisor {
-    /// Subscribes to exits, then spawns every worker. If one cannot be
-    /// spawned, those already started are stopped again.
+    /// Spawns every worker, each through the reaper (which delivers its exit
+    /// here). If one cannot be spawned, those already started are stopped
+    /// again.
     pub async fn start(
         specs: &[WorkerSpec],
         reaper: &Reaper,
         grace: Duration,
     ) -> Result<Self, SupervisorError> {
-        // INVARIANT: subscribe before the first spawn, so no exit is missed.
-        let exits = reaper.subscribe();
+        let (exits_tx, exits) = mpsc::unbounded_channel();
         let mut sup = Self {
             specs: specs.to_vec(),
             states: Vec::with_capacity(specs.len()),
             ranks: Vec::with_capacity(specs.len()),
             by_pid: HashMap::new(),
             exits,
+            exits_tx,
             reaper: reaper.clone(),
             output: TaskTracker::new(),
             grace,
@@ -160,16 +148,9 @@ impl Supervisor {
     /// `None` if the reaper is gone.
     pub async fn next_exit(&mut self) -> Option<(usize, ExitEvent)> {
         loop {
-            match self.exits.recv().await {
-                Ok(ev) => {
-                    if let Some(idx) = self.record(ev) {
-                        return Some((self.ranks[idx], ev));
-                    }
-                }
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::error!(missed = n, "exit events were dropped");
-                }
-                Err(broadcast::error::RecvError::Closed) => return None,
+            let ev = self.exits.recv().await?;
+            if let Some(idx) = self.record(ev) {
+                return Some((self.ranks[idx], ev));
             }
         }
     }
@@ -187,19 +168,19 @@ impl Supervisor {
             cmd.pre_exec(|| {
                 // Its own process group, so that stopping the worker also
                 // stops whatever it started.
-                if libc::setpgid(0, 0) != 0
-                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
+                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|source| SupervisorError::Spawn {
-            rank: spec.rank,
-            program: spec.program.clone(),
-            source,
-        })?;
+        let mut child = self
+            .reaper
+            .spawn(&mut cmd, &self.exits_tx)
+            .map_err(|source| SupervisorError::Spawn {
+                rank: spec.rank,
+                program: spec.program.clone(),
+                source,
+            })?;
         let pid = i32::try_from(child.id()).expect("pids fit in i32");
         tracing::info!(
             rank = spec.rank,
@@ -282,13 +263,12 @@ impl Supervisor {
             self.reaper.poll();
             match tokio::time::timeout_at(deadline, self.exits.recv()).await {
                 Err(_) => return self.running().is_empty(),
-                Ok(Ok(ev)) => {
+                Ok(Some(ev)) => {
                     if let Some(idx) = self.record(ev) {
                         tracing::info!(rank = self.ranks[idx], pid = ev.pid, status = %ev.status, "worker stopped");
                     }
                 }
-                Ok(Err(broadcast::error::RecvError::Lagged(_))) => {}
-                Ok(Err(broadcast::error::RecvError::Closed)) => return false,
+                Ok(None) => return false,
             }
         }
     }

@@ -105,7 +105,7 @@ pub enum Response {
         #[serde(default)]
         agent_saves: bool,
     },
-    Status(StatusReport),
+    Status(Box<StatusReport>),
     Workers(Vec<WorkerReport>),
     Faults(Vec<FaultRecord>),
     /// An injection was posted.
@@ -180,6 +180,9 @@ pub struct StatusReport {
     pub modes: HaModes,
     pub uptime_s: f64,
     pub recovering: bool,
+    /// What the agent is doing: running, recovering, dumping (and where).
+    #[serde(default)]
+    pub activity: Option<String>,
     pub workers: Vec<WorkerReport>,
     pub faults: Vec<FaultRecord>,
     /// The agent-side checkpoint writer, when it saves for the trainer.

@@ -1,10 +1,11 @@
-//! Recovery decisions, as pure functions of the job's state and
-//! configuration (no clock reads, no I/O): what to do when a worker exits,
-//! and which step every rank can return to.
+//! Decisions about one rank, as pure functions of what happened to it and
+//! the configuration (no clock reads, no I/O): whether a failed worker is
+//! restarted, whether a clean exit is really the end, and what an
+//! uncorrectable memory error calls for.
 
 use crate::reaper::ExitStatus;
 use hatrain_shared::ha::HaModes;
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// Limits on restarting a rank.
@@ -102,23 +103,41 @@ pub fn on_exit(
             )
         };
     }
-    let stop = |reason: String| {
-        (
-            ExitDecision::Stop {
-                rank,
-                code: status.code(),
-            },
-            reason,
-        )
-    };
+    on_failure(
+        now,
+        rank,
+        &format!("failed ({status})"),
+        status.code(),
+        crash_step,
+        history,
+        modes,
+        policy,
+    )
+}
+
+/// Decides what a failure of `rank` (`what` says how it failed; `code` is
+/// the job's exit code if it stops here) after completing `crash_step`
+/// steps calls for: a restart in place, within the limits, or the end.
+#[allow(clippy::too_many_arguments)]
+pub fn on_failure(
+    now: Duration,
+    rank: usize,
+    what: &str,
+    code: i32,
+    crash_step: u64,
+    history: &RankHistory,
+    modes: &HaModes,
+    policy: &RestartPolicy,
+) -> (ExitDecision, String) {
+    let stop = |reason: String| (ExitDecision::Stop { rank, code }, reason);
     if !modes.recover {
         return stop(format!(
-            "rank {rank} failed ({status}) and worker reboot is not enabled: stopping the job"
+            "rank {rank} {what} and worker reboot is not enabled: stopping the job"
         ));
     }
     if history.restarts >= policy.max_restarts {
         return stop(format!(
-            "rank {rank} failed ({status}) after {} restarts, the --max-restarts limit: giving up",
+            "rank {rank} {what} after {} restarts, the --max-restarts limit: giving up",
             history.restarts
         ));
     }
@@ -129,7 +148,7 @@ pub fn on_exit(
         .count() as u32;
     if in_window >= policy.max_in_window {
         return stop(format!(
-            "rank {rank} failed ({status}) for the {}th time within {:?}: restart rate limit reached, giving up",
+            "rank {rank} {what} for the {}th time within {:?}: restart rate limit reached, giving up",
             in_window + 1,
             policy.window
         ));
@@ -138,76 +157,75 @@ pub fn on_exit(
         && history.same_step_crashes + 1 >= policy.max_same_step
     {
         return stop(format!(
-            "rank {rank} failed ({status}) at step {crash_step} on {} attempts in a row: it would only crash again, giving up",
+            "rank {rank} {what} at step {crash_step} on {} attempts in a row: it would only crash again, giving up",
             history.same_step_crashes + 1
         ));
     }
     (
         ExitDecision::Restart { rank },
         format!(
-            "rank {rank} failed ({status}) after step {crash_step}: restarting it in place (restart {} of at most {})",
+            "rank {rank} {what} after step {crash_step}: restarting it in place (restart {} of at most {})",
             history.restarts + 1,
             policy.max_restarts
         ),
     )
 }
 
-/// When a rank counts as hung.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HangPolicy {
-    /// A fixed bound (`--hang-timeout-secs`), instead of the adaptive one.
-    pub fixed: Option<Duration>,
-    /// The adaptive bound is `factor` × the median step time, but never
-    /// less than `floor`.
-    pub factor: f64,
-    pub floor: Duration,
-    /// Until a rank has completed `warmup_steps` steps (model build,
-    /// checkpoint load, first step), it has this long.
-    pub startup_grace: Duration,
-    pub warmup_steps: u64,
+/// Whether rank `rank`'s clean exit after completing `step` steps is the
+/// end of training or a fault: it is a fault while another rank that still
+/// runs has completed fewer steps (in lockstep, every rank completes the
+/// last step before any rank can exit). `others` are the other ranks that
+/// still run, with their completed steps. Returns the reason when it is a
+/// fault.
+pub fn early_exit(rank: usize, step: u64, others: &[(usize, u64)]) -> Option<String> {
+    let (behind, at) = others
+        .iter()
+        .copied()
+        .filter(|(_, s)| *s < step)
+        .min_by_key(|(_, s)| *s)?;
+    Some(format!(
+        "rank {rank} exited 0 after step {step}, but rank {behind} is still running at step {at}: its peers have not finished, so the exit is a fault, not the end of training"
+    ))
 }
 
-impl Default for HangPolicy {
-    fn default() -> Self {
-        Self {
-            fixed: None,
-            factor: 10.0,
-            floor: Duration::from_secs(30),
-            startup_grace: Duration::from_secs(600),
-            warmup_steps: 3,
-        }
-    }
+/// What an uncorrectable memory error in a registered state part calls for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UceAction {
+    /// Every rank returns to s* and the step is recomputed; no restart.
+    Repair,
+    /// The rank is killed and rebooted (worker reboot).
+    Reboot,
+    /// Nothing can repair it: the job stops (after the last-words dump).
+    Stop,
 }
 
-/// How long a rank may go without progress (a completed step or a
-/// heartbeat at a step boundary) before it is declared hung.
-pub fn hang_bound(policy: &HangPolicy, median_step: Option<Duration>, steps_seen: u64) -> Duration {
-    if let Some(fixed) = policy.fixed {
-        return fixed;
+/// The action for a UCE in part `part` of rank `rank`, by mode.
+pub fn uce_action(modes: &HaModes, rank: usize, part: &str) -> (UceAction, String) {
+    if modes.retry {
+        (
+            UceAction::Repair,
+            format!(
+                "rank {rank}: uncorrectable memory error in {part}: every rank returns to s* and recomputes (no restart)"
+            ),
+        )
+    } else if modes.recover {
+        (
+            UceAction::Reboot,
+            format!(
+                "rank {rank}: uncorrectable memory error in {part}, step repair not enabled: rebooting the rank"
+            ),
+        )
+    } else {
+        (
+            UceAction::Stop,
+            format!("rank {rank}: uncorrectable memory error in {part} and no repair is enabled"),
+        )
     }
-    match median_step {
-        Some(m) if steps_seen >= policy.warmup_steps => m.mul_f64(policy.factor).max(policy.floor),
-        _ => policy.startup_grace,
-    }
-}
-
-/// s\*: the newest step for which every rank has a sealed, verified
-/// snapshot. `per_rank[r]` lists rank r's verified snapshot steps.
-pub fn consistent_step(per_rank: &[Vec<u64>]) -> Option<u64> {
-    let mut iter = per_rank.iter();
-    let first: BTreeSet<u64> = iter.next()?.iter().copied().collect();
-    iter.fold(first, |acc, steps| {
-        let s: BTreeSet<u64> = steps.iter().copied().collect();
-        acc.intersection(&s).copied().collect()
-    })
-    .last()
-    .copied()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
     const KILL: ExitStatus = ExitStatus::Signaled(9);
     const RECOVER: HaModes = HaModes {
@@ -306,77 +324,42 @@ mod tests {
     }
 
     #[test]
-    fn hang_bounds() {
-        let p = HangPolicy {
-            floor: Duration::from_millis(300),
-            startup_grace: Duration::from_secs(60),
-            ..HangPolicy::default()
-        };
-        let ms = Duration::from_millis;
-        // Warm-up: the grace, whatever the median.
-        assert_eq!(hang_bound(&p, Some(ms(100)), 2), Duration::from_secs(60));
-        assert_eq!(hang_bound(&p, None, 50), Duration::from_secs(60));
-        // Adaptive, with the floor.
-        assert_eq!(hang_bound(&p, Some(ms(100)), 3), ms(1000));
-        assert_eq!(hang_bound(&p, Some(ms(10)), 3), ms(300));
-        // A rank slowed to twice the median is far inside the bound.
-        assert!(ms(200) < hang_bound(&p, Some(ms(100)), 10));
-        let fixed = HangPolicy {
-            fixed: Some(ms(5)),
-            ..p
-        };
-        assert_eq!(hang_bound(&fixed, None, 0), ms(5));
+    fn early_exits_are_faults_and_the_last_step_is_not() {
+        assert_eq!(early_exit(0, 40, &[]), None);
+        assert_eq!(early_exit(0, 40, &[(1, 40), (2, 40)]), None);
+        let why = early_exit(2, 40, &[(0, 39), (1, 40)]).unwrap();
+        assert!(
+            why.contains("rank 2 exited 0 after step 40")
+                && why.contains("rank 0 is still running at step 39"),
+            "{why}"
+        );
     }
 
     #[test]
-    fn consistent_step_cases() {
-        assert_eq!(consistent_step(&[]), None);
-        assert_eq!(consistent_step(&[vec![4, 5], vec![5, 4], vec![4]]), Some(4));
-        assert_eq!(consistent_step(&[vec![4, 5], vec![6, 7]]), None);
-        assert_eq!(consistent_step(&vec![vec![9, 10]; 4]), Some(10));
-    }
-
-    /// What the `k` slots of a rank hold after a fault: the rank completed
-    /// `done` steps; if `sealed_newest`, its commit of `done` finished (else
-    /// that copy was torn and does not count). A rank killed inside the
-    /// update of `done + 1` has the same slots: a state mid-update is never
-    /// sealed, which is why it can never be chosen.
-    fn slots(done: u64, sealed_newest: bool, k: u64) -> Vec<u64> {
-        let newest = if sealed_newest {
-            done
-        } else {
-            done.saturating_sub(1)
+    fn uce_actions_by_mode() {
+        let m = |retry, recover| HaModes {
+            dump: true,
+            retry,
+            recover,
+            elastic: false,
         };
-        (0..k).filter_map(|i| newest.checked_sub(i)).collect()
-    }
-
-    proptest! {
-        #[test]
-        fn s_star_with_a_rank_mid_update_and_one_behind(
-            s in 2u64..1000,
-            ranks in proptest::collection::vec((any::<bool>(), any::<bool>()), 2..9),
-            k in 2u64..4,
-        ) {
-            // Ranks run in lockstep: each has completed s or s-1 steps. No
-            // rank completes step s before every rank passed the start-update
-            // fence of s, which waits for its commit of s-1: so when some
-            // rank completed s, the ranks behind have sealed s-1.
-            let someone_ahead = ranks.iter().any(|r| !r.0);
-            let per_rank: Vec<Vec<u64>> = ranks
-                .iter()
-                .map(|&(behind, sealed)| slots(s - u64::from(behind), sealed || (behind && someone_ahead), k))
-                .collect();
-            let newest: Vec<u64> = per_rank.iter().map(|v| v[0]).collect();
-            // s* is the oldest rank's newest sealed step: every other rank
-            // still holds it, and no torn or mid-update state is ever used.
-            prop_assert_eq!(consistent_step(&per_rank), newest.iter().min().copied());
-        }
-
-        #[test]
-        fn consistent_step_is_the_newest_common(ranks in proptest::collection::vec(proptest::collection::vec(0u64..20, 0..4), 1..6)) {
-            let got = consistent_step(&ranks);
-            let common = (0..20u64).filter(|s| ranks.iter().all(|r| r.contains(s))).max();
-            prop_assert_eq!(got, common);
-        }
+        assert_eq!(
+            uce_action(&m(true, true), 1, "exp_avg").0,
+            UceAction::Repair
+        );
+        assert_eq!(
+            uce_action(&m(true, false), 1, "exp_avg").0,
+            UceAction::Repair
+        );
+        assert_eq!(
+            uce_action(&m(false, true), 1, "exp_avg").0,
+            UceAction::Reboot
+        );
+        let (a, why) = uce_action(&m(false, false), 1, "exp_avg");
+        assert_eq!(a, UceAction::Stop);
+        assert!(
+            why.contains("exp_avg") && why.contains("no repair"),
+            "{why}"
+        );
     }
 }

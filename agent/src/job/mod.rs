@@ -1,0 +1,476 @@
+//! One host's job: the event loop around the recovery machine.
+//!
+//! The loop owns the workers (through the [`Supervisor`]), their snapshot
+//! stores, the control socket and the persister. It decides nothing: it
+//! gathers what happened into [`Event`]s for the [`Machine`] (worker exits,
+//! the control pages read at every tick, registrations, memory errors,
+//! `agentctl` requests, snapshot collections and written checkpoints,
+//! shutdown) and carries out the [`Command`]s it returns (post a directive,
+//! kill, restart, collect, write, answer, finish).
+//!
+//! INVARIANT: nothing slow runs on the loop's thread. Verifying every
+//! rank's snapshots runs on a blocking thread, and checkpoints (periodic
+//! saves and dumps) on the persister's writer thread, so exits are reaped,
+//! signals seen and `agentctl` answered while gigabytes are hashed and
+//! written. The tick has a deadline of its own, so a stream of requests
+//! cannot starve the machine.
+//!
+//! - [`observe`]: control pages into [`RankView`]s and fault reports;
+//! - [`requests`]: the control socket's requests (registration, status,
+//!   injection).
+
+mod observe;
+mod requests;
+
+use crate::control::{self, ControlMsg};
+use crate::gpu::GpuFault;
+use crate::launch::{LaunchConfig, LaunchError};
+use crate::persister::{self, Persister};
+use crate::reaper::Reaper;
+use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
+use crate::supervisor::Supervisor;
+use hatrain_shared::control::{FaultRecord, PersistReport, Response};
+use hatrain_shared::shm::{Injection, Store};
+use hatrain_shared::statemap::StateMap;
+use hatrain_shared::store::StoreServer;
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// What a finished job reports.
+#[derive(Debug, Clone)]
+pub struct JobReport {
+    pub outcome: Outcome,
+    pub faults: Vec<FaultRecord>,
+    /// The last-words checkpoint written as the job stopped: its iteration
+    /// and the save directory.
+    pub last_words: Option<(u64, PathBuf)>,
+    /// The final checkpoint the agent wrote for a job that succeeded (when
+    /// it saves for the trainer), or why it could not.
+    pub final_save: Option<Result<(u64, PathBuf), String>>,
+    /// What the agent-side persister did.
+    pub persist: Option<PersistReport>,
+}
+
+/// Tick period while the job runs, and while a recovery or dump is in
+/// progress (followed closely).
+const TICK: Duration = Duration::from_millis(50);
+const TICK_RECOVERING: Duration = Duration::from_millis(2);
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Creates the job's shared-memory directory (mode 0700), clearing what a
+/// killed earlier agent of the same job left there.
+fn prepare_dir(dir: &Path) -> Result<(), LaunchError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let io = |source| LaunchError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    if dir.exists() {
+        tracing::warn!(dir = %dir.display(), "removing a stale store directory of this job");
+        std::fs::remove_dir_all(dir).map_err(io)?;
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io)
+}
+
+/// Runs one host's part of the job until it ends or `shutdown` fires.
+pub async fn run(
+    cfg: &LaunchConfig,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
+    cfg.validate()?;
+    let dir = cfg.ha.shm_root.join(&cfg.job_id);
+    prepare_dir(&dir)?;
+    let result = run_in(cfg, &dir, shutdown).await;
+    // No shared memory is left behind, whatever happened.
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        tracing::error!(dir = %dir.display(), error = %e, "cannot remove the store directory");
+    }
+    result
+}
+
+/// The snapshots of every rank, verified off the loop's thread.
+#[derive(Debug)]
+struct Collected {
+    epoch: u64,
+    steps: Vec<(usize, Vec<u64>)>,
+    rejected: Vec<(usize, String)>,
+}
+
+/// The loop's state: what it owns and what it has been asked.
+struct Driver<'a> {
+    cfg: &'a LaunchConfig,
+    dir: PathBuf,
+    started: Instant,
+    machine: Machine,
+    stores: HashMap<usize, Arc<Store>>,
+    maps: HashMap<usize, Arc<StateMap>>,
+    /// The checkpoint writer, once a rank registered a checkpoint layout.
+    persister: Option<Persister>,
+    /// `agentctl dump` requests waiting for the dump to finish.
+    dump_waiters: Vec<oneshot::Sender<Response>>,
+    collected: mpsc::UnboundedSender<Collected>,
+    outcome: Option<Outcome>,
+}
+
+async fn run_in(
+    cfg: &LaunchConfig,
+    dir: &Path,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
+    // The rendezvous store lives as long as this function: it outlives every
+    // worker.
+    let (_store, port) = if cfg.node_rank == 0 {
+        let addr = crate::launch::resolve(&cfg.master_addr, cfg.master_port.unwrap_or(0))?;
+        let store = StoreServer::bind(addr).map_err(LaunchError::Store)?;
+        let port = store.local_addr().port();
+        tracing::info!(addr = %store.local_addr(), "rendezvous store listening");
+        (Some(store), port)
+    } else {
+        (
+            None,
+            cfg.master_port.expect("validated: set with several nodes"),
+        )
+    };
+    let socket = dir.join("agent.sock");
+    let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
+    let ctl_stop = shutdown.child_token();
+    control::serve(&socket, ctl_tx, ctl_stop.clone())?;
+    // The reaper outlives the event loop: stopping the workers needs it.
+    let reaper_stop = CancellationToken::new();
+    let reaper = Reaper::start(reaper_stop.clone())?;
+    let mut specs = cfg.worker_specs(port);
+    for s in &mut specs {
+        s.env.push((
+            hatrain_shared::control::ENV_SOCKET.into(),
+            socket.display().to_string(),
+        ));
+    }
+    tracing::info!(
+        world_size = cfg.world_size(),
+        node_rank = cfg.node_rank,
+        nproc = cfg.nproc_per_node,
+        modes = ?cfg.ha.modes.names(),
+        socket = %socket.display(),
+        "starting workers"
+    );
+    let mut sup = Supervisor::start(&specs, &reaper, cfg.stop_grace).await?;
+    let (gpu_tx, mut gpu_rx) = mpsc::channel::<GpuFault>(16);
+    crate::gpu::watch(gpu_tx);
+    let (collected_tx, mut collected_rx) = mpsc::unbounded_channel();
+    let machine = Machine::new(
+        MachineConfig {
+            modes: cfg.ha.modes,
+            restart: cfg.ha.policy,
+            hang: cfg.ha.hang,
+            pause_timeout: cfg.ha.pause_timeout,
+        },
+        sup.ranks().to_vec(),
+        unix_now(),
+    );
+    let mut d = Driver {
+        cfg,
+        dir: dir.to_path_buf(),
+        started: Instant::now(),
+        machine,
+        stores: HashMap::new(),
+        maps: HashMap::new(),
+        persister: None,
+        dump_waiters: Vec::new(),
+        collected: collected_tx,
+        outcome: None,
+    };
+
+    let mut next_tick = tokio::time::Instant::now();
+    let mut shutdown_seen = false;
+    let outcome = loop {
+        if let Some(o) = d.outcome {
+            break o;
+        }
+        let period = if d.machine.recovering() {
+            TICK_RECOVERING
+        } else {
+            TICK
+        };
+        next_tick = next_tick.min(tokio::time::Instant::now() + period);
+        tokio::select! {
+            _ = shutdown.cancelled(), if !shutdown_seen => {
+                shutdown_seen = true;
+                d.feed(&mut sup, Event::Shutdown);
+            }
+            ev = sup.next_exit() => match ev {
+                None => break Outcome::Interrupted,
+                Some((rank, ev)) => {
+                    // The machine judges an exit against fresh control pages.
+                    let views = d.views(&sup);
+                    d.feed(&mut sup, Event::Tick(views));
+                    let fatal_uce = d.take_fatal_uce(rank);
+                    d.feed(&mut sup, Event::Exited { rank, status: ev.status, fatal_uce });
+                }
+            },
+            Some(msg) = ctl_rx.recv() => d.on_request(&mut sup, msg),
+            Some(f) = gpu_rx.recv() => d.on_gpu_fault(&sup, f),
+            Some(c) = collected_rx.recv() => {
+                for (rank, why) in &c.rejected {
+                    tracing::warn!(rank, error = %why, "snapshot slot rejected");
+                }
+                d.feed(&mut sup, Event::Collected { epoch: c.epoch, steps: c.steps });
+            }
+            _ = tokio::time::sleep_until(next_tick) => {
+                next_tick = tokio::time::Instant::now() + period;
+                d.on_tick(&mut sup);
+            }
+        }
+    };
+    // A job that succeeded ends with its final checkpoint on disk.
+    let sources: Vec<persister::OwnedSource> =
+        sup.ranks().iter().filter_map(|&r| d.source(r)).collect();
+    let final_save = match d.persister.as_mut() {
+        Some(p) if outcome == Outcome::Succeeded && p.periodic() => p.finish(&sources).transpose(),
+        Some(p) => {
+            p.wait();
+            None
+        }
+        None => None,
+    };
+    sup.stop_all().await;
+    reaper_stop.cancel();
+    ctl_stop.cancel();
+    for w in d.dump_waiters.drain(..) {
+        let _ = w.send(Response::Error {
+            message: "the job ended".into(),
+        });
+    }
+    Ok(JobReport {
+        outcome,
+        faults: d.machine.faults().to_vec(),
+        last_words: d.machine.last_words().map(|w| (w.iteration, w.dir.clone())),
+        final_save,
+        persist: d.persister.as_ref().map(Persister::report),
+    })
+}
+
+impl Driver<'_> {
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// A rank's store and map, for the persister (when it has a layout).
+    fn source(&self, rank: usize) -> Option<persister::OwnedSource> {
+        let map = self.maps.get(&rank)?;
+        map.checkpoint.as_ref()?;
+        Some(persister::OwnedSource {
+            rank,
+            store: Arc::clone(self.stores.get(&rank)?),
+            map: Arc::clone(map),
+        })
+    }
+
+    /// Feeds `event` to the machine and carries out what it decides, and
+    /// whatever follows from that.
+    fn feed(&mut self, sup: &mut Supervisor, event: Event) {
+        let mut queue = VecDeque::from([event]);
+        while let Some(e) = queue.pop_front() {
+            let now = self.now();
+            let step = self.machine.step(now, e);
+            for n in &step.notes {
+                log(n);
+            }
+            for c in step.commands {
+                if let Some(follow) = self.carry_out(sup, c) {
+                    queue.push_back(follow);
+                }
+            }
+        }
+    }
+
+    /// Carries out one command; some produce an event at once.
+    fn carry_out(&mut self, sup: &mut Supervisor, c: Command) -> Option<Event> {
+        match c {
+            Command::Post { rank, directive } => {
+                if let Some(s) = self.stores.get(&rank) {
+                    s.page().post(directive);
+                }
+                None
+            }
+            Command::Kill { rank } => {
+                if let Some(pid) = sup.pid(rank) {
+                    crate::supervisor::signal(pid, nix::sys::signal::Signal::SIGKILL);
+                }
+                None
+            }
+            Command::Respawn { rank, restarts } => match sup.respawn(rank, restarts) {
+                Ok(pid) => {
+                    tracing::info!(rank, pid, restarts, "replacement started");
+                    None
+                }
+                Err(e) => Some(Event::SpawnFailed {
+                    rank,
+                    error: crate::error_chain(&e),
+                }),
+            },
+            Command::Collect { epoch } => {
+                self.collect(epoch);
+                None
+            }
+            Command::Write { epoch, step } => {
+                let sources: Vec<persister::OwnedSource> =
+                    sup.ranks().iter().filter_map(|&r| self.source(r)).collect();
+                match self.persister.as_mut() {
+                    Some(p) => {
+                        p.dump(epoch, step, sources);
+                        // Started at once when the writer is idle.
+                        self.poll_persister(sup)
+                    }
+                    None => Some(Event::Written {
+                        epoch,
+                        result: Err("no rank registered a checkpoint layout".into()),
+                    }),
+                }
+            }
+            Command::DumpDone(result) => {
+                let response = match result {
+                    Ok(w) => Response::Dumped {
+                        iteration: Some(w.iteration),
+                        dir: Some(w.dir.clone()),
+                        message: if w.written {
+                            format!(
+                                "last-words checkpoint of iteration {} written to {} in {:.3} s; resume with --load {}",
+                                w.iteration,
+                                hatrain_shared::checkpoint::iter_dir(&w.dir, w.iteration).display(),
+                                w.seconds,
+                                w.dir.display()
+                            )
+                        } else {
+                            format!(
+                                "iteration {} is already on disk in {}; resume with --load {}",
+                                w.iteration,
+                                hatrain_shared::checkpoint::iter_dir(&w.dir, w.iteration).display(),
+                                w.dir.display()
+                            )
+                        },
+                    },
+                    Err(message) => Response::Dumped {
+                        iteration: None,
+                        dir: None,
+                        message,
+                    },
+                };
+                for w in self.dump_waiters.drain(..) {
+                    let _ = w.send(response.clone());
+                }
+                None
+            }
+            Command::Finish(outcome) => {
+                self.outcome = Some(outcome);
+                None
+            }
+        }
+    }
+
+    /// Verifies every rank's snapshots on a blocking thread; the result
+    /// comes back on the `collected` channel.
+    fn collect(&self, epoch: u64) {
+        let stores: Vec<(usize, Arc<Store>)> = self
+            .stores
+            .iter()
+            .map(|(r, s)| (*r, Arc::clone(s)))
+            .collect();
+        let tx = self.collected.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut steps = Vec::new();
+            let mut rejected = Vec::new();
+            for (rank, store) in stores {
+                let (ok, bad) = store.verified_steps();
+                steps.push((rank, ok));
+                rejected.extend(bad.into_iter().map(|e| (rank, e.to_string())));
+            }
+            let _ = tx.send(Collected {
+                epoch,
+                steps,
+                rejected,
+            });
+        });
+    }
+
+    /// Polls the persister: periodic saves, and the dumps that finished.
+    fn poll_persister(&mut self, sup: &Supervisor) -> Option<Event> {
+        let sources: HashMap<usize, persister::OwnedSource> = sup
+            .ranks()
+            .iter()
+            .filter_map(|&r| Some((r, self.source(r)?)))
+            .collect();
+        let p = self.persister.as_mut()?;
+        let done = p.poll(sup.ranks(), |r| sources.get(&r).cloned());
+        // One dump runs at a time, so at most one finishes per poll.
+        done.into_iter().next().map(|d| Event::Written {
+            epoch: d.epoch,
+            result: d.result,
+        })
+    }
+
+    fn on_tick(&mut self, sup: &mut Supervisor) {
+        if let Some(e) = self.poll_persister(sup) {
+            self.feed(sup, e);
+        }
+        for e in self.take_uces(sup) {
+            self.feed(sup, e);
+        }
+        let views = self.views(sup);
+        self.feed(sup, Event::Tick(views));
+    }
+
+    /// A GPU memory error: its rank is asked to treat it as a UCE in its
+    /// state, so the step is recomputed from s\* (see [`crate::gpu`]).
+    fn on_gpu_fault(&mut self, sup: &Supervisor, f: GpuFault) {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let local = crate::gpu::local_rank_of(f.device, visible.as_deref(), sup.ranks().len());
+        let target = local
+            .map(|l| sup.ranks()[l])
+            .and_then(|r| Some((r, self.stores.get(&r)?, self.maps.get(&r)?)));
+        match target {
+            Some((rank, store, map)) => {
+                tracing::warn!(
+                    rank,
+                    device = f.device,
+                    xid = f.xid,
+                    "GPU uncorrectable memory error: handled as a UCE"
+                );
+                let part = map.largest_part().unwrap_or(0) as u64;
+                store.page().inject(Injection::Uce { part, offset: 0 }, 0);
+            }
+            None => tracing::warn!(
+                device = f.device,
+                xid = f.xid,
+                "GPU memory error on a device no local rank uses"
+            ),
+        }
+    }
+}
+
+/// Logs a machine note at its level, with the rank and the fault's
+/// detail as fields.
+fn log(n: &Note) {
+    fn show(v: &Option<String>) -> Option<tracing::field::DisplayValue<&str>> {
+        v.as_deref().map(tracing::field::display)
+    }
+    let (rank, detail, reason) = (n.rank, show(&n.detail), show(&n.reason));
+    let text = n.text.as_str();
+    match n.level {
+        Level::Info => tracing::info!(rank, detail, reason, "{text}"),
+        Level::Warn => tracing::warn!(rank, detail, reason, "{text}"),
+        Level::Error => tracing::error!(rank, detail, reason, "{text}"),
+    }
+}

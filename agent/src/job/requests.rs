@@ -1,0 +1,272 @@
+//! The control socket's requests: a worker's registration (its store and
+//! state map), `agentctl` status, workers and faults, fault injection, and
+//! `agentctl dump` (answered when the machine's dump is done).
+
+use super::Driver;
+use crate::control::ControlMsg;
+use crate::persister::Persister;
+use crate::recovery::Event;
+use crate::supervisor::Supervisor;
+use hatrain_shared::control::{
+    InjectKind, Request, Response, SnapshotReport, StatusReport, WorkerReport,
+};
+use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
+use hatrain_shared::statemap::StateMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The injection `agentctl inject` asks for, against a rank's state map:
+/// a UCE goes into the part named `buffer` (default: the largest part).
+pub fn injection(
+    map: &StateMap,
+    kind: InjectKind,
+    buffer: Option<&str>,
+    offset: u64,
+) -> Result<Injection, String> {
+    Ok(match kind {
+        InjectKind::Crash => Injection::Crash,
+        InjectKind::Hang => Injection::Hang,
+        InjectKind::Uce => {
+            let part = match buffer {
+                Some(name) => map.part(name).ok_or_else(|| {
+                    let names: Vec<&str> = map.parts.iter().map(|p| p.name.as_str()).collect();
+                    format!("no state part named {name:?}; the rank's parts are {names:?}")
+                })?,
+                None => map
+                    .largest_part()
+                    .ok_or("the rank registered no state parts")?,
+            };
+            Injection::Uce {
+                part: part as u64,
+                offset,
+            }
+        }
+    })
+}
+
+impl Driver<'_> {
+    pub(super) fn on_request(&mut self, sup: &mut Supervisor, msg: ControlMsg) {
+        let response = match msg.request {
+            Request::Dump => {
+                // Answered when the dump is done (or refused).
+                self.dump_waiters.push(msg.reply);
+                self.feed(sup, Event::DumpRequested);
+                return;
+            }
+            Request::Register { rank, pid, map } => {
+                let r = self.register(sup, rank, pid, map);
+                if matches!(r, Response::Registered { .. }) {
+                    let checkpoint = self.maps.get(&rank).is_some_and(|m| m.checkpoint.is_some());
+                    let _ = msg.reply.send(r);
+                    self.feed(sup, Event::Registered { rank, checkpoint });
+                    return;
+                }
+                r
+            }
+            Request::Inject {
+                rank,
+                fault,
+                buffer,
+                offset,
+                at_step,
+            } => self.inject(sup, rank, fault, buffer.as_deref(), offset, at_step),
+            Request::Status => Response::Status(Box::new(self.status(sup))),
+            Request::Workers => Response::Workers(self.workers(sup)),
+            Request::Faults => Response::Faults(self.machine.faults().to_vec()),
+        };
+        let _ = msg.reply.send(response);
+    }
+
+    /// Whether the agent writes this rank's periodic checkpoints: with a
+    /// checkpoint layout, one host holding every rank, and unless
+    /// `--trainer-saves`. The first layout sets up the persister (which
+    /// also writes the dumps).
+    fn set_up_persister(&mut self, rank: usize, map: &StateMap) -> Result<bool, String> {
+        let Some(info) = map.checkpoint.as_ref() else {
+            return Ok(false);
+        };
+        let periodic = !self.cfg.ha.trainer_saves && self.cfg.nnodes == 1;
+        if self.cfg.nnodes > 1
+            && self.persister.is_none()
+            && rank == self.cfg.node_rank * self.cfg.nproc_per_node
+        {
+            tracing::info!(
+                "checkpoints are saved by the trainer: the agent writes them only when one host holds every rank"
+            );
+        }
+        match &self.persister {
+            Some(p) if p.dir() != info.dir => Err(format!(
+                "rank {rank} saves into {} but other ranks into {}",
+                info.dir.display(),
+                p.dir().display()
+            )),
+            Some(p) => Ok(p.periodic()),
+            None => {
+                if periodic {
+                    tracing::info!(
+                        dir = %info.dir.display(),
+                        interval = info.interval,
+                        "checkpoints are written by the agent from the snapshots"
+                    );
+                }
+                self.persister = Some(Persister::new(
+                    info.dir.clone(),
+                    info.interval,
+                    info.world_size,
+                    periodic,
+                ));
+                Ok(periodic)
+            }
+        }
+    }
+
+    fn register(&mut self, sup: &Supervisor, rank: usize, pid: u32, map: StateMap) -> Response {
+        let refuse = |message: String| Response::Error { message };
+        if !sup.ranks().contains(&rank) {
+            return refuse(format!(
+                "rank {rank} is not one of this host's ranks {:?}",
+                sup.ranks()
+            ));
+        }
+        if let Err(e) = map.validate() {
+            return refuse(format!("rank {rank}: {e}"));
+        }
+        let agent_saves = match self.set_up_persister(rank, &map) {
+            Ok(yes) => yes,
+            Err(message) => return refuse(message),
+        };
+        let total = map.total_bytes().and_then(|t| usize::try_from(t).ok());
+        let Some(total) = total else {
+            return refuse(format!("rank {rank}: the state does not fit this host"));
+        };
+        let layout = map.layout_hash();
+        let reuse = self
+            .stores
+            .get(&rank)
+            .is_some_and(|s| s.page().layout_hash() == layout && s.geometry().capacity >= total);
+        if !reuse {
+            let path = shm::store_path(&self.dir, rank);
+            let geometry = Geometry::new(self.cfg.ha.slots, total);
+            match Store::create(
+                &path,
+                rank,
+                geometry,
+                layout,
+                shm::hash_str(&self.cfg.job_id),
+            ) {
+                Ok(s) => {
+                    tracing::info!(rank, pid, bytes = total, slots = geometry.slots, path = %path.display(), "snapshot store created");
+                    self.stores.insert(rank, Arc::new(s));
+                }
+                Err(e) => return refuse(e.to_string()),
+            }
+        }
+        let start = self.machine.start_mode();
+        tracing::info!(rank, pid, ?start, "worker registered");
+        self.maps.insert(rank, Arc::new(map));
+        Response::Registered {
+            store: self.stores[&rank].path().to_path_buf(),
+            start,
+            // Ranks wait on a failed collective whenever the agent may pause
+            // them: for a recovery or for a last-words dump.
+            recover: self.cfg.ha.modes.any(),
+            agent_saves,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn inject(
+        &self,
+        sup: &Supervisor,
+        rank: usize,
+        fault: InjectKind,
+        buffer: Option<&str>,
+        offset: u64,
+        at_step: Option<u64>,
+    ) -> Response {
+        let refuse = |message: String| Response::Error { message };
+        let (Some(store), Some(map), Some(_)) =
+            (self.stores.get(&rank), self.maps.get(&rank), sup.pid(rank))
+        else {
+            return refuse(format!(
+                "rank {rank} is not a running, registered rank of this host"
+            ));
+        };
+        let done = store.page().step();
+        if let Some(at) = at_step.filter(|at| *at <= done) {
+            return refuse(format!(
+                "rank {rank} has completed step {done}; --at-step {at} must be later"
+            ));
+        }
+        let injection = match injection(map, fault, buffer, offset) {
+            Ok(i) => i,
+            Err(message) => return refuse(message),
+        };
+        if !store.page().inject(injection, at_step.unwrap_or(0)) {
+            return refuse(format!(
+                "rank {rank} has not yet taken the fault injected before; try again"
+            ));
+        }
+        tracing::warn!(rank, ?injection, ?at_step, "fault injected on request");
+        Response::Injected {
+            message: match at_step {
+                Some(at) => format!("rank {rank} will give itself a {fault:?} at step {at}"),
+                None => format!("rank {rank} will give itself a {fault:?} at its next step"),
+            },
+        }
+    }
+
+    fn status(&self, sup: &Supervisor) -> StatusReport {
+        StatusReport {
+            job: self.cfg.job_id.clone(),
+            world_size: self.cfg.world_size(),
+            local_ranks: self.cfg.nproc_per_node,
+            epoch: self.machine.epoch(),
+            modes: self.cfg.ha.modes,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            recovering: self.machine.recovering(),
+            activity: Some(self.machine.activity()),
+            workers: self.workers(sup),
+            faults: self.machine.faults().to_vec(),
+            persist: self
+                .persister
+                .as_ref()
+                .filter(|p| p.periodic())
+                .map(Persister::report),
+        }
+    }
+
+    fn workers(&self, sup: &Supervisor) -> Vec<WorkerReport> {
+        let now_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        sup.ranks()
+            .iter()
+            .enumerate()
+            .map(|(local_rank, &rank)| {
+                let s = self.stores.get(&rank);
+                let last = s.and_then(|s| s.sealed().into_iter().next());
+                let stats = s.map(|s| s.page().commit_stats());
+                let (commit_ns, block_ns, commits) =
+                    stats.map_or((0, 0, 0), |c| (c.last_ns, c.last_blocking_ns, c.commits));
+                WorkerReport {
+                    rank,
+                    local_rank,
+                    pid: sup.pid(rank),
+                    phase: s.map_or(Phase::Starting, |s| s.page().phase()),
+                    step: s.map_or(0, |s| s.page().step()),
+                    epoch: s.map_or(0, |s| s.page().epoch()),
+                    heartbeat: s.map_or(0, |s| s.page().heartbeat()),
+                    restarts: u64::from(self.machine.restarts(rank)),
+                    last_snapshot: last.map(|i| SnapshotReport {
+                        step: i.step,
+                        age_s: now_ns.saturating_sub(i.sealed_at_unix_ns) as f64 / 1e9,
+                        bytes: i.len,
+                    }),
+                    last_commit_ms: (commits > 0).then(|| commit_ns as f64 / 1e6),
+                    last_commit_blocking_ms: (commits > 0).then(|| block_ns as f64 / 1e6),
+                }
+            })
+            .collect()
+    }
+}

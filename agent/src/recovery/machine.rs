@@ -1,0 +1,1068 @@
+//! The recovery machine: every decision of a job, as a state machine with
+//! no I/O and no clock.
+//!
+//! ```text
+//!            fault (exit, hang, UCE)                 dump asked / last words
+//!  Running ──────────────────────────► Recovering    Running ───────────► Dumping
+//!     ▲        Pausing ─► Collecting ─► Resuming       Pausing ─► Collecting ─► Writing
+//!     └──────────── every rank completed s*+1 ◄─┘        │ then resume: ─► Recovering(Resuming)
+//!                                                        └ then stop:   ─► Done(outcome)
+//! ```
+//!
+//! - A recovery opens a new epoch and posts `Pause` to every rank; once all
+//!   have acknowledged it, their snapshots are collected, s\* is chosen and
+//!   `Resume { epoch, s* }` posted; it is complete when every rank has
+//!   completed step s\*+1 under the new epoch. A fault during a recovery
+//!   opens another epoch and pauses again.
+//! - INVARIANT: a rank that does not pause within the pause timeout, or does
+//!   not complete s\*+1 within twice that, is killed and handled as a crash
+//!   of the same recovery; it never ends the job by itself (the restart
+//!   limits still do).
+//! - A dump pauses every rank, collects, and has the newest consistent step
+//!   written (by the event loop, off the loop's thread); then training goes
+//!   on from it (`agentctl dump`) or the job ends (last words: SIGTERM, or
+//!   a fault nothing can repair, with the dump mode on). A dump asked for
+//!   during a recovery follows it; an exit during a dump is recorded, and
+//!   the rank is restarted and recovered after the dump.
+//! - A clean exit is the end only when no rank that still runs is behind
+//!   the step it finished at ([`super::policy::early_exit`]).
+//!
+//! Time is the `now` the caller passes (time since the job started).
+
+use super::consistent::consistent_step;
+use super::policy::{
+    ExitDecision, RankHistory, RestartPolicy, UceAction, early_exit, on_failure, uce_action,
+};
+use super::watchdog::{HangPolicy, Watch};
+use super::{Command, Event, Level, Note, Outcome, RankView, Written};
+use crate::reaper::ExitStatus;
+use hatrain_shared::control::{FaultKind, FaultRecord, StartMode};
+use hatrain_shared::ha::HaModes;
+use hatrain_shared::shm::{Directive, Phase};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::time::Duration;
+
+/// What the machine decides by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MachineConfig {
+    pub modes: HaModes,
+    pub restart: RestartPolicy,
+    pub hang: HangPolicy,
+    /// How long every rank has to pause (and, doubled, to complete the
+    /// first step after resuming).
+    pub pause_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterDump {
+    Resume,
+    Stop(Outcome),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Pausing { deadline: Duration },
+    Collecting,
+    Resuming { s_star: u64, deadline: Duration },
+    Writing { s_star: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    Running,
+    Recovering {
+        epoch: u64,
+        stage: Stage,
+        /// The faults this recovery repairs (indices into the history).
+        faults: Vec<usize>,
+        /// The newest step any rank had completed at the first fault.
+        max_step: u64,
+    },
+    Dumping {
+        epoch: u64,
+        stage: Stage,
+        then: AfterDump,
+        /// Faults that happened during the dump: recovered after it.
+        recover: Vec<usize>,
+        max_step: u64,
+    },
+    Done(Outcome),
+}
+
+/// What one [`Machine::step`] decided.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Step {
+    pub commands: Vec<Command>,
+    pub notes: Vec<Note>,
+}
+
+/// The recovery machine of one job.
+#[derive(Debug)]
+pub struct Machine {
+    cfg: MachineConfig,
+    ranks: Vec<usize>,
+    started_unix_s: f64,
+    epoch: u64,
+    state: State,
+    views: BTreeMap<usize, RankView>,
+    history: HashMap<usize, RankHistory>,
+    last_status: HashMap<usize, ExitStatus>,
+    faults: Vec<FaultRecord>,
+    detected: Vec<Duration>,
+    /// Ranks the machine had killed, with the fault kind and what was seen,
+    /// until their exit comes.
+    killed: HashMap<usize, (FaultKind, String)>,
+    /// Ranks that finished training (a clean exit that was the end).
+    finished: BTreeSet<usize>,
+    /// Some rank registered a checkpoint layout, so a dump can be written.
+    checkpoint: bool,
+    /// An `agentctl dump` waits for the recovery in progress.
+    dump_waiting: bool,
+    watch: Watch,
+    last_words: Option<Written>,
+    out: Step,
+}
+
+impl Machine {
+    /// A machine for a job of `ranks` that started at `started_unix_s`.
+    pub fn new(cfg: MachineConfig, ranks: Vec<usize>, started_unix_s: f64) -> Self {
+        Self {
+            views: ranks.iter().map(|&r| (r, RankView::absent(r))).collect(),
+            cfg,
+            ranks,
+            started_unix_s,
+            epoch: 0,
+            state: State::Running,
+            history: HashMap::new(),
+            last_status: HashMap::new(),
+            faults: Vec::new(),
+            detected: Vec::new(),
+            killed: HashMap::new(),
+            finished: BTreeSet::new(),
+            checkpoint: false,
+            dump_waiting: false,
+            watch: Watch::default(),
+            last_words: None,
+            out: Step::default(),
+        }
+    }
+
+    /// Advances the machine by one event; returns what to do and why.
+    pub fn step(&mut self, now: Duration, event: Event) -> Step {
+        match event {
+            Event::Tick(views) => self.tick(now, views),
+            Event::Exited {
+                rank,
+                status,
+                fatal_uce,
+            } => self.exited(now, rank, status, fatal_uce),
+            Event::Registered { rank, checkpoint } => self.registered(rank, checkpoint),
+            Event::Uce { rank, part, offset } => self.uce(now, rank, &part, offset),
+            Event::SpawnFailed { rank, error } => self.spawn_failed(now, rank, &error),
+            Event::Collected { epoch, steps } => self.collected(now, epoch, steps),
+            Event::Written { epoch, result } => self.written(now, epoch, result),
+            Event::DumpRequested => self.dump_requested(now),
+            Event::Shutdown => self.shutdown(now),
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Every fault so far.
+    pub fn faults(&self) -> &[FaultRecord] {
+        &self.faults
+    }
+
+    /// How often `rank` has been restarted.
+    pub fn restarts(&self, rank: usize) -> u32 {
+        self.history.get(&rank).map_or(0, |h| h.restarts)
+    }
+
+    /// A recovery or dump is in progress.
+    pub fn recovering(&self) -> bool {
+        matches!(self.state, State::Recovering { .. } | State::Dumping { .. })
+    }
+
+    /// How the job ended, once it has.
+    pub fn outcome(&self) -> Option<Outcome> {
+        match self.state {
+            State::Done(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// The last-words checkpoint, once written.
+    pub fn last_words(&self) -> Option<&Written> {
+        self.last_words.as_ref()
+    }
+
+    /// How a rank that registers now starts: normally while the job runs,
+    /// else it waits for a directive (a replacement joins the recovery).
+    pub fn start_mode(&self) -> StartMode {
+        match self.state {
+            State::Running => StartMode::Fresh { epoch: self.epoch },
+            _ => StartMode::AwaitDirective,
+        }
+    }
+
+    /// What the machine is doing, in words.
+    pub fn activity(&self) -> String {
+        let stage = |s: &Stage| match s {
+            Stage::Pausing { .. } => "pausing every rank".to_string(),
+            Stage::Collecting => "collecting snapshots".to_string(),
+            Stage::Resuming { s_star, .. } => format!("resuming from step {s_star}"),
+            Stage::Writing { s_star } => format!("writing iteration {s_star}"),
+        };
+        match &self.state {
+            State::Running => "running".into(),
+            State::Recovering {
+                epoch, stage: s, ..
+            } => {
+                format!("recovering under epoch {epoch}: {}", stage(s))
+            }
+            State::Dumping {
+                epoch,
+                stage: s,
+                then,
+                ..
+            } => format!(
+                "{} under epoch {epoch}: {}",
+                match then {
+                    AfterDump::Resume => "dumping",
+                    AfterDump::Stop(_) => "writing the last words",
+                },
+                stage(s)
+            ),
+            State::Done(o) => format!("done: {o:?}"),
+        }
+    }
+
+    // ---- output ----
+
+    fn note(&mut self, level: Level, rank: Option<usize>, text: impl Into<String>) {
+        self.out.notes.push(Note {
+            level,
+            rank,
+            detail: None,
+            reason: None,
+            text: text.into(),
+        });
+    }
+
+    /// A note about a fault: `what` happened, seen as `detail`, because of
+    /// `reason`.
+    fn fault_note(&mut self, level: Level, rank: usize, what: &str, detail: &str, reason: &str) {
+        self.out.notes.push(Note {
+            level,
+            rank: Some(rank),
+            detail: Some(detail.to_string()),
+            reason: Some(reason.to_string()),
+            text: what.to_string(),
+        });
+    }
+
+    fn cmd(&mut self, c: Command) {
+        self.out.commands.push(c);
+    }
+
+    // ---- views ----
+
+    /// Ranks that take part in pauses and resumes: all but those finished.
+    fn participants(&self) -> Vec<usize> {
+        self.ranks
+            .iter()
+            .copied()
+            .filter(|r| !self.finished.contains(r))
+            .collect()
+    }
+
+    fn view(&self, rank: usize) -> RankView {
+        self.views
+            .get(&rank)
+            .copied()
+            .unwrap_or(RankView::absent(rank))
+    }
+
+    fn paused(&self, rank: usize, epoch: u64) -> bool {
+        let v = self.view(rank);
+        v.alive
+            && v.registered
+            && v.acked == Some(Directive::Pause { epoch })
+            && v.phase == Phase::Paused
+    }
+
+    fn max_step(&self) -> u64 {
+        self.views.values().map(|v| v.step).max().unwrap_or(0)
+    }
+
+    fn record_fault(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        kind: FaultKind,
+        detail: String,
+        action: String,
+        reason: String,
+    ) -> usize {
+        self.faults.push(FaultRecord {
+            id: self.faults.len() as u64 + 1,
+            ranks: vec![rank],
+            kind,
+            detail,
+            detected_unix_s: self.started_unix_s + now.as_secs_f64(),
+            s_star: None,
+            action,
+            recovery_s: None,
+            steps_lost: None,
+            reason,
+        });
+        self.detected.push(now);
+        self.faults.len() - 1
+    }
+
+    /// Posts `Pause { epoch }` to every participant that can read it.
+    fn pause_all(&mut self, epoch: u64) {
+        for r in self.participants() {
+            let v = self.view(r);
+            if v.alive && v.registered {
+                self.cmd(Command::Post {
+                    rank: r,
+                    directive: Directive::Pause { epoch },
+                });
+            }
+        }
+    }
+
+    fn resume_all(&mut self, epoch: u64, step: u64) {
+        for r in self.participants() {
+            if self.view(r).alive {
+                self.cmd(Command::Post {
+                    rank: r,
+                    directive: Directive::Resume { epoch, step },
+                });
+            }
+        }
+    }
+
+    // ---- transitions ----
+
+    /// Opens a new epoch and pauses every rank to repair `new` faults (with
+    /// those of a recovery already in progress).
+    fn begin_recovery(&mut self, now: Duration, new: Vec<usize>) {
+        let (mut faults, max_step) = match &self.state {
+            State::Recovering {
+                faults, max_step, ..
+            } => (faults.clone(), *max_step),
+            State::Dumping { max_step, .. } => (Vec::new(), *max_step),
+            _ => (Vec::new(), self.max_step()),
+        };
+        faults.extend(new);
+        self.epoch += 1;
+        let epoch = self.epoch;
+        self.pause_all(epoch);
+        self.note(
+            Level::Info,
+            None,
+            format!("pausing every rank for recovery under epoch {epoch}"),
+        );
+        self.state = State::Recovering {
+            epoch,
+            stage: Stage::Pausing {
+                deadline: now + self.cfg.pause_timeout,
+            },
+            faults,
+            max_step,
+        };
+    }
+
+    /// Starts a dump: pause, collect, write; then `then`.
+    fn begin_dump(&mut self, now: Duration, then: AfterDump, recover: Vec<usize>) {
+        if !self.checkpoint {
+            let m = "no last-words checkpoint: the trainer has no --save directory".to_string();
+            self.note(Level::Warn, None, m.clone());
+            self.cmd(Command::DumpDone(Err(m)));
+            match then {
+                AfterDump::Stop(o) => self.finish(o),
+                AfterDump::Resume if !recover.is_empty() => self.begin_recovery(now, recover),
+                AfterDump::Resume => {}
+            }
+            return;
+        }
+        let max_step = self.max_step();
+        self.epoch += 1;
+        let epoch = self.epoch;
+        self.pause_all(epoch);
+        self.note(
+            Level::Info,
+            None,
+            format!("pausing every rank for a checkpoint under epoch {epoch}"),
+        );
+        self.state = State::Dumping {
+            epoch,
+            stage: Stage::Pausing {
+                deadline: now + self.cfg.pause_timeout,
+            },
+            then,
+            recover,
+            max_step,
+        };
+    }
+
+    /// Ends the job with `outcome`, writing the last words first when the
+    /// dump mode is on.
+    fn stop_with(&mut self, now: Duration, outcome: Outcome) {
+        match &mut self.state {
+            State::Done(_)
+            | State::Dumping {
+                then: AfterDump::Stop(_),
+                ..
+            } => {}
+            State::Dumping { then, .. } => {
+                // The dump in progress becomes the last words.
+                *then = AfterDump::Stop(outcome);
+            }
+            _ if self.cfg.modes.dump => self.begin_dump(now, AfterDump::Stop(outcome), Vec::new()),
+            _ => self.finish(outcome),
+        }
+    }
+
+    fn finish(&mut self, outcome: Outcome) {
+        if self.dump_waiting {
+            self.dump_waiting = false;
+            self.cmd(Command::DumpDone(Err("the job is ending".into())));
+        }
+        self.state = State::Done(outcome);
+        self.cmd(Command::Finish(outcome));
+    }
+
+    fn complete_recovery(&mut self, now: Duration, s_star: u64, faults: Vec<usize>, max_step: u64) {
+        let lost = max_step.saturating_sub(s_star);
+        for f in faults {
+            let secs = now.saturating_sub(self.detected[f]).as_secs_f64();
+            self.faults[f].recovery_s = Some(secs);
+            self.faults[f].steps_lost = Some(lost);
+            let text = format!(
+                "recovered: first step after the fault completed (fault {} of rank(s) {:?}, repaired from step {s_star} in {secs:.3} s, {lost} step(s) lost)",
+                self.faults[f].id, self.faults[f].ranks
+            );
+            self.note(Level::Info, None, text);
+        }
+        self.state = State::Running;
+        self.watch.restart_clocks(now);
+        if self.dump_waiting {
+            self.dump_waiting = false;
+            self.begin_dump(now, AfterDump::Resume, Vec::new());
+        }
+    }
+
+    // ---- events ----
+
+    fn tick(&mut self, now: Duration, views: Vec<RankView>) {
+        for v in &views {
+            self.views.insert(v.rank, *v);
+        }
+        self.watch.observe(now, &views);
+        match self.state.clone() {
+            // INVARIANT: while a rank's death is pending (killed, or dead
+            // and not yet reaped) nobody is blamed: its peers wait for it,
+            // and its exit starts a recovery anyway.
+            State::Running
+                if self.cfg.modes.any()
+                    && self.killed.is_empty()
+                    && self.participants().iter().all(|&r| self.view(r).alive) =>
+            {
+                let spared: HashSet<usize> = self.finished.iter().copied().collect();
+                let all: Vec<RankView> = self.views.values().copied().collect();
+                for c in self.watch.culprits(now, &all, &self.cfg.hang, &spared) {
+                    self.note(
+                        Level::Error,
+                        Some(c.rank),
+                        format!("rank hung: killing it ({})", c.seen),
+                    );
+                    self.killed.insert(c.rank, (FaultKind::Hang, c.seen));
+                    self.cmd(Command::Kill { rank: c.rank });
+                }
+            }
+            State::Recovering {
+                epoch,
+                stage: Stage::Pausing { deadline },
+                faults,
+                max_step,
+            } => {
+                let waiting: Vec<usize> = self
+                    .participants()
+                    .into_iter()
+                    .filter(|&r| !self.paused(r, epoch))
+                    .collect();
+                if waiting.is_empty() {
+                    self.cmd(Command::Collect { epoch });
+                    self.state = State::Recovering {
+                        epoch,
+                        stage: Stage::Collecting,
+                        faults,
+                        max_step,
+                    };
+                } else if now > deadline {
+                    let t = self.cfg.pause_timeout;
+                    for r in waiting {
+                        if self.view(r).alive && !self.killed.contains_key(&r) {
+                            let seen = format!(
+                                "did not pause within {t:?} for the recovery under epoch {epoch}"
+                            );
+                            self.note(
+                                Level::Error,
+                                Some(r),
+                                format!(
+                                    "rank {r} {seen}: killing it; it is restarted like a crash"
+                                ),
+                            );
+                            self.killed.insert(r, (FaultKind::NoPause, seen));
+                            self.cmd(Command::Kill { rank: r });
+                        }
+                    }
+                    self.state = State::Recovering {
+                        epoch,
+                        stage: Stage::Pausing { deadline: now + t },
+                        faults,
+                        max_step,
+                    };
+                }
+            }
+            State::Recovering {
+                epoch,
+                stage: Stage::Resuming { s_star, deadline },
+                faults,
+                max_step,
+            } => {
+                let behind: Vec<usize> = self
+                    .participants()
+                    .into_iter()
+                    .filter(|&r| {
+                        let v = self.view(r);
+                        !(v.alive && v.step > s_star && v.epoch == epoch)
+                    })
+                    .collect();
+                if behind.is_empty() {
+                    self.complete_recovery(now, s_star, faults, max_step);
+                } else if now > deadline {
+                    let t = self.cfg.pause_timeout * 2;
+                    for r in behind {
+                        if self.view(r).alive && !self.killed.contains_key(&r) {
+                            let seen = format!(
+                                "did not complete step {} under epoch {epoch} within {t:?}",
+                                s_star + 1
+                            );
+                            self.note(
+                                Level::Error,
+                                Some(r),
+                                format!(
+                                    "rank {r} {seen}: killing it; it is restarted like a crash"
+                                ),
+                            );
+                            self.killed.insert(r, (FaultKind::Hang, seen));
+                            self.cmd(Command::Kill { rank: r });
+                        }
+                    }
+                    self.state = State::Recovering {
+                        epoch,
+                        stage: Stage::Resuming {
+                            s_star,
+                            deadline: now + t,
+                        },
+                        faults,
+                        max_step,
+                    };
+                }
+            }
+            State::Dumping {
+                epoch,
+                stage: Stage::Pausing { deadline },
+                then,
+                recover,
+                max_step,
+            } => {
+                let waiting: Vec<usize> = self
+                    .participants()
+                    .into_iter()
+                    .filter(|&r| self.view(r).alive && !self.paused(r, epoch))
+                    .collect();
+                if !waiting.is_empty() && now <= deadline {
+                    return;
+                }
+                if !waiting.is_empty() {
+                    self.note(
+                        Level::Warn,
+                        None,
+                        format!("rank(s) {waiting:?} did not pause; writing from their verified snapshots anyway"),
+                    );
+                }
+                self.cmd(Command::Collect { epoch });
+                self.state = State::Dumping {
+                    epoch,
+                    stage: Stage::Collecting,
+                    then,
+                    recover,
+                    max_step,
+                };
+            }
+            _ => {}
+        }
+    }
+
+    fn registered(&mut self, rank: usize, checkpoint: bool) {
+        self.checkpoint |= checkpoint;
+        let v = self.views.entry(rank).or_insert(RankView::absent(rank));
+        v.registered = true;
+        v.alive = true;
+        let epoch = match self.state {
+            State::Recovering {
+                epoch,
+                stage: Stage::Pausing { .. },
+                ..
+            }
+            | State::Dumping {
+                epoch,
+                stage: Stage::Pausing { .. },
+                ..
+            } => epoch,
+            _ => return,
+        };
+        self.cmd(Command::Post {
+            rank,
+            directive: Directive::Pause { epoch },
+        });
+    }
+
+    fn exited(&mut self, now: Duration, rank: usize, status: ExitStatus, fatal_uce: bool) {
+        let step = self.view(rank).step;
+        if let Some(v) = self.views.get_mut(&rank) {
+            v.alive = false;
+        }
+        self.last_status.insert(rank, status);
+        if matches!(self.state, State::Done(_)) {
+            return;
+        }
+        if status.success() && !self.killed.contains_key(&rank) {
+            let others: Vec<(usize, u64)> = self
+                .participants()
+                .into_iter()
+                .filter(|&r| r != rank && self.view(r).alive)
+                .map(|r| (r, self.view(r).step))
+                .collect();
+            if let Some(why) = early_exit(rank, step, &others) {
+                self.note(Level::Error, Some(rank), why.clone());
+                let detail = format!("exit code 0 after step {step}: {why}");
+                self.failure(
+                    now,
+                    rank,
+                    FaultKind::EarlyExit,
+                    detail,
+                    "exited 0 before its peers finished",
+                    None,
+                    step,
+                );
+                return;
+            }
+            self.finished.insert(rank);
+            let left = self.participants().len();
+            if left == 0 {
+                self.note(
+                    Level::Info,
+                    Some(rank),
+                    "every worker finished successfully",
+                );
+                self.finish(Outcome::Succeeded);
+            } else {
+                self.note(
+                    Level::Info,
+                    Some(rank),
+                    format!("rank {rank} finished; {left} worker(s) still running"),
+                );
+            }
+            return;
+        }
+        let (kind, detail) = match self.killed.remove(&rank) {
+            Some((kind, seen)) => (kind, format!("{seen}; then {status}")),
+            None if fatal_uce => (
+                FaultKind::Uce,
+                format!(
+                    "SIGBUS BUS_MCEERR outside the registered state: the process could not trust its memory; {status}"
+                ),
+            ),
+            None => (FaultKind::Crash, status.to_string()),
+        };
+        let what = format!("failed ({status})");
+        self.failure(now, rank, kind, detail, &what, Some(status), step);
+    }
+
+    /// A failure of `rank`: restarted in place and recovered, or the end.
+    #[allow(clippy::too_many_arguments)]
+    fn failure(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        kind: FaultKind,
+        detail: String,
+        what: &str,
+        status: Option<ExitStatus>,
+        step: u64,
+    ) {
+        if matches!(
+            self.state,
+            State::Dumping {
+                then: AfterDump::Stop(_),
+                ..
+            }
+        ) {
+            let reason = format!("rank {rank} {what} while the last words are written");
+            self.note(Level::Warn, Some(rank), reason.clone());
+            self.record_fault(
+                now,
+                rank,
+                kind,
+                detail,
+                "none: the job is stopping".into(),
+                reason,
+            );
+            return;
+        }
+        let history = self.history.get(&rank).cloned().unwrap_or_default();
+        let code = status.map_or(0, ExitStatus::code);
+        let (decision, reason) = on_failure(
+            now,
+            rank,
+            what,
+            code,
+            step,
+            &history,
+            &self.cfg.modes,
+            &self.cfg.restart,
+        );
+        match decision {
+            ExitDecision::Restart { .. } => {
+                let history = self.history.entry(rank).or_default();
+                history.record_restart(now, step, &self.cfg.restart);
+                let restarts = history.restarts;
+                self.fault_note(
+                    Level::Warn,
+                    rank,
+                    "worker failed: recovering",
+                    &detail,
+                    &reason,
+                );
+                let f = self.record_fault(
+                    now,
+                    rank,
+                    kind,
+                    detail,
+                    format!("restart rank {rank} in place (restart {restarts})"),
+                    reason,
+                );
+                self.watch.new_process(rank);
+                self.cmd(Command::Respawn { rank, restarts });
+                if let State::Dumping { recover, .. } = &mut self.state {
+                    recover.push(f);
+                } else {
+                    self.begin_recovery(now, vec![f]);
+                }
+            }
+            ExitDecision::Stop { .. } | ExitDecision::Wait | ExitDecision::Finished => {
+                self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
+                self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
+                let outcome = match status {
+                    Some(status) => Outcome::WorkerFailed { rank, status },
+                    None => Outcome::RecoveryFailed,
+                };
+                self.stop_with(now, outcome);
+            }
+        }
+    }
+
+    fn uce(&mut self, now: Duration, rank: usize, part: &str, offset: u64) {
+        let detail = format!("SIGBUS BUS_MCEERR in {part} at byte {offset}");
+        if matches!(
+            self.state,
+            State::Done(_)
+                | State::Dumping {
+                    then: AfterDump::Stop(_),
+                    ..
+                }
+        ) {
+            self.note(
+                Level::Warn,
+                Some(rank),
+                format!("{detail} while the job stops"),
+            );
+            return;
+        }
+        let (action, reason) = uce_action(&self.cfg.modes, rank, part);
+        match action {
+            UceAction::Repair => {
+                self.fault_note(Level::Warn, rank, "UCE: step repair", &detail, &reason);
+                let f = self.record_fault(
+                    now,
+                    rank,
+                    FaultKind::Uce,
+                    detail,
+                    "restore s* and recompute the step".into(),
+                    reason,
+                );
+                if let State::Dumping { recover, .. } = &mut self.state {
+                    recover.push(f);
+                } else {
+                    self.begin_recovery(now, vec![f]);
+                }
+            }
+            UceAction::Reboot => {
+                self.fault_note(Level::Warn, rank, "UCE: worker reboot", &detail, &reason);
+                self.killed.insert(rank, (FaultKind::Uce, detail));
+                self.cmd(Command::Kill { rank });
+            }
+            UceAction::Stop => {
+                self.fault_note(
+                    Level::Error,
+                    rank,
+                    "UCE: stopping the job",
+                    &detail,
+                    &reason,
+                );
+                self.record_fault(
+                    now,
+                    rank,
+                    FaultKind::Uce,
+                    detail,
+                    "stop the job".into(),
+                    reason,
+                );
+                self.stop_with(now, Outcome::RecoveryFailed);
+            }
+        }
+    }
+
+    fn spawn_failed(&mut self, now: Duration, rank: usize, error: &str) {
+        let why = format!("cannot restart rank {rank}: {error}");
+        self.note(Level::Error, Some(rank), why.clone());
+        if let Some(f) = self.faults.iter_mut().rev().find(|f| f.ranks == [rank]) {
+            f.action = format!("stop the job: {why}");
+        }
+        let status = self
+            .last_status
+            .get(&rank)
+            .copied()
+            .unwrap_or(ExitStatus::Exited(1));
+        self.stop_with(now, Outcome::WorkerFailed { rank, status });
+    }
+
+    fn collected(&mut self, now: Duration, epoch: u64, steps: Vec<(usize, Vec<u64>)>) {
+        let by_rank: HashMap<usize, Vec<u64>> = steps.into_iter().collect();
+        let per_rank: Vec<Vec<u64>> = self
+            .ranks
+            .iter()
+            .map(|r| by_rank.get(r).cloned().unwrap_or_default())
+            .collect();
+        let s_star = consistent_step(&per_rank);
+        let listing = self
+            .ranks
+            .iter()
+            .zip(&per_rank)
+            .map(|(r, s)| format!("rank {r}: {s:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        match self.state.clone() {
+            State::Recovering {
+                epoch: e,
+                stage: Stage::Collecting,
+                faults,
+                max_step,
+            } if e == epoch => match s_star {
+                None => {
+                    let why = format!(
+                        "no step has a sealed, verified snapshot on every rank ({listing})"
+                    );
+                    self.note(Level::Error, None, format!("recovery failed: {why}"));
+                    for &f in &faults {
+                        self.faults[f].action =
+                            format!("{}; recovery failed: {why}", self.faults[f].action);
+                    }
+                    // Nothing consistent exists to write either.
+                    self.finish(Outcome::RecoveryFailed);
+                }
+                Some(s) => {
+                    self.resume_all(epoch, s);
+                    for &f in &faults {
+                        self.faults[f].s_star = Some(s);
+                    }
+                    self.note(
+                        Level::Info,
+                        None,
+                        format!("every rank paused: resuming from the consistent step s_star={s} under epoch {epoch} ({listing})"),
+                    );
+                    self.state = State::Recovering {
+                        epoch,
+                        stage: Stage::Resuming {
+                            s_star: s,
+                            deadline: now + self.cfg.pause_timeout * 2,
+                        },
+                        faults,
+                        max_step,
+                    };
+                }
+            },
+            State::Dumping {
+                epoch: e,
+                stage: Stage::Collecting,
+                then,
+                recover,
+                max_step,
+            } if e == epoch => match s_star {
+                None => {
+                    let m = format!(
+                        "no step has a verified snapshot on every rank ({listing}); nothing written, the previous checkpoint is untouched"
+                    );
+                    self.note(Level::Error, None, m.clone());
+                    self.cmd(Command::DumpDone(Err(m)));
+                    match then {
+                        AfterDump::Stop(o) => self.finish(o),
+                        AfterDump::Resume => self.finish(Outcome::RecoveryFailed),
+                    }
+                }
+                Some(s) => {
+                    self.cmd(Command::Write { epoch, step: s });
+                    self.state = State::Dumping {
+                        epoch,
+                        stage: Stage::Writing { s_star: s },
+                        then,
+                        recover,
+                        max_step,
+                    };
+                }
+            },
+            _ => self.note(
+                Level::Info,
+                None,
+                format!("snapshots of epoch {epoch} collected after the machine moved on; ignored"),
+            ),
+        }
+    }
+
+    fn written(&mut self, now: Duration, epoch: u64, result: Result<Written, String>) {
+        let State::Dumping {
+            epoch: e,
+            stage: Stage::Writing { s_star },
+            then,
+            recover,
+            max_step,
+        } = self.state.clone()
+        else {
+            self.note(
+                Level::Info,
+                None,
+                "a checkpoint write finished after the machine moved on",
+            );
+            return;
+        };
+        if e != epoch {
+            return;
+        }
+        match &result {
+            Ok(w) if w.written => self.note(
+                Level::Warn,
+                None,
+                format!(
+                    "last-words checkpoint of iteration {} written to {} in {:.3} s; resume with --load {}",
+                    w.iteration,
+                    hatrain_shared::checkpoint::iter_dir(&w.dir, w.iteration).display(),
+                    w.seconds,
+                    w.dir.display()
+                ),
+            ),
+            Ok(w) => self.note(
+                Level::Warn,
+                None,
+                format!(
+                    "iteration {} is already on disk (the newest consistent step is {s_star}); resume with --load {}",
+                    w.iteration,
+                    w.dir.display()
+                ),
+            ),
+            Err(m) => self.note(Level::Error, None, format!("last-words checkpoint failed: {m}")),
+        }
+        self.cmd(Command::DumpDone(result.clone()));
+        match then {
+            AfterDump::Stop(o) => {
+                self.last_words = result.ok();
+                self.finish(o);
+            }
+            AfterDump::Resume if !recover.is_empty() => {
+                self.state = State::Dumping {
+                    epoch,
+                    stage: Stage::Writing { s_star },
+                    then,
+                    recover: Vec::new(),
+                    max_step,
+                };
+                self.begin_recovery(now, recover);
+            }
+            AfterDump::Resume => {
+                self.resume_all(epoch, s_star);
+                self.state = State::Recovering {
+                    epoch,
+                    stage: Stage::Resuming {
+                        s_star,
+                        deadline: now + self.cfg.pause_timeout * 2,
+                    },
+                    faults: Vec::new(),
+                    max_step,
+                };
+            }
+        }
+    }
+
+    fn dump_requested(&mut self, now: Duration) {
+        if !self.cfg.modes.dump {
+            self.cmd(Command::DumpDone(Err(
+                "the last-words dump needs --enable-high-availability (or HIGH_AVAILABILITY)"
+                    .into(),
+            )));
+            return;
+        }
+        match self.state {
+            State::Running => self.begin_dump(now, AfterDump::Resume, Vec::new()),
+            State::Recovering { .. } => {
+                self.dump_waiting = true;
+                self.note(
+                    Level::Info,
+                    None,
+                    "a checkpoint was asked for during a recovery: it follows the recovery",
+                );
+            }
+            State::Dumping { .. } => {}
+            State::Done(_) => self.cmd(Command::DumpDone(Err("the job is ending".into()))),
+        }
+    }
+
+    fn shutdown(&mut self, now: Duration) {
+        match self.state {
+            State::Done(_) => {}
+            State::Dumping {
+                then: AfterDump::Stop(_),
+                ..
+            } => self.note(
+                Level::Warn,
+                None,
+                "still writing the last-words checkpoint; the agent stops once it is on disk",
+            ),
+            _ => {
+                self.note(Level::Warn, None, "shutdown requested: stopping the job");
+                self.stop_with(now, Outcome::Interrupted);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

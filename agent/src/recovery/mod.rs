@@ -1,0 +1,188 @@
+//! Recovery, as a state machine without I/O.
+//!
+//! [`Machine`] owns every decision of a job: whether an exit is the end, a
+//! fault to repair or a reason to stop; pausing every rank under a new
+//! epoch; s\* over the collected snapshots; resuming; the hang watchdog;
+//! UCE repair; and the last-words dump. It is advanced by
+//! [`Machine::step`]`(now, event)`, which returns the [`Command`]s to carry
+//! out and the [`Note`]s that say why. The event loop (`crate::job`) only
+//! gathers [`Event`]s (exits, control pages, requests, ticks, write
+//! results) and carries commands out; it decides nothing.
+//!
+//! Nothing here reads a clock or assumes that all ranks are on one host: a
+//! rank is a number, seen through its [`RankView`], so the same machine can
+//! run inside a multi-host controller.
+//!
+//! - [`machine`]: the machine;
+//! - [`policy`]: restarts (limits, rate, the same step again), clean exits
+//!   that are faults, the UCE policy;
+//! - [`watchdog`]: the hang watchdog and who it blames;
+//! - [`consistent`]: how s\* is chosen.
+
+pub mod consistent;
+pub mod machine;
+pub mod policy;
+pub mod watchdog;
+
+pub use consistent::consistent_step;
+pub use machine::{Machine, MachineConfig};
+pub use policy::{RankHistory, RestartPolicy};
+pub use watchdog::HangPolicy;
+
+use crate::reaper::ExitStatus;
+use hatrain_shared::shm::{Directive, Phase};
+use std::path::PathBuf;
+
+/// What the machine sees of one rank at a tick: its process and its
+/// control page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankView {
+    pub rank: usize,
+    /// Its process runs.
+    pub alive: bool,
+    /// It has registered (its control page exists).
+    pub registered: bool,
+    pub phase: Phase,
+    /// The last step it completed.
+    pub step: u64,
+    /// The epoch of its communicator.
+    pub epoch: u64,
+    pub heartbeat: u64,
+    pub in_collective: bool,
+    /// The directive it has acknowledged, if that is the current one.
+    pub acked: Option<Directive>,
+}
+
+impl RankView {
+    /// A rank that has not started or registered yet.
+    pub fn absent(rank: usize) -> Self {
+        Self {
+            rank,
+            alive: false,
+            registered: false,
+            phase: Phase::Starting,
+            step: 0,
+            epoch: 0,
+            heartbeat: 0,
+            in_collective: false,
+            acked: None,
+        }
+    }
+}
+
+/// A checkpoint the dump wrote (or found already on disk).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Written {
+    pub iteration: u64,
+    /// The save directory (`--load` it to resume).
+    pub dir: PathBuf,
+    /// False when the iteration (or a newer one) was already on disk.
+    pub written: bool,
+    pub seconds: f64,
+}
+
+/// What happened, as the event loop saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Every rank's control page and process, read now.
+    Tick(Vec<RankView>),
+    /// A worker process ended; `fatal_uce` when its control page says an
+    /// uncorrectable memory error outside its state killed it. The event
+    /// loop feeds a fresh [`Event::Tick`] first.
+    Exited {
+        rank: usize,
+        status: ExitStatus,
+        fatal_uce: bool,
+    },
+    /// A rank registered; `checkpoint` when its state map says how to write
+    /// a checkpoint.
+    Registered { rank: usize, checkpoint: bool },
+    /// A rank repaired an uncorrectable memory error in state part `part`.
+    Uce {
+        rank: usize,
+        part: String,
+        offset: u64,
+    },
+    /// A replacement process could not be started.
+    SpawnFailed { rank: usize, error: String },
+    /// The verified snapshot steps of every rank, for [`Command::Collect`].
+    Collected {
+        epoch: u64,
+        steps: Vec<(usize, Vec<u64>)>,
+    },
+    /// The checkpoint of [`Command::Write`] is on disk, or why not.
+    Written {
+        epoch: u64,
+        result: Result<Written, String>,
+    },
+    /// `agentctl dump`: a last-words checkpoint now, then carry on.
+    DumpRequested,
+    /// The agent is asked to stop (SIGTERM).
+    Shutdown,
+}
+
+/// What the event loop is to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    Post {
+        rank: usize,
+        directive: Directive,
+    },
+    /// SIGKILL the rank's process (its exit comes back as an event).
+    Kill {
+        rank: usize,
+    },
+    /// Start the rank again in place, with this restart count.
+    Respawn {
+        rank: usize,
+        restarts: u32,
+    },
+    /// Verify every rank's snapshots and report [`Event::Collected`].
+    Collect {
+        epoch: u64,
+    },
+    /// Write iteration `step` from the snapshots into the save directory
+    /// (unless it is on disk already) and report [`Event::Written`].
+    Write {
+        epoch: u64,
+        step: u64,
+    },
+    /// Answer the waiting `agentctl dump` requests.
+    DumpDone(Result<Written, String>),
+    /// The job ends with this outcome: stop the workers.
+    Finish(Outcome),
+}
+
+/// How loud a note is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Info,
+    Warn,
+    Error,
+}
+
+/// A decision's reason, for the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub level: Level,
+    pub rank: Option<usize>,
+    /// How the fault was seen, when the note is about one.
+    pub detail: Option<String>,
+    /// Why the machine decided as it did, when the note is a decision.
+    pub reason: Option<String>,
+    pub text: String,
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded,
+    WorkerFailed {
+        rank: usize,
+        status: ExitStatus,
+    },
+    /// A fault could not be repaired; the reason is logged and in the fault
+    /// history.
+    RecoveryFailed,
+    Interrupted,
+}
