@@ -179,3 +179,85 @@ fn agentctl_injects_a_hang_and_a_crash() {
     let out = guard.wait_output(Duration::from_secs(60));
     assert_eq!(out.status.code(), Some(128 + libc::SIGTERM));
 }
+
+/// A launch of the tiny model on 4 ranks with worker reboot, a 1.5 s hang
+/// floor, a long start-up grace and a short pause timeout.
+fn tiny_launch(job: &str, shm: &std::path::Path, log: &std::path::Path, plan: &str) -> Command {
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        .args(["--hang-factor", "10", "--hang-floor-secs", "1.5"])
+        .args([
+            "--hang-startup-grace-secs",
+            "60",
+            "--pause-timeout-secs",
+            "3",
+        ])
+        .arg("--shm-root")
+        .arg(shm)
+        .arg("--")
+        .arg(trainer())
+        .args(tiny_args(40))
+        .arg("--log-jsonl")
+        .arg(log)
+        .env("HATRAIN_FAULT_PLAN", plan)
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+#[test]
+fn a_restarted_rank_hanging_in_its_grace_is_blamed_and_a_rank_that_will_not_pause_is_restarted() {
+    let d = tempfile::tempdir().unwrap();
+    let shm = d.path().join("shm");
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("run.jsonl"));
+    let mut args = tiny_args(40);
+    args.extend(["--log-jsonl".into(), ref_log.display().to_string()]);
+    assert_success(&run_launch(4, "grace-ref", &args), "reference run");
+
+    // Rank 2 is killed at step 8; its replacement (incarnation 1) hangs in
+    // step 9, one or two steps into its life (s* is 7, or 6 when the kill
+    // tore the commit of 7) and so inside its own start-up grace, while its
+    // peers wait for it in a collective. Later rank 1 is killed while rank 3
+    // sleeps outside any collective, so rank 3 does not pause.
+    let plan = "2:8:forward:kill;2:9:forward:hang:1;1:25:forward:kill;3:25:forward:sleep30000";
+    let job = job_id("grace");
+    let out =
+        Job::spawn(tiny_launch(&job, &shm, &log, plan), &job).wait_output(Duration::from_secs(180));
+    assert_success(
+        &out,
+        "run with a hang in the grace and a rank that does not pause",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let hung: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("rank hung: killing it"))
+        .collect();
+    assert_eq!(hung.len(), 1, "one rank is declared hung: {hung:?}");
+    assert!(
+        hung[0].contains("rank=2") && hung[0].contains("wait for it in a collective"),
+        "the restarted rank is blamed, not its waiting peers: {}",
+        hung[0]
+    );
+    let no_pause: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("did not pause within"))
+        .collect();
+    assert!(
+        !no_pause.is_empty() && no_pause.iter().all(|l| l.contains("rank=3")),
+        "{no_pause:?}"
+    );
+    assert_eq!(
+        stderr
+            .matches("recovered: first step after the fault completed")
+            .count(),
+        4,
+        "{stderr}"
+    );
+    assert_eq!(
+        final_checksum(&read_log(&ref_log)),
+        final_checksum(&read_log(&log)),
+        "final parameters differ"
+    );
+    assert!(job_pids(&job).is_empty());
+}

@@ -229,3 +229,120 @@ fn an_unrepairable_crash_ends_with_a_last_words_checkpoint() {
     );
     resume_matches(d.path(), &ckpt, it, &reference);
 }
+
+#[test]
+fn agentctl_answers_during_a_dump_of_the_100m_model_and_a_worker_killed_meanwhile_is_recovered() {
+    let d = tempfile::tempdir().unwrap();
+    let (log, ckpt, shm) = (
+        d.path().join("run.jsonl"),
+        d.path().join("ckpt"),
+        d.path().join("shm"),
+    );
+    let job = job_id("lw-100m");
+    let args = s(&[
+        "--model-size",
+        "100m",
+        "--global-batch",
+        "2",
+        "--seq-len",
+        "4",
+        "--log-interval",
+        "1000",
+        "--train-iters",
+        "4",
+        "--save",
+        &ckpt.display().to_string(),
+        "--log-jsonl",
+        &log.display().to_string(),
+    ]);
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "5"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        .args(["--pause-timeout-secs", "120"])
+        .arg("--shm-root")
+        .arg(&shm)
+        .arg("--")
+        .arg(trainer())
+        .args(&args)
+        .env_remove("HIGH_AVAILABILITY")
+        .env_remove("HATRAIN_FAULT_PLAN")
+        .env("RUST_LOG", "info");
+    let mut guard = Job::spawn(cmd, &job);
+    let socket = shm.join(&job).join("agent.sock");
+    let status = || -> Option<serde_json::Value> {
+        let out = Command::new(agentctl())
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--json", "status"])
+            .output()
+            .ok()?;
+        out.status.success().then_some(())?;
+        serde_json::from_slice(&out.stdout).ok()
+    };
+    let stepped = |st: &serde_json::Value| {
+        st["status"]["workers"]
+            .as_array()
+            .is_some_and(|w| w.len() == 2 && w.iter().all(|r| r["step"].as_u64() >= Some(1)))
+    };
+    assert!(
+        wait_until(Duration::from_secs(240), || status()
+            .is_some_and(|s| stepped(&s))),
+        "the 100m model did not complete a step"
+    );
+    let dump = {
+        let socket = socket.clone();
+        std::thread::spawn(move || {
+            Command::new(agentctl())
+                .arg("--socket")
+                .arg(&socket)
+                .arg("dump")
+                .output()
+                .unwrap()
+        })
+    };
+    // While the checkpoint (about 1.2 GB) is written, the agent answers.
+    let mut answered = None;
+    assert!(
+        wait_until(Duration::from_secs(120), || {
+            let st = status();
+            let writing = st.as_ref().is_some_and(|s| {
+                s["status"]["activity"]
+                    .as_str()
+                    .is_some_and(|a| a.contains("writing iteration"))
+            });
+            if writing {
+                answered = st;
+            }
+            writing
+        }),
+        "no status answer while the dump was being written"
+    );
+    // A worker killed during the dump: the dump completes, then it is
+    // restarted and recovered, and the job finishes.
+    let pid = answered.unwrap()["status"]["workers"][1]["pid"]
+        .as_i64()
+        .expect("rank 1 runs") as i32;
+    kill(pid, libc::SIGKILL);
+    let dumped = dump.join().unwrap();
+    let said = String::from_utf8_lossy(&dumped.stdout);
+    assert!(
+        dumped.status.success() && said.contains("last-words checkpoint of iteration"),
+        "{said}{}",
+        String::from_utf8_lossy(&dumped.stderr)
+    );
+    let out = guard.wait_output(Duration::from_secs(600));
+    assert_success(&out, "the 100m job");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("restarting it in place"), "{stderr}");
+    assert_eq!(
+        stderr
+            .matches("recovered: first step after the fault completed")
+            .count(),
+        1,
+        "{stderr}"
+    );
+    assert_eq!(tracker(&ckpt), 4, "the final checkpoint is on disk");
+    assert!(job_pids(&job).is_empty());
+    assert!(!shm.join(&job).exists());
+}

@@ -1,3 +1,5 @@
-//! `hatrain-scenarios`: the multi-process scenario tests (`tests/*.rs`) and
-//! the benchmarks (`benches/*.rs`) of hatrain. The library itself is empty;
-//! the targets start the project's binaries as real processes.
+//! `hatrain-scenarios`: the multi-process scenario tests (`tests/*.rs`), the
+//! benchmarks (`benches/*.rs`), and [`mapworker`], a small workload of its
+//! own that the tests run under the agent.
+
+pub mod mapworker;

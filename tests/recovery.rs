@@ -276,3 +276,104 @@ fn bad_ha_configuration_is_refused_at_start() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("a replica must exist"));
 }
+
+/// `launch` of the tiny model on 4 ranks with worker reboot.
+fn reboot_launch(job: &str, shm: &std::path::Path, log: &std::path::Path, plan: &str) -> Command {
+    let mut cmd = Command::new(agent());
+    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        .args(["--pause-timeout-secs", "20"])
+        // Three slots: a rank whose newest slot is rejected still shares an
+        // older step with ranks that committed one step more.
+        .args(["--snapshot-slots", "3"])
+        .arg("--shm-root")
+        .arg(shm)
+        .arg("--")
+        .arg(trainer())
+        .args(tiny_args(40))
+        .arg("--log-jsonl")
+        .arg(log)
+        .env("HATRAIN_FAULT_PLAN", plan)
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+fn reference_of_4(dir: &std::path::Path) -> String {
+    let log = dir.join("ref.jsonl");
+    let mut args = tiny_args(40);
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    assert_success(&run_launch(4, "hdr-ref", &args), "reference run");
+    final_checksum(&read_log(&log))
+}
+
+#[test]
+fn a_slot_header_that_lies_is_rejected_and_the_job_recovers_bit_identically() {
+    use hatrain_shared::shm::{HeaderWord, Store, store_path};
+    let d = tempfile::tempdir().unwrap();
+    let want = reference_of_4(d.path());
+    for word in [HeaderWord::Step, HeaderWord::Epoch, HeaderWord::Len] {
+        let shm = d.path().join(format!("shm-{word:?}"));
+        let log = d.path().join(format!("run-{word:?}.jsonl"));
+        let job = job_id("hdr");
+        let mut guard = Job::spawn(reboot_launch(&job, &shm, &log, "1:25:forward:stop"), &job);
+        assert!(
+            wait_until(Duration::from_secs(60), || stopped(&job).len() == 1),
+            "rank 1 did not stop"
+        );
+        let (rank, pid) = stopped(&job)[0];
+        assert_eq!(rank, 1);
+        let store = Store::open(&store_path(&store_dir(&shm, &job), 1)).unwrap();
+        let newest = store.sealed()[0];
+        let value = match word {
+            // The older slot's step: the header claims what it does not hold.
+            HeaderWord::Step => newest.step - 1,
+            HeaderWord::Epoch => newest.epoch + 7,
+            _ => newest.len - 8,
+        };
+        store.tamper_header(newest.slot, word, value);
+        drop(store);
+        kill(pid, libc::SIGKILL);
+        let out = guard.wait_output(Duration::from_secs(120));
+        assert_success(&out, &format!("run with a lying {word:?} word"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("snapshot slot rejected") && stderr.contains("checksum mismatch"),
+            "{word:?}: {stderr}"
+        );
+        assert!(
+            stderr.contains(&format!("s_star={}", newest.step - 1)),
+            "{word:?}: s* falls back below the lying slot's step {}: {stderr}",
+            newest.step
+        );
+        assert_eq!(
+            final_checksum(&read_log(&log)),
+            want,
+            "{word:?}: final parameters differ"
+        );
+        assert!(job_pids(&job).is_empty());
+    }
+}
+
+#[test]
+fn a_clean_exit_before_the_peers_finish_is_a_fault_and_recovered_bit_identically() {
+    let d = tempfile::tempdir().unwrap();
+    let want = reference_of_4(d.path());
+    let (shm, log) = (d.path().join("shm"), d.path().join("run.jsonl"));
+    let job = job_id("exit0");
+    let out = Job::spawn(reboot_launch(&job, &shm, &log, "2:15:forward:exit0"), &job)
+        .wait_output(Duration::from_secs(120));
+    assert_success(&out, "run with an early clean exit");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 2 exited 0 after step 14")
+            && stderr.contains("restarting it in place"),
+        "{stderr}"
+    );
+    assert_eq!(
+        final_checksum(&read_log(&log)),
+        want,
+        "final parameters differ"
+    );
+    assert!(job_pids(&job).is_empty());
+}

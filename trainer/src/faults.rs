@@ -3,6 +3,7 @@
 //! POINT one of `forward`, `update` (inside the fences), `commit` (halfway
 //! through the snapshot copy), ACTION one of `stop` (SIGSTOP itself, for a
 //! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17),
+//! `exit0` (exit code 0 before training is over),
 //! `hang` (block forever), `sleepMS` (sleep MS milliseconds: a slow rank),
 //! `uce-PART-OFFSET` (an uncorrectable memory error at byte OFFSET of state
 //! part PART) or `uce-outside` (one outside the registered state). An
@@ -44,6 +45,8 @@ enum Action {
     Stop,
     Kill,
     Exit,
+    /// Exit with code 0, as if training were over.
+    ExitClean,
     /// Block forever, as a rank stuck in a driver call would.
     Hang,
     /// Sleep this many milliseconds: a slow but live rank.
@@ -107,6 +110,7 @@ impl FaultPlan {
                     "stop" => Action::Stop,
                     "kill" => Action::Kill,
                     "exit" => Action::Exit,
+                    "exit0" => Action::ExitClean,
                     "hang" => Action::Hang,
                     "uce-outside" => Action::Uce(None, 0),
                     other => match (other.strip_prefix("sleep"), other.strip_prefix("uce-")) {
@@ -124,7 +128,7 @@ impl FaultPlan {
                         }
                         _ => {
                             return Err(bad(
-                                "ACTION must be stop, kill, exit, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
+                                "ACTION must be stop, kill, exit, exit0, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
                             ));
                         }
                     },
@@ -160,6 +164,7 @@ impl FaultPlan {
                         let _ = raise(Signal::SIGKILL);
                     }
                     Action::Exit => std::process::exit(17),
+                    Action::ExitClean => std::process::exit(0),
                     Action::Hang => hang(),
                     Action::Sleep(ms) => thread::sleep(Duration::from_millis(ms)),
                     Action::Uce(..) => {}

@@ -24,14 +24,15 @@
 //!   a fault nothing can repair, with the dump mode on). A dump asked for
 //!   during a recovery follows it; an exit during a dump is recorded, and
 //!   the rank is restarted and recovered after the dump.
-//! - A clean exit is the end only when no rank that still runs is behind
-//!   the step it finished at ([`super::policy::early_exit`]).
+//! - A clean exit is the end only when the rank said it finished and no
+//!   rank that still runs is behind it ([`super::policy::early_exit`]).
 //!
 //! Time is the `now` the caller passes (time since the job started).
 
 use super::consistent::consistent_step;
 use super::policy::{
-    ExitDecision, RankHistory, RestartPolicy, UceAction, early_exit, on_failure, uce_action,
+    ExitDecision, RankHistory, RestartPolicy, UceAction, early_exit, left_waiting, on_failure,
+    uce_action,
 };
 use super::watchdog::{HangPolicy, Watch};
 use super::{Command, Event, Level, Note, Outcome, RankView, Written};
@@ -112,8 +113,10 @@ pub struct Machine {
     /// Ranks the machine had killed, with the fault kind and what was seen,
     /// until their exit comes.
     killed: HashMap<usize, (FaultKind, String)>,
-    /// Ranks that finished training (a clean exit that was the end).
+    /// Ranks that finished training (a clean exit that was the end), and
+    /// the step each finished at.
     finished: BTreeSet<usize>,
+    finished_at: HashMap<usize, u64>,
     /// Some rank registered a checkpoint layout, so a dump can be written.
     checkpoint: bool,
     /// An `agentctl dump` waits for the recovery in progress.
@@ -139,6 +142,7 @@ impl Machine {
             detected: Vec::new(),
             killed: HashMap::new(),
             finished: BTreeSet::new(),
+            finished_at: HashMap::new(),
             checkpoint: false,
             dump_waiting: false,
             watch: Watch::default(),
@@ -466,6 +470,9 @@ impl Machine {
             self.views.insert(v.rank, *v);
         }
         self.watch.observe(now, &views);
+        if self.state == State::Running && self.stranded(now) {
+            return;
+        }
         match self.state.clone() {
             // INVARIANT: while a rank's death is pending (killed, or dead
             // and not yet reaped) nobody is blamed: its peers wait for it,
@@ -613,6 +620,45 @@ impl Machine {
         }
     }
 
+    /// Ranks that finished while others still run and now wait for them
+    /// (parked for a recovery nothing started): the clean exits were faults
+    /// after all. Restarts and recovers those ranks; true if it did.
+    fn stranded(&mut self, now: Duration) -> bool {
+        if self.finished.is_empty() {
+            return false;
+        }
+        let waiting: Vec<(usize, u64)> = self
+            .participants()
+            .into_iter()
+            .map(|r| self.view(r))
+            .filter(|v| v.alive && v.phase == Phase::Paused)
+            .map(|v| (v.rank, v.step))
+            .collect();
+        let gone: Vec<(usize, u64)> = self
+            .finished
+            .iter()
+            .map(|&r| (r, self.finished_at.get(&r).copied().unwrap_or(0)))
+            .collect();
+        let Some(why) = left_waiting(&gone, &waiting) else {
+            return false;
+        };
+        self.note(Level::Error, None, why.clone());
+        for (rank, step) in gone {
+            self.finished.remove(&rank);
+            let detail = format!("exit code 0 after step {step}: {why}");
+            self.failure(
+                now,
+                rank,
+                FaultKind::EarlyExit,
+                detail,
+                "exited 0 before its peers finished",
+                None,
+                step,
+            );
+        }
+        true
+    }
+
     fn registered(&mut self, rank: usize, checkpoint: bool) {
         self.checkpoint |= checkpoint;
         let v = self.views.entry(rank).or_insert(RankView::absent(rank));
@@ -647,13 +693,9 @@ impl Machine {
             return;
         }
         if status.success() && !self.killed.contains_key(&rank) {
-            let others: Vec<(usize, u64)> = self
-                .participants()
-                .into_iter()
-                .filter(|&r| r != rank && self.view(r).alive)
-                .map(|r| (r, self.view(r).step))
-                .collect();
-            if let Some(why) = early_exit(rank, step, &others) {
+            let v = self.view(rank);
+            let said_finished = v.phase == Phase::Finished || !v.registered;
+            if let Some(why) = early_exit(rank, step, said_finished) {
                 self.note(Level::Error, Some(rank), why.clone());
                 let detail = format!("exit code 0 after step {step}: {why}");
                 self.failure(
@@ -668,6 +710,7 @@ impl Machine {
                 return;
             }
             self.finished.insert(rank);
+            self.finished_at.insert(rank, step);
             let left = self.participants().len();
             if left == 0 {
                 self.note(

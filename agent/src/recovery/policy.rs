@@ -171,20 +171,26 @@ pub fn on_failure(
     )
 }
 
-/// Whether rank `rank`'s clean exit after completing `step` steps is the
-/// end of training or a fault: it is a fault while another rank that still
-/// runs has completed fewer steps (in lockstep, every rank completes the
-/// last step before any rank can exit). `others` are the other ranks that
-/// still run, with their completed steps. Returns the reason when it is a
-/// fault.
-pub fn early_exit(rank: usize, step: u64, others: &[(usize, u64)]) -> Option<String> {
-    let (behind, at) = others
-        .iter()
-        .copied()
-        .filter(|(_, s)| *s < step)
-        .min_by_key(|(_, s)| *s)?;
+/// Whether rank `rank`'s clean exit after completing `step` steps is a
+/// fault: it is when the rank never said it had finished (`finished`: its
+/// control page reached the finished phase; a worker that never registered
+/// cannot say so and is believed). Returns the reason when it is a fault.
+pub fn early_exit(rank: usize, step: u64, finished: bool) -> Option<String> {
+    (!finished).then(|| {
+        format!(
+            "rank {rank} exited 0 after step {step} without finishing its training loop: the exit is a fault, not the end of training"
+        )
+    })
+}
+
+/// Whether the clean exits of `gone` (rank, last step) left ranks waiting
+/// for them: `waiting` are live ranks parked for a recovery that nothing
+/// started (their collective with the gone rank failed). Then the exits
+/// were not the end of training. Returns the reason.
+pub fn left_waiting(gone: &[(usize, u64)], waiting: &[(usize, u64)]) -> Option<String> {
+    let (&(rank, step), &(w, at)) = (gone.first()?, waiting.first()?);
     Some(format!(
-        "rank {rank} exited 0 after step {step}, but rank {behind} is still running at step {at}: its peers have not finished, so the exit is a fault, not the end of training"
+        "rank {rank} exited 0 after step {step}, but rank {w} waits for it at step {at}: its peers have not finished, so the exit is a fault, not the end of training"
     ))
 }
 
@@ -325,12 +331,18 @@ mod tests {
 
     #[test]
     fn early_exits_are_faults_and_the_last_step_is_not() {
-        assert_eq!(early_exit(0, 40, &[]), None);
-        assert_eq!(early_exit(0, 40, &[(1, 40), (2, 40)]), None);
-        let why = early_exit(2, 40, &[(0, 39), (1, 40)]).unwrap();
+        assert_eq!(early_exit(0, 40, true), None);
+        let why = early_exit(1, 14, false).unwrap();
+        assert!(
+            why.contains("rank 1 exited 0 after step 14 without finishing"),
+            "{why}"
+        );
+        assert_eq!(left_waiting(&[(2, 40)], &[]), None);
+        assert_eq!(left_waiting(&[], &[(0, 39)]), None);
+        let why = left_waiting(&[(2, 40)], &[(0, 39)]).unwrap();
         assert!(
             why.contains("rank 2 exited 0 after step 40")
-                && why.contains("rank 0 is still running at step 39"),
+                && why.contains("rank 0 waits for it at step 39"),
             "{why}"
         );
     }

@@ -158,10 +158,11 @@ impl Watch {
                 Some((v, stall, hang_bound(policy, median, p.steps_seen)))
             })
             .collect();
+        let steps_seen = |rank: usize| self.ranks.get(&rank).map_or(0, |p| p.steps_seen);
         let seen = |v: &RankView, stall: Duration, bound: Duration, extra: &str| Culprit {
             rank: v.rank,
             seen: format!(
-                "no progress for {:.1} s (bound {:.1} s) in phase {:?}{} after step {}{extra}",
+                "no progress for {:.1} s (bound {:.1} s) in phase {:?}{} after step {} ({} step(s) in this process){extra}",
                 stall.as_secs_f64(),
                 bound.as_secs_f64(),
                 v.phase,
@@ -170,7 +171,8 @@ impl Watch {
                 } else {
                     ""
                 },
-                v.step
+                v.step,
+                steps_seen(v.rank)
             ),
         };
         let stalled: Vec<&(&RankView, Duration, Duration)> = watched

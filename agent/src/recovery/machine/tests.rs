@@ -484,8 +484,10 @@ fn shutdown_writes_the_last_words_then_stops() {
 fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
     let mut sim = Sim::new(2);
     sim.run(10);
-    // Rank 1 claims to have finished a step rank 0 has not.
+    // Rank 1 finishes its loop at step 11 while rank 0 is at 10; rank 0's
+    // collective with it then fails and it waits for a recovery.
     sim.ranks[1].step = 11;
+    sim.ranks[1].phase = Phase::Finished;
     sim.ranks[1].alive = false;
     let views = sim.views();
     sim.feed(Event::Tick(views));
@@ -494,7 +496,15 @@ fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
         status: ExitStatus::Exited(0),
         fatal_uce: false,
     });
+    assert!(sim.kinds().is_empty(), "believed at first");
+    sim.ranks[0].phase = Phase::Paused;
+    sim.tick();
     assert_eq!(sim.kinds(), vec![FaultKind::EarlyExit]);
+    assert!(
+        sim.m.faults()[0]
+            .detail
+            .contains("rank 0 waits for it at step 10")
+    );
     assert!(sim.commands.contains(&Command::Respawn {
         rank: 1,
         restarts: 1
@@ -502,6 +512,7 @@ fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
     sim.run_until("recovery", 200, |s| !s.m.recovering());
     // Now both finish at the same step: the end, with success.
     for r in [0, 1] {
+        sim.ranks[r].phase = Phase::Finished;
         sim.ranks[r].alive = false;
         let views = sim.views();
         sim.feed(Event::Tick(views));
@@ -517,7 +528,7 @@ fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
     cfg.modes.recover = false;
     let mut sim = Sim::with(2, cfg);
     sim.run(5);
-    sim.ranks[0].step = 6;
+    // It leaves its loop without finishing it.
     sim.ranks[0].alive = false;
     let views = sim.views();
     sim.feed(Event::Tick(views));
