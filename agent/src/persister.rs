@@ -61,6 +61,18 @@ pub enum PersistError {
     NoSnapshot { rank: usize, step: u64 },
     #[error("rank {rank}: snapshot of step {step} changed while it was written out")]
     Changed { rank: usize, step: u64 },
+    #[error(
+        "no step has a verified snapshot on every rank (per rank: {per_rank:?}); the final checkpoint was not written"
+    )]
+    NoCommonStep { per_rank: Vec<Vec<u64>> },
+    #[error(
+        "the final step {last} has no verified snapshot on every rank (per rank: {per_rank:?}); the newest checkpoint written is iteration {written}"
+    )]
+    FinalStepMissing {
+        last: u64,
+        written: u64,
+        per_rank: Vec<Vec<u64>>,
+    },
     #[error(transparent)]
     Shm(#[from] ShmError),
     #[error(transparent)]
@@ -142,29 +154,36 @@ pub fn write_checkpoint(
                     step,
                 })?
                 .slot;
-            // SAFETY: the slot is verified; a concurrent rewrite is caught by
-            // the verification after the write below, and the result
-            // discarded.
-            let (info, bytes) = unsafe { src.store.slot_bytes(slot)? };
             let offsets = src.map.offsets();
-            if offsets.last().map_or(0, |r| r.end) != bytes.len() {
-                return Err(PersistError::Disagree {
-                    rank: src.rank,
-                    detail: format!(
-                        "holds a snapshot of {} bytes, its state map {}",
-                        bytes.len(),
-                        src.map.total_bytes().unwrap_or(0)
-                    ),
-                });
-            }
-            let parts: Vec<&[u8]> = offsets.into_iter().map(|r| &bytes[r]).collect();
-            checkpoint::write_rank(&tmp, src.map, src.rank, step, &parts)?;
-            if src.store.verify(info.slot).ok() != Some(info) {
-                return Err(PersistError::Changed {
+            let total = offsets.last().map_or(0, |r| r.end);
+            // The slot is verified before and after it is written out, so a
+            // slot rewritten meanwhile is caught rather than saved torn.
+            src.store
+                .with_slot(slot, |info, bytes| {
+                    if info.step != step {
+                        return Err(PersistError::Changed {
+                            rank: src.rank,
+                            step,
+                        });
+                    }
+                    if bytes.len() != total {
+                        return Err(PersistError::Disagree {
+                            rank: src.rank,
+                            detail: format!(
+                                "holds a snapshot of {} bytes, its state map {total}",
+                                bytes.len()
+                            ),
+                        });
+                    }
+                    let parts: Vec<&[u8]> = offsets.iter().map(|r| &bytes[r.clone()]).collect();
+                    Ok(checkpoint::write_rank(
+                        &tmp, src.map, src.rank, step, &parts,
+                    )?)
+                })
+                .map_err(|_| PersistError::Changed {
                     rank: src.rank,
                     step,
-                });
-            }
+                })??;
         }
         Ok(checkpoint::commit_save(dir, step, world)?)
     })();
@@ -453,22 +472,29 @@ impl Persister {
     /// it is already on disk. That must be the step the ranks finished at
     /// (else the trainer saved it itself, or this is an error). Returns the
     /// final iteration on disk and its directory.
-    pub fn finish(&mut self, sources: &[OwnedSource]) -> Result<Option<(u64, PathBuf)>, String> {
+    pub fn finish(
+        &mut self,
+        sources: &[OwnedSource],
+    ) -> Result<Option<(u64, PathBuf)>, PersistError> {
         self.wait();
         let result = self.write_final(sources);
-        if let Err(m) = &result {
-            self.last_error = Some(m.clone());
+        if let Err(e) = &result {
+            self.last_error = Some(e.to_string());
         }
         result
     }
 
-    fn write_final(&mut self, sources: &[OwnedSource]) -> Result<Option<(u64, PathBuf)>, String> {
+    fn write_final(
+        &mut self,
+        sources: &[OwnedSource],
+    ) -> Result<Option<(u64, PathBuf)>, PersistError> {
         if sources.len() != self.world {
-            return Err(format!(
-                "the final checkpoint needs all {} ranks, but {} registered",
-                self.world,
-                sources.len()
-            ));
+            let mut have: Vec<usize> = sources.iter().map(|s| s.rank).collect();
+            have.sort();
+            return Err(PersistError::MissingRanks {
+                world: self.world,
+                have,
+            });
         }
         let per_rank: Vec<Vec<u64>> = sources.iter().map(|s| s.store.verified_steps().0).collect();
         // The step every rank completed last.
@@ -478,9 +504,7 @@ impl Persister {
             .min()
             .unwrap_or(0);
         let Some(step) = crate::recovery::consistent_step(&per_rank) else {
-            return Err(format!(
-                "no step has a verified snapshot on every rank (per rank: {per_rank:?}); the final checkpoint was not written"
-            ));
+            return Err(PersistError::NoCommonStep { per_rank });
         };
         let on_disk = checkpoint::read_tracker(&self.dir).ok();
         if step < last && on_disk == Some(last) {
@@ -499,16 +523,17 @@ impl Persister {
                     self.saved(step, &path, checkpoint_bytes(&borrowed), t0, true);
                 }
                 Err(e) => {
-                    let m = e.to_string();
-                    let _ = self.fail(step, m.clone());
-                    return Err(m);
+                    let _ = self.fail(step, e.to_string());
+                    return Err(e);
                 }
             }
         }
         if step < last {
-            return Err(format!(
-                "the final step {last} has no verified snapshot on every rank (per rank: {per_rank:?}); the newest checkpoint written is iteration {step}"
-            ));
+            return Err(PersistError::FinalStepMissing {
+                last,
+                written: step,
+                per_rank,
+            });
         }
         Ok(Some((step, self.dir.clone())))
     }
@@ -827,7 +852,7 @@ mod tests {
         assert_eq!(checkpoint::read_tracker(out.path()).unwrap(), 8);
         assert_eq!(p.finish(&r.sources).unwrap(), done);
         assert_eq!(p.report().saves, 1, "not written twice");
-        let e = p.finish(&r.sources[..1]).unwrap_err();
+        let e = p.finish(&r.sources[..1]).unwrap_err().to_string();
         assert!(e.contains("all 2 ranks"), "{e}");
 
         // Rank 1's final snapshot is corrupt: step 7 is the newest every
@@ -835,7 +860,7 @@ mod tests {
         let (r, out, mut p) = finished();
         let slot8 = r.sources[1].store.find_step(8).unwrap().slot;
         r.sources[1].store.corrupt_slot_byte(slot8, 100);
-        let e = p.finish(&r.sources).unwrap_err();
+        let e = p.finish(&r.sources).unwrap_err().to_string();
         assert!(
             e.contains("final step 8") && e.contains("iteration 7"),
             "{e}"

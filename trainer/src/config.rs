@@ -59,17 +59,26 @@ pub enum ModelSize {
     M100,
 }
 
+/// Why a model shape was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("unknown model size {0:?}; expected one of tiny, small, 10m, 100m")]
+    UnknownSize(String),
+    #[error("model dimension {0} must be at least 1")]
+    ZeroDimension(&'static str),
+    #[error("vocab {0} does not fit token ids")]
+    VocabTooLarge(usize),
+}
+
 impl FromStr for ModelSize {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
         match s {
             "tiny" => Ok(Self::Tiny),
             "small" => Ok(Self::Small),
             "10m" => Ok(Self::M10),
             "100m" => Ok(Self::M100),
-            other => Err(format!(
-                "unknown model size {other:?}; expected one of tiny, small, 10m, 100m"
-            )),
+            other => Err(ConfigError::UnknownSize(other.to_string())),
         }
     }
 }
@@ -142,7 +151,7 @@ impl ModelConfig {
     }
 
     /// Checks that every dimension is usable.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let dims = [
             ("vocab", self.vocab),
             ("context", self.context),
@@ -152,11 +161,11 @@ impl ModelConfig {
         ];
         for (name, v) in dims {
             if v == 0 {
-                return Err(format!("model dimension {name} must be at least 1"));
+                return Err(ConfigError::ZeroDimension(name));
             }
         }
         if self.vocab > u32::MAX as usize {
-            return Err(format!("vocab {} does not fit token ids", self.vocab));
+            return Err(ConfigError::VocabTooLarge(self.vocab));
         }
         Ok(())
     }

@@ -138,7 +138,7 @@ pub struct TrainArgs {
     pub threads: Option<usize>,
 }
 
-fn parse_size(s: &str) -> Result<ModelSize, String> {
+fn parse_size(s: &str) -> Result<ModelSize, crate::config::ConfigError> {
     s.parse()
 }
 
@@ -483,7 +483,8 @@ struct Trainer<'a> {
 /// Runs the trainer to `--train-iters` and returns its summary.
 pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     let cfg = args.model_config();
-    cfg.validate().map_err(TrainError::Args)?;
+    cfg.validate()
+        .map_err(|e| TrainError::Args(e.to_string()))?;
     let (rank, world) = (env.rank, env.world_size);
     if args.global_batch == 0 || !args.global_batch.is_multiple_of(world) {
         return Err(TrainError::Args(format!(

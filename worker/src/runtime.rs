@@ -88,51 +88,28 @@ pub fn hang() -> ! {
 }
 
 /// Injects uncorrectable memory errors into the registered buffers of this
-/// process (for `agentctl inject uce` and fault plans): the address is
-/// always inside a buffer the runtime watches, or in scratch memory of its
-/// own for an error "outside the state".
-#[derive(Debug, Clone)]
-pub struct UceInjector {
-    /// (part index, start address, bytes) of each registered buffer.
-    targets: Arc<Vec<(usize, usize, usize)>>,
-}
+/// process (for `agentctl inject uce` and fault plans), or outside them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UceInjector;
 
 impl UceInjector {
     /// A UCE at byte `offset` (clamped) of state part `part`; a part that is
     /// not a registered buffer gets one outside the state instead.
     pub fn inject(&self, part: usize, offset: usize) {
-        match self.targets.iter().find(|t| t.0 == part) {
-            Some(&(_, start, len)) => {
-                let addr = (start + offset.min(len.saturating_sub(1))) as *const u8;
-                // SAFETY: `addr` lies in a registered state buffer, which
-                // the training loop never reallocates; its page is replaced
-                // by the handler and restored from the snapshot.
-                report(unsafe { crate::uce::inject(addr) }, addr, part, offset);
-            }
-            None => self.inject_outside(),
+        match crate::uce::inject_in(part, offset) {
+            Ok(path) => eprintln!("UCE injected in part {part} + {offset} via {path:?}"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.inject_outside(),
+            Err(e) => eprintln!("UCE injection failed: {e}"),
         }
     }
 
     /// A UCE outside every registered buffer: the process cannot trust its
     /// memory and dies of it.
     pub fn inject_outside(&self) {
-        let outside = [0u8; 64];
-        // SAFETY: a local scratch buffer that lives until after the
-        // injection; losing its page loses nothing.
-        report(
-            unsafe { crate::uce::inject(outside.as_ptr()) },
-            outside.as_ptr(),
-            usize::MAX,
-            0,
-        );
-        std::hint::black_box(&outside);
-    }
-}
-
-fn report(r: std::io::Result<crate::uce::InjectPath>, addr: *const u8, part: usize, offset: usize) {
-    match r {
-        Ok(path) => eprintln!("UCE injected at {addr:p} (part {part} + {offset}) via {path:?}"),
-        Err(e) => eprintln!("UCE injection failed: {e}"),
+        match crate::uce::inject_outside() {
+            Ok(path) => eprintln!("UCE injected outside the state via {path:?}"),
+            Err(e) => eprintln!("UCE injection failed: {e}"),
+        }
     }
 }
 
@@ -205,7 +182,6 @@ pub struct Runtime {
     /// the last step).
     agent_saves: Option<u64>,
     hooks: Arc<dyn Hooks>,
-    injector: UceInjector,
     attached: Option<Attached>,
     commit_seq: u64,
 }
@@ -266,12 +242,9 @@ impl Runtime {
         // The buffers' memory is watched for UCEs, by part index.
         // INVARIANT: the training loop never reallocates a registered
         // buffer, so these stay valid.
-        let mut targets = Vec::new();
         for (i, buf) in buffers.iter().enumerate() {
             let g = buf.read().unwrap_or_else(|p| p.into_inner());
-            let (start, len) = (g.as_ptr() as usize, g.len() * 4);
-            crate::uce::register(i + 1, start as *const u8, len);
-            targets.push((i + 1, start, len));
+            crate::uce::register(i + 1, g.as_ptr().cast(), g.len() * 4);
         }
         let mut rt = Self {
             rank,
@@ -280,9 +253,6 @@ impl Runtime {
             interval: snapshot_interval.max(1),
             agent_saves: None,
             hooks,
-            injector: UceInjector {
-                targets: Arc::new(targets),
-            },
             attached: None,
             commit_seq: 0,
             map,
@@ -417,7 +387,7 @@ impl Runtime {
 
     /// Injects memory errors into this rank's registered buffers.
     pub fn uce_injector(&self) -> UceInjector {
-        self.injector.clone()
+        UceInjector
     }
 
     /// The forward and backward passes of `step` begin: carries out a fault
@@ -429,8 +399,7 @@ impl Runtime {
         match page.take_injection(step) {
             Some(Injection::Uce { part, offset }) => {
                 let part = usize::try_from(part).unwrap_or(usize::MAX);
-                self.injector
-                    .inject(part, usize::try_from(offset).unwrap_or(usize::MAX));
+                UceInjector.inject(part, usize::try_from(offset).unwrap_or(usize::MAX));
             }
             Some(Injection::Crash) => {
                 eprintln!("rank {}: injected crash at step {step}", self.rank);

@@ -197,13 +197,45 @@ extern "C" fn handler(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut 
     }
 }
 
+/// Injects a UCE at byte `offset` (clamped to the buffer) of the buffer
+/// registered for state part `part`, the way the hardware would report it,
+/// and says which path ran. A part with no registered buffer is an error.
+pub fn inject_in(part: usize, offset: usize) -> std::io::Result<InjectPath> {
+    let (start, len) = match (STARTS.get(part), LENS.get(part)) {
+        (Some(s), Some(l)) => (s.load(Ordering::Acquire), l.load(Ordering::Acquire)),
+        _ => (0, 0),
+    };
+    if len == 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no buffer is registered for state part {part}"),
+        ));
+    }
+    let addr = (start + offset.min(len - 1)) as *const u8;
+    // SAFETY: `addr` lies in a registered state buffer, which the training
+    // loop never reallocates (the runtime's contract); its page is replaced
+    // by the handler and restored from the snapshot.
+    unsafe { inject(addr) }
+}
+
+/// Injects a UCE outside every registered buffer (in scratch memory of its
+/// own): the process cannot trust its memory and dies of it.
+pub fn inject_outside() -> std::io::Result<InjectPath> {
+    let scratch = vec![0u8; 2 * page_size()];
+    // SAFETY: a heap scratch buffer that lives until after the injection;
+    // losing its page loses nothing.
+    let r = unsafe { inject(scratch[page_size()..].as_ptr()) };
+    std::hint::black_box(&scratch);
+    r
+}
+
 /// Injects a UCE at `addr` in this process, the way the hardware would
 /// report it, and says which path ran.
 ///
 /// # Safety
 /// `addr` must point to readable memory of this process that may lose its
 /// page's contents (a registered state buffer, or scratch memory).
-pub unsafe fn inject(addr: *const u8) -> std::io::Result<InjectPath> {
+unsafe fn inject(addr: *const u8) -> std::io::Result<InjectPath> {
     let size = page_size();
     let page = (addr as usize) - (addr as usize) % size;
     // SAFETY: madvise on a page of our own memory; with MADV_HWPOISON the
@@ -252,8 +284,7 @@ mod tests {
         register(MAX_RANGES - 1, buf.as_ptr(), buf.len());
         let before = count();
         let at = size + size / 4;
-        // SAFETY: a byte of our own buffer, whose page may be lost.
-        let path = unsafe { inject(buf[at..].as_ptr()) }.unwrap();
+        let path = inject_in(MAX_RANGES - 1, at).unwrap();
         eprintln!("injection path: {path:?}");
         assert_eq!(
             take_pending(),
@@ -271,5 +302,6 @@ mod tests {
         assert!(buf[..p].iter().chain(&buf[p + size..]).all(|b| *b == 7));
         buf[at] = 1; // writable again
         register(MAX_RANGES - 1, std::ptr::null(), 0);
+        assert!(inject_in(MAX_RANGES - 1, 0).is_err(), "unregistered");
     }
 }

@@ -41,7 +41,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 /// What a finished job reports.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct JobReport {
     pub outcome: Outcome,
     pub faults: Vec<FaultRecord>,
@@ -50,7 +50,7 @@ pub struct JobReport {
     pub last_words: Option<(u64, PathBuf)>,
     /// The final checkpoint the agent wrote for a job that succeeded (when
     /// it saves for the trainer), or why it could not.
-    pub final_save: Option<Result<(u64, PathBuf), String>>,
+    pub final_save: Option<Result<(u64, PathBuf), persister::PersistError>>,
     /// What the agent-side persister did.
     pub persist: Option<PersistReport>,
 }

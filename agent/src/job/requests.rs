@@ -15,6 +15,19 @@ use hatrain_shared::statemap::StateMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("no state part named {name:?}; the rank's parts are {parts:?}")]
+    NoSuchPart { name: String, parts: Vec<String> },
+    #[error("rank {rank} saves into {dir} but other ranks into {others}")]
+    SaveDirs {
+        rank: usize,
+        dir: String,
+        others: String,
+    },
+}
+
 /// The injection `agentctl inject` asks for, against a rank's state map:
 /// a UCE goes into the part named `buffer` (default: the largest part).
 pub fn injection(
@@ -22,19 +35,18 @@ pub fn injection(
     kind: InjectKind,
     buffer: Option<&str>,
     offset: u64,
-) -> Result<Injection, String> {
+) -> Result<Injection, RequestError> {
     Ok(match kind {
         InjectKind::Crash => Injection::Crash,
         InjectKind::Hang => Injection::Hang,
         InjectKind::Uce => {
             let part = match buffer {
-                Some(name) => map.part(name).ok_or_else(|| {
-                    let names: Vec<&str> = map.parts.iter().map(|p| p.name.as_str()).collect();
-                    format!("no state part named {name:?}; the rank's parts are {names:?}")
+                Some(name) => map.part(name).ok_or_else(|| RequestError::NoSuchPart {
+                    name: name.to_string(),
+                    parts: map.parts.iter().map(|p| p.name.clone()).collect(),
                 })?,
-                None => map
-                    .largest_part()
-                    .ok_or("the rank registered no state parts")?,
+                // A validated map has at least one part.
+                None => map.largest_part().unwrap_or(0),
             };
             Injection::Uce {
                 part: part as u64,
@@ -81,7 +93,7 @@ impl Driver<'_> {
     /// checkpoint layout, one host holding every rank, and unless
     /// `--trainer-saves`. The first layout sets up the persister (which
     /// also writes the dumps).
-    fn set_up_persister(&mut self, rank: usize, map: &StateMap) -> Result<bool, String> {
+    fn set_up_persister(&mut self, rank: usize, map: &StateMap) -> Result<bool, RequestError> {
         let Some(info) = map.checkpoint.as_ref() else {
             return Ok(false);
         };
@@ -95,11 +107,11 @@ impl Driver<'_> {
             );
         }
         match &self.persister {
-            Some(p) if p.dir() != info.dir => Err(format!(
-                "rank {rank} saves into {} but other ranks into {}",
-                info.dir.display(),
-                p.dir().display()
-            )),
+            Some(p) if p.dir() != info.dir => Err(RequestError::SaveDirs {
+                rank,
+                dir: info.dir.display().to_string(),
+                others: p.dir().display().to_string(),
+            }),
             Some(p) => Ok(p.periodic()),
             None => {
                 if periodic {
@@ -133,7 +145,7 @@ impl Driver<'_> {
         }
         let agent_saves = match self.set_up_persister(rank, &map) {
             Ok(yes) => yes,
-            Err(message) => return refuse(message),
+            Err(e) => return refuse(e.to_string()),
         };
         let total = map.total_bytes().and_then(|t| usize::try_from(t).ok());
         let Some(total) = total else {
@@ -200,7 +212,7 @@ impl Driver<'_> {
         }
         let injection = match injection(map, fault, buffer, offset) {
             Ok(i) => i,
-            Err(message) => return refuse(message),
+            Err(e) => return refuse(e.to_string()),
         };
         if !store.page().inject(injection, at_step.unwrap_or(0)) {
             return refuse(format!(

@@ -338,17 +338,26 @@ impl Store {
         Ok(info)
     }
 
-    /// Read-only view of a verified slot's bytes (agent side: checkpoints).
-    ///
-    /// # Safety
-    /// The caller must make sure the slot is not rewritten while the slice
-    /// is in use (the worker is paused or gone, or the slot is held), or
-    /// re-verify afterwards and discard what it read if that fails.
-    pub unsafe fn slot_bytes(&self, slot: usize) -> Result<(SlotInfo, &[u8]), ShmError> {
+    /// Runs `f` over a verified slot's bytes in place (agent side:
+    /// checkpoints), then verifies the slot again: if it was rewritten
+    /// meanwhile, whatever `f` made of the bytes is refused with an error
+    /// (the worker may not be paused, so a rewrite is caught, not excluded).
+    pub fn with_slot<R>(
+        &self,
+        slot: usize,
+        f: impl FnOnce(&SlotInfo, &[u8]) -> R,
+    ) -> Result<R, ShmError> {
         let info = self.verify(slot)?;
-        // SAFETY: verified bounds; rewrites are excluded by the caller.
+        // SAFETY: verified bounds. A concurrent writer first makes seq odd
+        // and changes the header; the verification below then fails and
+        // the result of `f` is dropped.
         let bytes = unsafe { self.map.bytes(self.data_offset(slot), info.len as usize) };
-        Ok((info, bytes))
+        let out = f(&info, bytes);
+        match self.verify(slot) {
+            Ok(again) if again == info => Ok(out),
+            Ok(_) => Err(self.bad(slot, "rewritten while read".into())),
+            Err(e) => Err(e),
+        }
     }
 
     /// Flips one bit of a slot's data (fault-injection tests: simulates
