@@ -1,0 +1,290 @@
+//! Faults as the machine takes them: exits (clean or not), ranks stranded
+//! by a peer's clean exit, registrations of replacements, memory errors and
+//! replacements that cannot be started.
+
+use super::*;
+
+impl Machine {
+    pub(super) fn stranded(&mut self, now: Duration) -> bool {
+        if self.finished.is_empty() {
+            return false;
+        }
+        let waiting: Vec<(usize, u64)> = self
+            .participants()
+            .into_iter()
+            .map(|r| self.view(r))
+            .filter(|v| v.alive && v.phase == Phase::Paused)
+            .map(|v| (v.rank, v.step))
+            .collect();
+        let gone: Vec<(usize, u64)> = self
+            .finished
+            .iter()
+            .map(|&r| (r, self.finished_at.get(&r).copied().unwrap_or(0)))
+            .collect();
+        let Some(why) = left_waiting(&gone, &waiting) else {
+            return false;
+        };
+        self.note(Level::Error, None, why.clone());
+        for (rank, step) in gone {
+            self.finished.remove(&rank);
+            let detail = format!("exit code 0 after step {step}: {why}");
+            self.failure(
+                now,
+                rank,
+                FaultKind::EarlyExit,
+                detail,
+                "exited 0 before its peers finished",
+                None,
+                step,
+            );
+        }
+        true
+    }
+
+    pub(super) fn registered(&mut self, rank: usize, checkpoint: bool) {
+        self.checkpoint |= checkpoint;
+        let v = self.views.entry(rank).or_insert(RankView::absent(rank));
+        v.registered = true;
+        v.alive = true;
+        let epoch = match self.state {
+            State::Recovering {
+                epoch,
+                stage: Stage::Pausing { .. },
+                ..
+            }
+            | State::Dumping {
+                epoch,
+                stage: Stage::Pausing { .. },
+                ..
+            } => epoch,
+            _ => return,
+        };
+        self.cmd(Command::Post {
+            rank,
+            directive: Directive::Pause { epoch },
+        });
+    }
+
+    pub(super) fn exited(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        status: ExitStatus,
+        fatal_uce: bool,
+    ) {
+        let step = self.view(rank).step;
+        if let Some(v) = self.views.get_mut(&rank) {
+            v.alive = false;
+        }
+        self.last_status.insert(rank, status);
+        if matches!(self.state, State::Done(_)) {
+            return;
+        }
+        if status.success() && !self.killed.contains_key(&rank) {
+            let v = self.view(rank);
+            let said_finished = v.phase == Phase::Finished || !v.registered;
+            if let Some(why) = early_exit(rank, step, said_finished) {
+                self.note(Level::Error, Some(rank), why.clone());
+                let detail = format!("exit code 0 after step {step}: {why}");
+                self.failure(
+                    now,
+                    rank,
+                    FaultKind::EarlyExit,
+                    detail,
+                    "exited 0 before its peers finished",
+                    None,
+                    step,
+                );
+                return;
+            }
+            self.finished.insert(rank);
+            self.finished_at.insert(rank, step);
+            let left = self.participants().len();
+            if left == 0 {
+                self.note(
+                    Level::Info,
+                    Some(rank),
+                    "every worker finished successfully",
+                );
+                self.finish(Outcome::Succeeded);
+            } else {
+                self.note(
+                    Level::Info,
+                    Some(rank),
+                    format!("rank {rank} finished; {left} worker(s) still running"),
+                );
+            }
+            return;
+        }
+        let (kind, detail) = match self.killed.remove(&rank) {
+            Some((kind, seen)) => (kind, format!("{seen}; then {status}")),
+            None if fatal_uce => (
+                FaultKind::Uce,
+                format!(
+                    "SIGBUS BUS_MCEERR outside the registered state: the process could not trust its memory; {status}"
+                ),
+            ),
+            None => (FaultKind::Crash, status.to_string()),
+        };
+        let what = format!("failed ({status})");
+        self.failure(now, rank, kind, detail, &what, Some(status), step);
+    }
+
+    /// A failure of `rank`: restarted in place and recovered, or the end.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn failure(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        kind: FaultKind,
+        detail: String,
+        what: &str,
+        status: Option<ExitStatus>,
+        step: u64,
+    ) {
+        if matches!(
+            self.state,
+            State::Dumping {
+                then: AfterDump::Stop(_),
+                ..
+            }
+        ) {
+            let reason = format!("rank {rank} {what} while the last words are written");
+            self.note(Level::Warn, Some(rank), reason.clone());
+            self.record_fault(
+                now,
+                rank,
+                kind,
+                detail,
+                "none: the job is stopping".into(),
+                reason,
+            );
+            return;
+        }
+        let history = self.history.get(&rank).cloned().unwrap_or_default();
+        let code = status.map_or(0, ExitStatus::code);
+        let (decision, reason) = on_failure(
+            now,
+            rank,
+            what,
+            code,
+            step,
+            &history,
+            &self.cfg.modes,
+            &self.cfg.restart,
+        );
+        match decision {
+            ExitDecision::Restart { .. } => {
+                let history = self.history.entry(rank).or_default();
+                history.record_restart(now, step, &self.cfg.restart);
+                let restarts = history.restarts;
+                self.fault_note(
+                    Level::Warn,
+                    rank,
+                    "worker failed: recovering",
+                    &detail,
+                    &reason,
+                );
+                let f = self.record_fault(
+                    now,
+                    rank,
+                    kind,
+                    detail,
+                    format!("restart rank {rank} in place (restart {restarts})"),
+                    reason,
+                );
+                self.watch.new_process(rank);
+                self.cmd(Command::Respawn { rank, restarts });
+                if let State::Dumping { recover, .. } = &mut self.state {
+                    recover.push(f);
+                } else {
+                    self.begin_recovery(now, vec![f]);
+                }
+            }
+            ExitDecision::Stop { .. } | ExitDecision::Wait | ExitDecision::Finished => {
+                self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
+                self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
+                let outcome = match status {
+                    Some(status) => Outcome::WorkerFailed { rank, status },
+                    None => Outcome::RecoveryFailed,
+                };
+                self.stop_with(now, outcome);
+            }
+        }
+    }
+
+    pub(super) fn uce(&mut self, now: Duration, rank: usize, part: &str, offset: u64) {
+        let detail = format!("SIGBUS BUS_MCEERR in {part} at byte {offset}");
+        if matches!(
+            self.state,
+            State::Done(_)
+                | State::Dumping {
+                    then: AfterDump::Stop(_),
+                    ..
+                }
+        ) {
+            self.note(
+                Level::Warn,
+                Some(rank),
+                format!("{detail} while the job stops"),
+            );
+            return;
+        }
+        let (action, reason) = uce_action(&self.cfg.modes, rank, part);
+        match action {
+            UceAction::Repair => {
+                self.fault_note(Level::Warn, rank, "UCE: step repair", &detail, &reason);
+                let f = self.record_fault(
+                    now,
+                    rank,
+                    FaultKind::Uce,
+                    detail,
+                    "restore s* and recompute the step".into(),
+                    reason,
+                );
+                if let State::Dumping { recover, .. } = &mut self.state {
+                    recover.push(f);
+                } else {
+                    self.begin_recovery(now, vec![f]);
+                }
+            }
+            UceAction::Reboot => {
+                self.fault_note(Level::Warn, rank, "UCE: worker reboot", &detail, &reason);
+                self.killed.insert(rank, (FaultKind::Uce, detail));
+                self.cmd(Command::Kill { rank });
+            }
+            UceAction::Stop => {
+                self.fault_note(
+                    Level::Error,
+                    rank,
+                    "UCE: stopping the job",
+                    &detail,
+                    &reason,
+                );
+                self.record_fault(
+                    now,
+                    rank,
+                    FaultKind::Uce,
+                    detail,
+                    "stop the job".into(),
+                    reason,
+                );
+                self.stop_with(now, Outcome::RecoveryFailed);
+            }
+        }
+    }
+
+    pub(super) fn spawn_failed(&mut self, now: Duration, rank: usize, error: &str) {
+        let why = format!("cannot restart rank {rank}: {error}");
+        self.note(Level::Error, Some(rank), why.clone());
+        if let Some(f) = self.faults.iter_mut().rev().find(|f| f.ranks == [rank]) {
+            f.action = format!("stop the job: {why}");
+        }
+        let status = self
+            .last_status
+            .get(&rank)
+            .copied()
+            .unwrap_or(ExitStatus::Exited(1));
+        self.stop_with(now, Outcome::WorkerFailed { rank, status });
+    }
+}
