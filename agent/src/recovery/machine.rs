@@ -450,7 +450,7 @@ impl Machine {
             self.faults[f].recovery_s = Some(secs);
             self.faults[f].steps_lost = Some(lost);
             let text = format!(
-                "recovered: first step after the fault completed (fault {} of rank(s) {:?}, repaired from step {s_star} in {secs:.3} s, {lost} step(s) lost)",
+                "recovered: first step after the fault completed: fault={} ranks={:?} s_star={s_star} steps_lost={lost} recovery_s={secs:.6}",
                 self.faults[f].id, self.faults[f].ranks
             );
             self.note(Level::Info, None, text);
