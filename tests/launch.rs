@@ -124,3 +124,115 @@ fn bad_flags_are_usage_errors() {
         "{stderr}"
     );
 }
+
+#[test]
+fn job_ids_that_are_not_names_are_refused_before_anything_is_touched() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("a/b/shm");
+    let victim = d.path().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("data"), b"precious").unwrap();
+    let long = "j".repeat(65);
+    for id in [
+        "..",
+        "../../../victim",
+        "a/b",
+        "",
+        "a\nb",
+        "/abs",
+        long.as_str(),
+    ] {
+        let out = std::process::Command::new(agent())
+            .args(["launch", "--nproc-per-node", "2", "--job-id", id])
+            .arg("--shm-root")
+            .arg(&root)
+            .args(["--", "true"])
+            .env_remove("HATRAIN_JOB_ID")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{id:?}: {stderr}");
+        assert!(
+            stderr.contains("job id") && stderr.contains("is refused"),
+            "{id:?}: {stderr}"
+        );
+        let out = std::process::Command::new(agentctl())
+            .args(["--job", id, "status"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "agentctl takes {id:?}");
+    }
+    // The environment is checked the same way.
+    let out = std::process::Command::new(agent())
+        .args(["launch", "--nproc-per-node", "2", "--shm-root"])
+        .arg(&root)
+        .args(["--", "true"])
+        .env("HATRAIN_JOB_ID", "../victim")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!root.exists(), "nothing was created");
+    assert_eq!(std::fs::read(victim.join("data")).unwrap(), b"precious");
+}
+
+#[test]
+fn an_untrusted_shm_root_or_job_folder_is_refused_and_nothing_is_written_there() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let launch = |root: &std::path::Path, job: &str| {
+        let out = std::process::Command::new(agent())
+            .args(["launch", "--nproc-per-node", "2", "--job-id", job])
+            .arg("--shm-root")
+            .arg(root)
+            .args(["--", "true"])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // A root another user made beforehand, open to everyone.
+    let open = d.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    if nix::unistd::geteuid().is_root() {
+        nix::unistd::chown(&open, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+    }
+    let (code, stderr) = launch(&open, "j");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&open.display().to_string())
+            && stderr.contains("0777")
+            && (stderr.contains("belongs to uid 65534") || stderr.contains("others may write")),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&open).unwrap().count(),
+        0,
+        "nothing written"
+    );
+    // A symlink in place of the root, and in place of the job folder.
+    let real = d.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let link = d.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let (code, stderr) = launch(&link, "j");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("symbolic link"), "{stderr}");
+    let elsewhere = d.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, real.join("j")).unwrap();
+    let (code, stderr) = launch(&real, "j");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("real/j") && stderr.contains("symbolic link"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&elsewhere).unwrap().count(),
+        0,
+        "nothing written"
+    );
+}

@@ -1,6 +1,7 @@
 //! Command-line interface of `hatrain-agent`.
 
 use clap::{Args, Parser, Subcommand};
+use hatrain_shared::ident::JobId;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -40,9 +41,10 @@ pub struct LaunchArgs {
     /// Port of the rendezvous store (default on one node: a free port).
     #[arg(long)]
     pub master_port: Option<u16>,
-    /// Job identifier, passed to workers as HATRAIN_JOB_ID.
-    #[arg(long, default_value = "hatrain")]
-    pub job_id: String,
+    /// Job identifier, passed to workers as HATRAIN_JOB_ID: 1 to 64
+    /// letters, digits, '.', '_' or '-', not starting with '.'.
+    #[arg(long, env = "HATRAIN_JOB_ID", default_value = "hatrain")]
+    pub job_id: JobId,
     /// RAYON_NUM_THREADS for each worker when the environment does not set
     /// it (default: cores / workers, at least 1).
     #[arg(long)]
@@ -82,9 +84,10 @@ pub struct HaArgs {
     pub max_restarts_in_window: u32,
     #[arg(long, default_value_t = 60.0)]
     pub restart_window_secs: f64,
-    /// Root directory of the shared-memory snapshot stores.
-    #[arg(long, default_value = "/dev/shm/hatrain")]
-    pub shm_root: PathBuf,
+    /// Root directory of the shared-memory snapshot stores (default:
+    /// /dev/shm/hatrain for root, /dev/shm/hatrain-<uid> for others).
+    #[arg(long)]
+    pub shm_root: Option<PathBuf>,
     /// Snapshot slots per rank. While the agent writes a checkpoint from a
     /// slot, that slot is held; with 2, snapshots wait meanwhile, with 3
     /// they go on.

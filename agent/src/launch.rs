@@ -12,6 +12,7 @@ use crate::reaper::ReaperError;
 use crate::recovery::{HangPolicy, RestartPolicy};
 use crate::supervisor::{SupervisorError, WorkerSpec};
 use hatrain_shared::ha::HaModes;
+use hatrain_shared::ident::JobId;
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
 use hatrain_shared::store::RendezvousError;
 use std::ffi::OsString;
@@ -32,7 +33,7 @@ pub struct LaunchConfig {
     pub master_addr: String,
     /// `None` on a single node: the store picks a free port.
     pub master_port: Option<u16>,
-    pub job_id: String,
+    pub job_id: JobId,
     /// Compute threads per worker (`RAYON_NUM_THREADS`), unless the
     /// environment already sets it.
     pub threads_per_worker: usize,
@@ -65,7 +66,7 @@ impl Default for HaSettings {
         Self {
             modes: HaModes::default(),
             policy: RestartPolicy::default(),
-            shm_root: PathBuf::from("/dev/shm/hatrain"),
+            shm_root: hatrain_shared::trust::default_shm_root(),
             slots: 2,
             pause_timeout: Duration::from_secs(60),
             hang: HangPolicy::default(),
@@ -86,6 +87,8 @@ pub enum LaunchError {
     Supervisor(#[from] SupervisorError),
     #[error(transparent)]
     Control(#[from] ControlError),
+    #[error(transparent)]
+    JobDir(#[from] crate::jobdir::JobDirError),
     #[error("{path}")]
     Io {
         path: PathBuf,
@@ -167,7 +170,7 @@ impl LaunchConfig {
                     ("MASTER_ADDR".into(), self.master_addr.clone()),
                     ("MASTER_PORT".into(), master_port.to_string()),
                     (ENV_AGENT_STORE.into(), "1".into()),
-                    ("HATRAIN_JOB_ID".into(), self.job_id.clone()),
+                    ("HATRAIN_JOB_ID".into(), self.job_id.to_string()),
                     ("HATRAIN_RESTART_COUNT".into(), "0".into()),
                 ];
                 if !inherited_threads {
@@ -215,7 +218,7 @@ mod tests {
             nproc_per_node: 3,
             master_addr: "127.0.0.1".into(),
             master_port: Some(29500),
-            job_id: "j".into(),
+            job_id: JobId::new("j").unwrap(),
             threads_per_worker: 1,
             stop_grace: Duration::from_secs(1),
             command: vec!["train".into(), "--x".into()],

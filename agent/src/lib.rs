@@ -5,6 +5,7 @@
 //! - [`supervisor`]: spawns, follows, restarts and stops one host's workers;
 //! - [`launch`]: the torchrun-style launcher's configuration;
 //! - [`job`]: one host's job: the event loop around the recovery machine;
+//! - [`jobdir`]: the job's folder in shared memory, verified and held;
 //! - [`recovery`]: the recovery machine, a state machine without I/O, and
 //!   its pure policies (restarts, the hang watchdog, s\*);
 //! - [`control`]: the control socket for workers and `agentctl`;
@@ -16,6 +17,7 @@ pub mod cli;
 pub mod control;
 pub mod gpu;
 pub mod job;
+pub mod jobdir;
 pub mod launch;
 pub mod persister;
 pub mod reaper;

@@ -33,7 +33,7 @@ fn main() -> ExitCode {
             eprintln!("hatrain-agent: error: {e:#}");
             let usage = e
                 .downcast_ref::<LaunchError>()
-                .is_some_and(|e| matches!(e, LaunchError::Config(_)));
+                .is_some_and(|e| matches!(e, LaunchError::Config(_) | LaunchError::JobDir(_)));
             ExitCode::from(if usage { exit::USAGE } else { exit::INTERNAL })
         }
     }
@@ -135,7 +135,10 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
             max_in_window: h.max_restarts_in_window,
             ..RestartPolicy::default()
         },
-        shm_root: h.shm_root.clone(),
+        shm_root: h
+            .shm_root
+            .clone()
+            .unwrap_or_else(hatrain_shared::trust::default_shm_root),
         slots: h.snapshot_slots,
         pause_timeout: seconds("--pause-timeout-secs", h.pause_timeout_secs)?,
         hang: HangPolicy {

@@ -53,9 +53,10 @@ pub struct DemoArgs {
     pub kills: usize,
     #[arg(long, default_value_t = 7)]
     pub fault_seed: u64,
-    /// Root directory of the shared-memory snapshot stores.
-    #[arg(long, default_value = "/dev/shm/hatrain")]
-    pub shm_root: PathBuf,
+    /// Root directory of the shared-memory snapshot stores (default: the
+    /// agent's).
+    #[arg(long)]
+    pub shm_root: Option<PathBuf>,
 }
 
 /// One planned fault: a kill (SIGKILL) at a point, or a UCE or hang.
@@ -163,6 +164,12 @@ enum Script {
     ResumeFrom(&'static str),
 }
 
+fn shm_root(args: &DemoArgs) -> PathBuf {
+    args.shm_root
+        .clone()
+        .unwrap_or_else(hatrain_shared::trust::default_shm_root)
+}
+
 /// The binaries a run starts.
 #[derive(Debug, Clone)]
 struct Bins {
@@ -182,7 +189,7 @@ fn launch_command(
     c.args(["launch", "--nproc-per-node", &args.nproc.to_string()])
         .args(["--job-id", job])
         .arg("--shm-root")
-        .arg(&args.shm_root)
+        .arg(shm_root(args))
         .args([
             "--enable-high-availability",
             "--enable-hbmfault-repair",
@@ -249,7 +256,7 @@ async fn train_once(
     let t = Instant::now();
     let mut child = cmd.spawn().context("cannot start hatrain-agent launch")?;
     let pid = child.id().context("the agent exited at once")?;
-    let socket = args.shm_root.join(&job).join("agent.sock");
+    let socket = shm_root(args).join(&job).join("agent.sock");
     let mut faults = Vec::new();
     let mut signalled = false;
     let status = loop {

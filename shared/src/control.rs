@@ -240,6 +240,8 @@ impl std::fmt::Display for FaultKind {
 /// Why a control request got no usable reply.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    #[error("not talking to the agent at {0}")]
+    Untrusted(#[from] crate::trust::TrustError),
     #[error("cannot connect to the agent at {path}")]
     Connect {
         path: PathBuf,
@@ -252,6 +254,18 @@ pub enum ClientError {
         #[source]
         source: FrameError,
     },
+}
+
+/// Checks, before anything is sent, that `socket` and its folder are the
+/// agent's: not symlinks, this user's or root's, writable by nobody else
+/// (see [`crate::trust`]).
+pub fn trusted_socket(socket: &Path) -> Result<(), crate::trust::TrustError> {
+    let me = crate::trust::me();
+    if let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) {
+        crate::trust::check(dir, crate::trust::Kind::Dir, me)?;
+    }
+    crate::trust::check(socket, crate::trust::Kind::Socket, me)?;
+    Ok(())
 }
 
 /// Sends one request to the agent listening on `socket` and returns its

@@ -9,7 +9,9 @@
 //! - [`statemap`]: the self-describing map of a rank's state;
 //! - [`checkpoint`]: the on-disk checkpoint format, its writer and reader;
 //! - [`shard`]: how a flat buffer is split across the ranks of a group;
-//! - [`ha`]: the high-availability switches.
+//! - [`ha`]: the high-availability switches;
+//! - [`ident`]: job ids, which are names and never paths;
+//! - [`trust`]: whether a folder or file may be used (owner, mode, kind).
 //!
 //! Nothing here decides *when* anything happens; that is the agent's and the
 //! worker runtime's business.
@@ -18,8 +20,10 @@ pub mod checkpoint;
 pub mod control;
 pub mod frame;
 pub mod ha;
+pub mod ident;
 pub mod rendezvous;
 pub mod shard;
 pub mod shm;
 pub mod statemap;
 pub mod store;
+pub mod trust;

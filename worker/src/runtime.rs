@@ -65,6 +65,8 @@ pub enum RuntimeError {
     Shm(#[from] ShmError),
     #[error(transparent)]
     Map(#[from] StateMapError),
+    #[error("not trusting the agent's files")]
+    Untrusted(#[from] hatrain_shared::trust::TrustError),
     #[error("the state map does not describe the buffers: {0}")]
     Buffers(String),
     #[error("snapshot store {path} was made for another state layout")]
@@ -261,6 +263,7 @@ impl Runtime {
             return Ok((rt, Start::Standalone));
         };
         let save_interval = rt.map.checkpoint.as_ref().map(|c| c.interval);
+        control::trusted_socket(&socket)?;
         let mut conn = UnixStream::connect(&socket).map_err(|source| RuntimeError::Connect {
             path: socket.clone(),
             source,
@@ -291,6 +294,12 @@ impl Runtime {
                 });
             }
         };
+        // The store is the agent's: its file, in the agent's folder.
+        let me = hatrain_shared::trust::me();
+        if let Some(dir) = store_path.parent() {
+            hatrain_shared::trust::check(dir, hatrain_shared::trust::Kind::Dir, me)?;
+        }
+        hatrain_shared::trust::check(&store_path, hatrain_shared::trust::Kind::File, me)?;
         let store = Arc::new(Store::open(&store_path)?);
         if store.page().layout_hash() != rt.map.layout_hash() {
             return Err(RuntimeError::Layout { path: store_path });

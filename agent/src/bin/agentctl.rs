@@ -4,6 +4,7 @@
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
 use hatrain_shared::control::{FaultRecord, InjectKind, Request, Response, WorkerReport};
+use hatrain_shared::ident::JobId;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -20,10 +21,12 @@ struct Cli {
     #[arg(long, env = "HATRAIN_AGENT_SOCKET")]
     socket: Option<PathBuf>,
     /// Job id, to find the socket under --shm-root.
-    #[arg(long, default_value = "hatrain")]
-    job: String,
-    #[arg(long, default_value = "/dev/shm/hatrain")]
-    shm_root: PathBuf,
+    #[arg(long, env = "HATRAIN_JOB_ID", default_value = "hatrain")]
+    job: JobId,
+    /// Root of the agents' shared memory (default: /dev/shm/hatrain for
+    /// root, /dev/shm/hatrain-<uid> for others).
+    #[arg(long)]
+    shm_root: Option<PathBuf>,
     /// Print the reply as JSON.
     #[arg(long, global = true)]
     json: bool,
@@ -74,10 +77,13 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    let socket = cli
-        .socket
-        .clone()
-        .unwrap_or_else(|| cli.shm_root.join(&cli.job).join("agent.sock"));
+    let socket = cli.socket.clone().unwrap_or_else(|| {
+        cli.shm_root
+            .clone()
+            .unwrap_or_else(hatrain_shared::trust::default_shm_root)
+            .join(&cli.job)
+            .join("agent.sock")
+    });
     let request = match cli.verb {
         Verb::Status => Request::Status,
         Verb::Workers => Request::Workers,

@@ -24,6 +24,7 @@ mod requests;
 
 use crate::control::{self, ControlMsg};
 use crate::gpu::GpuFault;
+use crate::jobdir::{self, JobDir};
 use crate::launch::{LaunchConfig, LaunchError};
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
@@ -34,7 +35,7 @@ use hatrain_shared::shm::{Injection, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
 use std::collections::{HashMap, VecDeque};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, oneshot};
@@ -66,38 +67,18 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Creates the job's shared-memory directory (mode 0700), clearing what a
-/// killed earlier agent of the same job left there.
-fn prepare_dir(dir: &Path) -> Result<(), LaunchError> {
-    use std::os::unix::fs::DirBuilderExt;
-    let io = |source| LaunchError::Io {
-        path: dir.to_path_buf(),
-        source,
-    };
-    if dir.exists() {
-        tracing::warn!(dir = %dir.display(), "removing a stale store directory of this job");
-        std::fs::remove_dir_all(dir).map_err(io)?;
-    }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(io)
-}
-
 /// Runs one host's part of the job until it ends or `shutdown` fires.
 pub async fn run(
     cfg: &LaunchConfig,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
     cfg.validate()?;
-    let dir = cfg.ha.shm_root.join(&cfg.job_id);
-    prepare_dir(&dir)?;
-    let result = run_in(cfg, &dir, shutdown).await;
+    let dir = JobDir::open(&cfg.ha.shm_root, &cfg.job_id)?;
+    let path = dir.path().to_path_buf();
+    let (result, dir) = run_in(cfg, dir, shutdown).await;
     // No shared memory is left behind, whatever happened.
-    if let Err(e) = std::fs::remove_dir_all(&dir) {
-        tracing::error!(dir = %dir.display(), error = %e, "cannot remove the store directory");
-    }
+    dir.remove();
+    tracing::debug!(dir = %path.display(), "job folder removed");
     result
 }
 
@@ -112,7 +93,7 @@ struct Collected {
 /// The loop's state: what it owns and what it has been asked.
 struct Driver<'a> {
     cfg: &'a LaunchConfig,
-    dir: PathBuf,
+    dir: &'a mut JobDir,
     started: Instant,
     machine: Machine,
     stores: HashMap<usize, Arc<Store>>,
@@ -125,9 +106,20 @@ struct Driver<'a> {
     outcome: Option<Outcome>,
 }
 
+/// Runs the job in its folder, and gives the folder back for removal
+/// whatever happened.
 async fn run_in(
     cfg: &LaunchConfig,
-    dir: &Path,
+    mut dir: JobDir,
+    shutdown: CancellationToken,
+) -> (Result<JobReport, LaunchError>, JobDir) {
+    let result = run_with(cfg, &mut dir, shutdown).await;
+    (result, dir)
+}
+
+async fn run_with(
+    cfg: &LaunchConfig,
+    dir: &mut JobDir,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
     // The rendezvous store lives as long as this function: it outlives every
@@ -144,9 +136,10 @@ async fn run_in(
             cfg.master_port.expect("validated: set with several nodes"),
         )
     };
-    let socket = dir.join("agent.sock");
+    let socket = dir.path().join(jobdir::SOCKET);
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
     let ctl_stop = shutdown.child_token();
+    dir.made(jobdir::SOCKET);
     control::serve(&socket, ctl_tx, ctl_stop.clone())?;
     // The reaper outlives the event loop: stopping the workers needs it.
     let reaper_stop = CancellationToken::new();
@@ -182,7 +175,7 @@ async fn run_in(
     );
     let mut d = Driver {
         cfg,
-        dir: dir.to_path_buf(),
+        dir,
         started: Instant::now(),
         machine,
         stores: HashMap::new(),

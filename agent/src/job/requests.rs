@@ -157,20 +157,29 @@ impl Driver<'_> {
             .get(&rank)
             .is_some_and(|s| s.page().layout_hash() == layout && s.geometry().capacity >= total);
         if !reuse {
-            let path = shm::store_path(&self.dir, rank);
+            let name = format!("rank_{rank:05}.shm");
             let geometry = Geometry::new(self.cfg.ha.slots, total);
-            match Store::create(
-                &path,
-                rank,
-                geometry,
-                layout,
-                shm::hash_str(&self.cfg.job_id),
-            ) {
+            let created =
+                self.dir
+                    .create(&name)
+                    .map_err(|e| e.to_string())
+                    .and_then(|(file, path)| {
+                        Store::create_in(
+                            file,
+                            &path,
+                            rank,
+                            geometry,
+                            layout,
+                            shm::hash_str(self.cfg.job_id.as_str()),
+                        )
+                        .map_err(|e| e.to_string())
+                    });
+            match created {
                 Ok(s) => {
-                    tracing::info!(rank, pid, bytes = total, slots = geometry.slots, path = %path.display(), "snapshot store created");
+                    tracing::info!(rank, pid, bytes = total, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
                     self.stores.insert(rank, Arc::new(s));
                 }
-                Err(e) => return refuse(e.to_string()),
+                Err(e) => return refuse(e),
             }
         }
         let start = self.machine.start_mode();
@@ -230,7 +239,7 @@ impl Driver<'_> {
 
     fn status(&self, sup: &Supervisor) -> StatusReport {
         StatusReport {
-            job: self.cfg.job_id.clone(),
+            job: self.cfg.job_id.to_string(),
             world_size: self.cfg.world_size(),
             local_ranks: self.cfg.nproc_per_node,
             epoch: self.machine.epoch(),

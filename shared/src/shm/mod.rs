@@ -160,19 +160,6 @@ impl Store {
         layout_hash: u64,
         job_hash: u64,
     ) -> Result<Self, ShmError> {
-        let io_err = |source| ShmError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        if !(2..=MAX_SLOTS).contains(&geometry.slots) {
-            return Err(ShmError::Format {
-                path: path.to_path_buf(),
-                detail: format!(
-                    "{} slots requested; 2 to {MAX_SLOTS} allowed",
-                    geometry.slots
-                ),
-            });
-        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -181,7 +168,39 @@ impl Store {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
             .open(path)
-            .map_err(io_err)?;
+            .map_err(|source| ShmError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Self::create_in(file, path, rank, geometry, layout_hash, job_hash)
+    }
+
+    /// As [`Store::create`], in a file the caller opened (the agent opens it
+    /// relative to a folder it holds); `path` names it in messages, and is
+    /// removed if the creation fails.
+    pub fn create_in(
+        file: std::fs::File,
+        path: &Path,
+        rank: usize,
+        geometry: Geometry,
+        layout_hash: u64,
+        job_hash: u64,
+    ) -> Result<Self, ShmError> {
+        let io_err = |source| ShmError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        if !(2..=MAX_SLOTS).contains(&geometry.slots) {
+            let _ = std::fs::remove_file(path);
+            return Err(ShmError::Format {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "{} slots requested; 2 to {MAX_SLOTS} allowed",
+                    geometry.slots
+                ),
+            });
+        }
+        file.set_len(0).map_err(io_err)?;
         let created = (|| {
             let len = geometry.file_len();
             // posix_fallocate(3) allocates every block now: on a tmpfs that
