@@ -49,6 +49,11 @@ pub struct LaunchArgs {
     /// it (default: cores / workers, at least 1).
     #[arg(long)]
     pub threads_per_worker: Option<usize>,
+    /// The job's secret (hex, in a file nobody else can read). Required with
+    /// more than one node, so that every agent holds the same; on one node
+    /// a fresh one is made for each launch.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(long, default_value_t = 5.0)]
     pub stop_grace_secs: f64,

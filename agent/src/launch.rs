@@ -34,6 +34,8 @@ pub struct LaunchConfig {
     /// `None` on a single node: the store picks a free port.
     pub master_port: Option<u16>,
     pub job_id: JobId,
+    /// Where the job's secret comes from (`None`: made for this launch).
+    pub secret_file: Option<PathBuf>,
     /// Compute threads per worker (`RAYON_NUM_THREADS`), unless the
     /// environment already sets it.
     pub threads_per_worker: usize,
@@ -89,6 +91,8 @@ pub enum LaunchError {
     Control(#[from] ControlError),
     #[error(transparent)]
     JobDir(#[from] crate::jobdir::JobDirError),
+    #[error("the job's secret")]
+    Secret(#[from] hatrain_shared::auth::AuthError),
     #[error("{path}")]
     Io {
         path: PathBuf,
@@ -130,6 +134,12 @@ impl LaunchConfig {
         }
         if self.nnodes > 1 && self.master_port.is_none() {
             return bad("--master-port is required with more than one node".into());
+        }
+        if self.nnodes > 1 && self.secret_file.is_none() {
+            return bad(
+                "--secret-file is required with more than one node: every host's agent needs the job's secret"
+                    .into(),
+            );
         }
         if self.command.is_empty() {
             return bad("no worker command given (put it after `--`)".into());
@@ -219,6 +229,7 @@ mod tests {
             master_addr: "127.0.0.1".into(),
             master_port: Some(29500),
             job_id: JobId::new("j").unwrap(),
+            secret_file: Some(PathBuf::from("/unused")),
             threads_per_worker: 1,
             stop_grace: Duration::from_secs(1),
             command: vec!["train".into(), "--x".into()],

@@ -31,9 +31,12 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("hatrain-agent: error: {e:#}");
-            let usage = e
-                .downcast_ref::<LaunchError>()
-                .is_some_and(|e| matches!(e, LaunchError::Config(_) | LaunchError::JobDir(_)));
+            let usage = e.downcast_ref::<LaunchError>().is_some_and(|e| {
+                matches!(
+                    e,
+                    LaunchError::Config(_) | LaunchError::JobDir(_) | LaunchError::Secret(_)
+                )
+            });
             ExitCode::from(if usage { exit::USAGE } else { exit::INTERNAL })
         }
     }
@@ -167,6 +170,7 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         master_addr: a.master_addr,
         master_port: a.master_port,
         job_id: a.job_id,
+        secret_file: a.secret_file,
         threads_per_worker: a
             .threads_per_worker
             .unwrap_or((cores / a.nproc_per_node.max(1)).max(1)),

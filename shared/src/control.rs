@@ -183,6 +183,9 @@ pub struct StatusReport {
     /// What the agent is doing: running, recovering, dumping (and where).
     #[serde(default)]
     pub activity: Option<String>,
+    /// What the rendezvous store has served and refused (node 0).
+    #[serde(default)]
+    pub store: Option<crate::store::StoreStats>,
     pub workers: Vec<WorkerReport>,
     pub faults: Vec<FaultRecord>,
     /// The agent-side checkpoint writer, when it saves for the trainer.

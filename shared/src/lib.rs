@@ -2,6 +2,7 @@
 //! formats and protocols, no policy.
 //!
 //! - [`frame`]: the length-prefixed, versioned frame every socket protocol uses;
+//! - [`auth`]: the job's secret, and frames authenticated under it;
 //! - [`control`]: the agent's control protocol (workers and `agentctl`);
 //! - [`rendezvous`] and [`store`]: the messages of the key-value store that
 //!   ranks meet in, and the store itself (server and client);
@@ -16,6 +17,7 @@
 //! Nothing here decides *when* anything happens; that is the agent's and the
 //! worker runtime's business.
 
+pub mod auth;
 pub mod checkpoint;
 pub mod control;
 pub mod frame;

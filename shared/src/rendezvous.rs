@@ -33,6 +33,9 @@ pub enum Request {
     Get { key: String, wait_ms: u64 },
     /// Adds `delta` to the counter `key` (0 when absent) and returns the sum.
     Add { key: String, delta: i64 },
+    /// Nothing: a client's first request, which authenticates its
+    /// connection (and the server's answer, the server) at once.
+    Ping,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +81,7 @@ mod tests {
                 Request::Set { key: key.clone(), value: value.clone() },
                 Request::Get { key: key.clone(), wait_ms },
                 Request::Add { key: key.clone(), delta },
+                Request::Ping,
             ] {
                 let mut buf = Vec::new();
                 PROTOCOL.send_json(&mut buf, &req).unwrap();

@@ -5,22 +5,49 @@
 //! rank may be the one that died). A trainer started by another launcher has
 //! rank 0 host it in-process instead.
 //!
-//! The server is plain blocking code: one thread accepts, one thread serves
-//! each connection. Waits are bounded by the client's `wait_ms` and by
-//! [`MAX_WAIT`], so no request parks a thread forever.
+//! # Who may speak to it
+//!
+//! With the job's [`Secret`] every frame in both directions is authenticated
+//! ([`crate::auth::Session`]): the server opens each connection with a
+//! hello carrying a fresh nonce, and a request that is forged, altered or
+//! replayed is refused, counted in [`StoreStats`], and changes nothing; the
+//! connection is closed. The client checks the server's answers the same
+//! way, so a process of another user listening on a stale address cannot
+//! pose as the store. Without a secret (a trainer run by hand) nothing is
+//! authenticated.
+//!
+//! # Bounds
+//!
+//! The server runs on one thread of its own with an asynchronous runtime:
+//! no thread per connection. At most [`MAX_UNAUTHENTICATED`] connections may
+//! be waiting to send their first valid request; when one more arrives, the
+//! oldest of them is closed (a job's rank sends its request within
+//! milliseconds of connecting, so idle strangers are the ones that go). A
+//! connection that has sent no valid request within [`AUTH_DEADLINE`] is
+//! closed. Waits are bounded by the client's `wait_ms` and by [`MAX_WAIT`].
 
-use crate::frame::FrameError;
+use crate::auth::{HELLO_LEN, Hello, NONCE_LEN, Role, Secret, Session, SessionError};
+use crate::frame::{FrameError, HEADER_LEN};
 use crate::rendezvous::{PROTOCOL, Request, Response};
-use std::collections::HashMap;
-use std::io;
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Notify, Semaphore, oneshot, watch};
 
 /// The longest a single `get` may wait on the server.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Connections that have not yet sent a valid request, at most.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+/// How long a connection has to send its first valid request.
+pub const AUTH_DEADLINE: Duration = Duration::from_secs(5);
+/// Authenticated connections, at most (a job's ranks and agents).
+pub const MAX_CONNECTIONS: usize = 4096;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RendezvousError {
@@ -41,8 +68,14 @@ pub enum RendezvousError {
     Frame {
         addr: SocketAddr,
         #[source]
-        source: FrameError,
+        source: SessionError,
     },
+    #[error(
+        "the rendezvous store at {addr} authenticates and this process has no secret (run it under hatrain-agent, which sets HATRAIN_SECRET_FILE)"
+    )]
+    NeedSecret { addr: SocketAddr },
+    #[error("the server at {addr} does not authenticate: it is not this job's rendezvous store")]
+    NotOurs { addr: SocketAddr },
     #[error("rendezvous store at {addr}: timed out after {waited:?} waiting for {key:?}")]
     Timeout {
         addr: SocketAddr,
@@ -57,149 +90,350 @@ pub enum RendezvousError {
     },
 }
 
+/// What the server has seen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreStats {
+    /// Requests answered.
+    pub served: u64,
+    /// Frames refused: a bad tag (forged, altered, replayed) or bad framing.
+    pub refused: u64,
+    /// Connections closed for sending no valid request in time.
+    pub timed_out: u64,
+    /// Connections closed because too many waited to authenticate (the
+    /// oldest waiting ones), or because the server was full.
+    pub over_limit: u64,
+    /// Connections open now.
+    pub open: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    served: AtomicU64,
+    refused: AtomicU64,
+    timed_out: AtomicU64,
+    over_limit: AtomicU64,
+    open: AtomicU64,
+}
+
 #[derive(Debug, Default)]
 struct Table {
     values: HashMap<String, String>,
     counters: HashMap<String, i64>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     table: Mutex<Table>,
-    changed: Condvar,
-    stop: AtomicBool,
+    changed: Notify,
+    counters: Counters,
+    secret: Option<Secret>,
+    /// Connections that have not sent a valid request yet, oldest first,
+    /// each with the switch that closes it.
+    pending: Mutex<VecDeque<(u64, oneshot::Sender<()>)>>,
+    connections: Arc<Semaphore>,
 }
 
-/// A running store. Dropping it stops accepting and wakes every waiter.
+impl Shared {
+    /// Enters connection `id` among the pending ones, closing the oldest
+    /// when they are too many.
+    fn admit(&self, id: u64) -> oneshot::Receiver<()> {
+        let (tx, rx) = oneshot::channel();
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        while p.len() >= MAX_UNAUTHENTICATED {
+            if let Some((_, evict)) = p.pop_front() {
+                let _ = evict.send(());
+                self.counters.over_limit.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        p.push_back((id, tx));
+        rx
+    }
+
+    /// Connection `id` authenticated, or ended: it is no longer pending.
+    fn leave(&self, id: u64) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.retain(|(i, _)| *i != id);
+    }
+}
+
+/// A running store. Dropping it stops it and wakes every waiter.
 #[derive(Debug)]
 pub struct StoreServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
-    acceptor: Option<JoinHandle<()>>,
+    stop: watch::Sender<bool>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl StoreServer {
-    /// Binds `addr` (port 0 picks a free port) and starts serving.
-    pub fn bind(addr: SocketAddr) -> Result<Self, RendezvousError> {
-        let listener =
-            TcpListener::bind(addr).map_err(|source| RendezvousError::Bind { addr, source })?;
-        let local = listener
-            .local_addr()
-            .map_err(|source| RendezvousError::Bind { addr, source })?;
-        let shared = Arc::new(Shared::default());
-        let acceptor = {
+    /// Binds `addr` (port 0 picks a free port) and starts serving; with a
+    /// secret, only holders of it are answered.
+    pub fn bind(addr: SocketAddr, secret: Option<Secret>) -> Result<Self, RendezvousError> {
+        let bind = |source| RendezvousError::Bind { addr, source };
+        let std_listener = std::net::TcpListener::bind(addr).map_err(bind)?;
+        std_listener.set_nonblocking(true).map_err(bind)?;
+        let local = std_listener.local_addr().map_err(bind)?;
+        let shared = Arc::new(Shared {
+            table: Mutex::default(),
+            changed: Notify::new(),
+            counters: Counters::default(),
+            secret,
+            pending: Mutex::default(),
+            connections: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+        });
+        let (stop, stopped) = watch::channel(false);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(bind)?;
+        let thread = {
             let shared = Arc::clone(&shared);
             thread::Builder::new()
-                .name("rdzv-accept".into())
-                .spawn(move || accept_loop(listener, shared))
-                .map_err(|source| RendezvousError::Bind { addr, source })?
+                .name("rdzv-store".into())
+                .spawn(move || {
+                    runtime.block_on(async move {
+                        match tokio::net::TcpListener::from_std(std_listener) {
+                            Ok(l) => accept_loop(l, shared, stopped).await,
+                            Err(e) => tracing::error!(error = %e, "rendezvous store cannot listen"),
+                        }
+                    });
+                })
+                .map_err(bind)?
         };
         Ok(Self {
             addr: local,
             shared,
-            acceptor: Some(acceptor),
+            stop,
+            thread: Some(thread),
         })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Whether requests must be authenticated.
+    pub fn authenticates(&self) -> bool {
+        self.shared.secret.is_some()
+    }
+
+    /// What the server has seen so far.
+    pub fn stats(&self) -> StoreStats {
+        let c = &self.shared.counters;
+        StoreStats {
+            served: c.served.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            timed_out: c.timed_out.load(Ordering::Relaxed),
+            over_limit: c.over_limit.load(Ordering::Relaxed),
+            open: c.open.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.changed.notify_all();
-        // The acceptor blocks in accept(); one connection wakes it to see the
-        // stop flag.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
-        if let Some(t) = self.acceptor.take() {
+        let _ = self.stop.send(true);
+        self.shared.changed.notify_waiters();
+        if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    for conn in listener.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let Ok(stream) = conn else { continue };
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut next_id = 0u64;
+    loop {
+        let conn = tokio::select! {
+            _ = stopped.changed() => return,
+            c = listener.accept() => c,
+        };
+        let Ok((stream, _)) = conn else {
+            // Out of descriptors, say: back off a little, then go on.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let Ok(slot) = Arc::clone(&shared.connections).try_acquire_owned() else {
+            shared.counters.over_limit.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        next_id += 1;
+        let id = next_id;
+        let evicted = shared.admit(id);
         let shared = Arc::clone(&shared);
-        // Connection threads are detached: each ends when its client hangs up
-        // or when the store stops.
-        let _ = thread::Builder::new()
-            .name("rdzv-conn".into())
-            .spawn(move || serve(stream, &shared));
+        let mut stopped = stopped.clone();
+        tokio::spawn(async move {
+            shared.counters.open.fetch_add(1, Ordering::Relaxed);
+            tokio::select! {
+                _ = stopped.changed() => {}
+                _ = serve(stream, &shared, id, evicted) => {}
+            }
+            shared.leave(id);
+            shared.counters.open.fetch_sub(1, Ordering::Relaxed);
+            drop(slot);
+        });
     }
 }
 
-fn serve(mut stream: TcpStream, shared: &Shared) {
-    let _ = stream.set_nodelay(true);
-    // A client that sends nothing for this long is gone; its thread ends.
-    let _ = stream.set_read_timeout(Some(MAX_WAIT + Duration::from_secs(60)));
-    loop {
-        if shared.stop.load(Ordering::SeqCst) {
-            return;
+/// Reads one whole frame (header, payload, tag) of `trailer` tag bytes.
+async fn read_wire(
+    stream: &mut tokio::net::TcpStream,
+    trailer: usize,
+) -> Result<Vec<u8>, FrameError> {
+    let io = |source| FrameError::Io {
+        protocol: PROTOCOL.name,
+        source,
+    };
+    let mut header = [0u8; HEADER_LEN];
+    match stream.read_exact(&mut header).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(FrameError::Closed {
+                protocol: PROTOCOL.name,
+            });
         }
-        let response = match PROTOCOL.recv_json::<_, Request>(&mut stream) {
-            Ok(req) => handle(req, shared),
-            Err(FrameError::Decode { source, .. }) => Response::Refused {
-                message: format!("malformed request: {source}"),
-            },
-            // Bad framing leaves the stream out of sync: answer once, hang up.
-            Err(
-                e @ (FrameError::TooLarge { .. }
-                | FrameError::BadMagic { .. }
-                | FrameError::Version { .. }),
-            ) => {
-                let _ = PROTOCOL.send_json(
-                    &mut stream,
-                    &Response::Refused {
-                        message: e.to_string(),
-                    },
-                );
-                let _ = stream.shutdown(Shutdown::Both);
+        Err(e) => return Err(io(e)),
+    }
+    let len = PROTOCOL.parse_header(&header)?;
+    let mut wire = vec![0u8; HEADER_LEN + len + trailer];
+    wire[..HEADER_LEN].copy_from_slice(&header);
+    stream
+        .read_exact(&mut wire[HEADER_LEN..])
+        .await
+        .map_err(io)?;
+    Ok(wire)
+}
+
+async fn serve(
+    mut stream: tokio::net::TcpStream,
+    shared: &Shared,
+    id: u64,
+    mut evicted: oneshot::Receiver<()>,
+) {
+    let _ = stream.set_nodelay(true);
+    let Ok(nonce) = crate::auth::random::<NONCE_LEN>() else {
+        return;
+    };
+    let hello = Hello {
+        auth: shared.secret.is_some(),
+        nonce,
+    };
+    if stream.write_all(&hello.encode()).await.is_err() {
+        return;
+    }
+    let mut session = Session::new(PROTOCOL, Role::Server, hello, shared.secret.clone());
+    let trailer = session.trailer_len();
+    let mut pending = true;
+    let refuse = || {
+        shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+    };
+    loop {
+        // Until its first valid request a connection has a deadline; after,
+        // a client that sends nothing is only bounded by MAX_WAIT.
+        let limit = if pending {
+            AUTH_DEADLINE
+        } else {
+            MAX_WAIT + Duration::from_secs(60)
+        };
+        let read = tokio::time::timeout(limit, read_wire(&mut stream, trailer));
+        let got = tokio::select! {
+            r = read => r,
+            _ = &mut evicted, if pending => return,
+        };
+        let wire = match got {
+            Err(_) => {
+                if pending {
+                    shared.counters.timed_out.fetch_add(1, Ordering::Relaxed);
+                }
                 return;
             }
-            Err(_) => return,
+            Ok(Err(FrameError::Closed { .. })) => return,
+            Ok(Err(_)) => {
+                // Bad framing leaves the stream out of sync: hang up.
+                refuse();
+                return;
+            }
+            Ok(Ok(w)) => w,
         };
-        if PROTOCOL.send_json(&mut stream, &response).is_err() {
+        let request = match session.open(&wire) {
+            Err(_) => {
+                // Forged, altered or replayed: nothing is done, and the
+                // connection (which may not be the job's) is closed.
+                refuse();
+                return;
+            }
+            Ok(payload) => PROTOCOL.parse_json::<Request>(payload),
+        };
+        if pending {
+            pending = false;
+            shared.leave(id);
+        }
+        let response = match request {
+            Ok(req) => handle(req, shared).await,
+            Err(e) => Response::Refused {
+                message: format!("malformed request: {e}"),
+            },
+        };
+        let Ok(bytes) = serde_json::to_vec(&response) else {
+            return;
+        };
+        let Ok(frame) = session.seal(&bytes) else {
+            return;
+        };
+        if stream.write_all(&frame).await.is_err() {
             return;
         }
+        shared.counters.served.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-fn handle(req: Request, shared: &Shared) -> Response {
-    let mut table = shared.table.lock().unwrap_or_else(|p| p.into_inner());
+async fn handle(req: Request, shared: &Shared) -> Response {
     match req {
+        Request::Ping => Response::Done,
         Request::Set { key, value } => {
-            table.values.insert(key, value);
-            shared.changed.notify_all();
+            shared
+                .table
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values
+                .insert(key, value);
+            shared.changed.notify_waiters();
             Response::Done
         }
         Request::Add { key, delta } => {
-            let c = table.counters.entry(key).or_insert(0);
-            *c = c.saturating_add(delta);
-            let value = *c;
-            shared.changed.notify_all();
+            let value = {
+                let mut t = shared.table.lock().unwrap_or_else(|p| p.into_inner());
+                let c = t.counters.entry(key).or_insert(0);
+                *c = c.saturating_add(delta);
+                *c
+            };
+            shared.changed.notify_waiters();
             Response::Counter { value }
         }
         Request::Get { key, wait_ms } => {
-            let deadline = Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
+            let deadline =
+                tokio::time::Instant::now() + Duration::from_millis(wait_ms).min(MAX_WAIT);
             loop {
-                if let Some(v) = table.values.get(&key) {
+                // Registered before the look, so a set in between wakes it.
+                let changed = shared.changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if let Some(v) = shared
+                    .table
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values
+                    .get(&key)
+                {
                     return Response::Value { value: v.clone() };
                 }
-                let now = Instant::now();
-                if now >= deadline || shared.stop.load(Ordering::SeqCst) {
+                if tokio::time::timeout_at(deadline, changed).await.is_err() {
                     return Response::Timeout { key };
                 }
-                table = shared
-                    .changed
-                    .wait_timeout(table, deadline - now)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
             }
         }
     }
@@ -210,35 +444,78 @@ fn handle(req: Request, shared: &Shared) -> Response {
 pub struct StoreClient {
     addr: SocketAddr,
     stream: TcpStream,
+    session: Session,
 }
 
 impl StoreClient {
-    /// Connects, retrying until `timeout` passes: the store may still be
-    /// starting.
-    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, RendezvousError> {
+    /// Connects, retrying until `timeout` passes (the store may still be
+    /// starting), and checks the server's hello against `secret`.
+    pub fn connect(
+        addr: SocketAddr,
+        timeout: Duration,
+        secret: Option<Secret>,
+    ) -> Result<Self, RendezvousError> {
         let start = Instant::now();
         let mut delay = Duration::from_millis(5);
         loop {
-            match TcpStream::connect_timeout(&addr, timeout.max(Duration::from_millis(1))) {
-                Ok(stream) => {
-                    let _ = stream.set_nodelay(true);
-                    return Ok(Self { addr, stream });
+            match Self::try_connect(addr, timeout) {
+                Ok((stream, hello)) => {
+                    match (hello.auth, secret.is_some()) {
+                        (true, false) => return Err(RendezvousError::NeedSecret { addr }),
+                        (false, true) => return Err(RendezvousError::NotOurs { addr }),
+                        _ => {}
+                    }
+                    let mut client = Self {
+                        addr,
+                        stream,
+                        session: Session::new(PROTOCOL, Role::Client, hello, secret),
+                    };
+                    // Authenticated at once, so that the connection does not
+                    // count as a stranger's while the caller gets ready.
+                    return match client.call(&Request::Ping)? {
+                        Response::Done => Ok(client),
+                        got => Err(RendezvousError::Unexpected {
+                            addr,
+                            expected: "done",
+                            got,
+                        }),
+                    };
                 }
-                Err(source) if start.elapsed() >= timeout => {
+                // The store may still be starting, or busy closing strangers.
+                Err(source) if start.elapsed() < timeout => {
+                    let _ = source;
+                    thread::sleep(delay);
+                    delay = (delay * 2).min(Duration::from_millis(200));
+                }
+                Err(source) => {
                     return Err(RendezvousError::Connect {
                         addr,
                         waited: start.elapsed(),
                         source,
                     });
                 }
-                Err(_) => {
-                    thread::sleep(delay);
-                    delay = (delay * 2).min(Duration::from_millis(200));
-                }
             }
         }
     }
 
+    /// One connection attempt: connect and read the hello.
+    fn try_connect(addr: SocketAddr, timeout: Duration) -> io::Result<(TcpStream, Hello)> {
+        let mut stream = TcpStream::connect_timeout(&addr, timeout.max(Duration::from_millis(1)))?;
+        let _ = stream.set_nodelay(true);
+        let mut hello = [0u8; HELLO_LEN];
+        stream.set_read_timeout(Some(
+            timeout.clamp(Duration::from_secs(1), Duration::from_secs(10)),
+        ))?;
+        stream.read_exact(&mut hello)?;
+        stream.set_read_timeout(None)?;
+        let hello = Hello::decode(&hello).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, "not a rendezvous store's hello")
+        })?;
+        Ok((stream, hello))
+    }
+}
+
+impl StoreClient {
     /// The address this host reaches the store from: the one to publish
     /// for peers on other hosts.
     pub fn local_ip(&self) -> io::Result<IpAddr> {
@@ -247,9 +524,18 @@ impl StoreClient {
 
     fn call(&mut self, req: &Request) -> Result<Response, RendezvousError> {
         let addr = self.addr;
-        let frame = |source| RendezvousError::Frame { addr, source };
-        PROTOCOL.send_json(&mut self.stream, req).map_err(frame)?;
-        PROTOCOL.recv_json(&mut self.stream).map_err(frame)
+        let err = |source| RendezvousError::Frame { addr, source };
+        let payload = serde_json::to_vec(req).map_err(|source| {
+            err(SessionError::Frame(FrameError::Decode {
+                protocol: PROTOCOL.name,
+                source,
+            }))
+        })?;
+        self.session.send(&mut self.stream, &payload).map_err(err)?;
+        let reply = self.session.recv(&mut self.stream).map_err(err)?;
+        PROTOCOL
+            .parse_json(&reply)
+            .map_err(|e| err(SessionError::Frame(e)))
     }
 
     pub fn set(&mut self, key: &str, value: &str) -> Result<(), RendezvousError> {
@@ -305,48 +591,124 @@ impl StoreClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::KEY_LEN;
     use std::io::Write;
 
     fn local() -> SocketAddr {
         "127.0.0.1:0".parse().unwrap()
     }
 
-    #[test]
-    fn set_get_add_and_wait() {
-        let server = StoreServer::bind(local()).unwrap();
-        let addr = server.local_addr();
-        let waiter = thread::spawn(move || {
-            let mut c = StoreClient::connect(addr, Duration::from_secs(5)).unwrap();
-            c.get("k", Duration::from_secs(10)).unwrap()
-        });
-        let mut c = StoreClient::connect(addr, Duration::from_secs(5)).unwrap();
-        assert_eq!(c.add("n", 2).unwrap(), 2);
-        assert_eq!(c.add("n", 3).unwrap(), 5);
-        thread::sleep(Duration::from_millis(20));
-        c.set("k", "v").unwrap();
-        assert_eq!(waiter.join().unwrap(), "v");
-        let e = c.get("absent", Duration::from_millis(10)).unwrap_err();
-        assert!(e.to_string().contains("absent"), "{e}");
+    fn key() -> Secret {
+        Secret::from_bytes([9; KEY_LEN])
+    }
+
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let end = Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(Instant::now() < end, "{what}");
+            thread::sleep(Duration::from_millis(5));
+        }
     }
 
     #[test]
-    fn garbage_gets_an_error_reply_and_the_store_survives() {
-        let server = StoreServer::bind(local()).unwrap();
+    fn set_get_add_and_wait() {
+        for secret in [None, Some(key())] {
+            let server = StoreServer::bind(local(), secret.clone()).unwrap();
+            let addr = server.local_addr();
+            let s2 = secret.clone();
+            let waiter = thread::spawn(move || {
+                let mut c = StoreClient::connect(addr, Duration::from_secs(5), s2).unwrap();
+                c.get("k", Duration::from_secs(10)).unwrap()
+            });
+            let mut c = StoreClient::connect(addr, Duration::from_secs(5), secret).unwrap();
+            assert_eq!(c.add("n", 2).unwrap(), 2);
+            assert_eq!(c.add("n", 3).unwrap(), 5);
+            thread::sleep(Duration::from_millis(20));
+            c.set("k", "v").unwrap();
+            assert_eq!(waiter.join().unwrap(), "v");
+            let e = c.get("absent", Duration::from_millis(10)).unwrap_err();
+            assert!(e.to_string().contains("absent"), "{e}");
+            assert_eq!(server.stats().refused, 0);
+        }
+    }
+
+    #[test]
+    fn without_the_secret_nothing_is_read_or_changed_and_it_is_counted() {
+        let server = StoreServer::bind(local(), Some(key())).unwrap();
         let addr = server.local_addr();
-        let mut raw = TcpStream::connect(addr).unwrap();
-        raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
-        let reply: Response = PROTOCOL.recv_json(&mut raw).unwrap();
-        assert!(
-            matches!(reply, Response::Refused { ref message } if message.contains("exceeds the limit")),
-            "{reply:?}"
+        let mut owner = StoreClient::connect(addr, Duration::from_secs(5), Some(key())).unwrap();
+        owner.set("epoch/1/ring/0", "127.0.0.1:4000").unwrap();
+        // No secret: the client refuses to even try.
+        let e = StoreClient::connect(addr, Duration::from_secs(5), None).unwrap_err();
+        assert!(e.to_string().contains("authenticates"), "{e}");
+        // The wrong secret: its first request is refused, and the
+        // connection closed.
+        let wrong = StoreClient::connect(
+            addr,
+            Duration::from_secs(5),
+            Some(Secret::from_bytes([1; KEY_LEN])),
         );
-        // A well-framed but malformed request is answered and the connection kept.
-        let mut raw = TcpStream::connect(addr).unwrap();
-        PROTOCOL.write_frame(&mut raw, b"{\"nope\":1}").unwrap();
-        let reply: Response = PROTOCOL.recv_json(&mut raw).unwrap();
-        assert!(matches!(reply, Response::Refused { .. }));
-        let mut c = StoreClient::connect(addr, Duration::from_secs(5)).unwrap();
-        c.set("still", "up").unwrap();
-        assert_eq!(c.get("still", Duration::ZERO).unwrap(), "up");
+        assert!(wrong.is_err());
+        // A raw client that copies a real client's frame to another
+        // connection (a replay under another nonce), and one that flips a bit.
+        let hello = |s: &mut TcpStream| {
+            let mut h = [0u8; HELLO_LEN];
+            s.read_exact(&mut h).unwrap();
+            Hello::decode(&h).unwrap()
+        };
+        let mut a = TcpStream::connect(addr).unwrap();
+        let ha = hello(&mut a);
+        let mut sa = Session::new(PROTOCOL, Role::Client, ha, Some(key()));
+        let req = serde_json::to_vec(&Request::Set {
+            key: "epoch/1/ring/0".into(),
+            value: "127.0.0.1:2".into(),
+        })
+        .unwrap();
+        let sealed = sa.seal(&req).unwrap();
+        let mut b = TcpStream::connect(addr).unwrap();
+        let _ = hello(&mut b);
+        b.write_all(&sealed).unwrap();
+        let mut flipped = sealed.clone();
+        flipped[HEADER_LEN + 3] ^= 1;
+        let mut c = TcpStream::connect(addr).unwrap();
+        let _ = hello(&mut c);
+        let _ = c.write_all(&flipped);
+        wait_for("three refusals", || server.stats().refused >= 3);
+        assert_eq!(
+            owner.get("epoch/1/ring/0", Duration::ZERO).unwrap(),
+            "127.0.0.1:4000"
+        );
+        // A server without the secret cannot pose as the job's store.
+        let fake = StoreServer::bind(local(), None).unwrap();
+        let e = StoreClient::connect(fake.local_addr(), Duration::from_secs(5), Some(key()))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("not this job's rendezvous store"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn idle_strangers_are_bounded_and_closed_and_the_job_still_meets() {
+        let server = StoreServer::bind(local(), Some(key())).unwrap();
+        let addr = server.local_addr();
+        let idle: Vec<TcpStream> = (0..MAX_UNAUTHENTICATED + 50)
+            .filter_map(|_| TcpStream::connect(addr).ok())
+            .collect();
+        wait_for("the oldest idle connections closed", || {
+            server.stats().over_limit >= 50
+        });
+        assert!(server.stats().open <= MAX_UNAUTHENTICATED as u64);
+        // The job still meets at once, while the strangers wait.
+        let t = Instant::now();
+        let mut c = StoreClient::connect(addr, Duration::from_secs(10), Some(key())).unwrap();
+        c.set("x", "y").unwrap();
+        assert_eq!(c.get("x", Duration::ZERO).unwrap(), "y");
+        assert!(t.elapsed() < AUTH_DEADLINE, "{:?}", t.elapsed());
+        wait_for("the idle ones closed at the deadline", || {
+            server.stats().timed_out >= MAX_UNAUTHENTICATED as u64 - 1
+        });
+        assert_eq!(server.stats().open, 1, "only the job's connection is left");
+        drop(idle);
     }
 }

@@ -19,6 +19,25 @@
 //! - for all-gather sends chunk `(r-i) mod W` and receives chunk
 //!   `(r-i-1) mod W`.
 //!
+//! # Handshake
+//!
+//! Each link is proven in four messages, ordered so that no rank waits on
+//! a rank that waits on it around the ring:
+//!
+//! ```text
+//! (a) connector -> acceptor   "HTRC" | epoch | rank | nonce Nc
+//! (b) acceptor  -> connector  nonce Na | tag("ring-accept", epoch, acceptor, connector, Nc, Na)
+//! (c) connector -> acceptor   tag("ring-connect", epoch, connector, acceptor, Na, Nc)
+//! (d) the acceptor checks (c)
+//! ```
+//!
+//! The tags are keyed under the job's secret (`hatrain_shared::auth`), so
+//! each end proves to the other that it holds the secret, bound to the
+//! epoch, both ranks and fresh nonces. A connection to our listener that
+//! sends no valid hello or proof is closed and the next one accepted, until
+//! the deadline; no tensor byte is read from it. Without a secret (a
+//! trainer run by hand) the tags are zero and not checked.
+//!
 //! # Messages
 //!
 //! ```text
@@ -36,6 +55,7 @@
 //! blocked in `read` or `write` then returns [`CollectiveError::Aborted`].
 //! This is how a rank stuck on a hung peer is released.
 
+use hatrain_shared::auth::{NONCE_LEN, Secret, TAG_LEN};
 use hatrain_shared::rendezvous::ring_key;
 use hatrain_shared::shard::shard_range;
 use hatrain_shared::store::{RendezvousError, StoreClient};
@@ -191,13 +211,16 @@ impl Communicator {
         }
     }
 
-    /// Builds the ring for `epoch` through the store.
+    /// Builds the ring for `epoch` through the store. With the job's
+    /// secret both ends of each link prove they hold it (see "Handshake"
+    /// in the module doc) before a tensor byte is exchanged.
     pub fn connect(
         store: &mut StoreClient,
         rank: usize,
         world: usize,
         epoch: u64,
         timeout: Duration,
+        secret: Option<&Secret>,
     ) -> Result<Self, CollectiveError> {
         assert!(rank < world, "rank {rank} outside world {world}");
         if world == 1 {
@@ -227,47 +250,84 @@ impl Communicator {
         let addr: SocketAddr = next_addr
             .parse()
             .map_err(|e| connect_err(io::Error::new(io::ErrorKind::InvalidData, format!("{e}"))))?;
+        let nonce = || {
+            hatrain_shared::auth::random::<NONCE_LEN>().map_err(|e| listen_err(io::Error::other(e)))
+        };
+        // (a) Connect to the next rank and say who we are.
         let mut next =
             TcpStream::connect_timeout(&addr, remaining(deadline).max(Duration::from_millis(1)))
                 .map_err(connect_err)?;
         next.set_nodelay(true).map_err(connect_err)?;
-        let mut hello = [0u8; 20];
+        let nc = nonce()?;
+        let mut hello = [0u8; HELLO];
         hello[0..4].copy_from_slice(&MAGIC);
         hello[4..12].copy_from_slice(&epoch.to_le_bytes());
         hello[12..20].copy_from_slice(&(rank as u64).to_le_bytes());
+        hello[20..].copy_from_slice(&nc);
         next.write_all(&hello).map_err(connect_err)?;
-
-        let prev = accept_until(&listener, deadline).map_err(|e| match e {
-            None => CollectiveError::AcceptTimeout {
-                epoch,
-                peer: prev_rank,
-                waited: timeout,
-            },
-            Some(source) => CollectiveError::Listen { epoch, source },
-        })?;
-        let mut prev = prev;
-        prev.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(1))))
-            .map_err(listen_err)?;
-        let mut got = [0u8; 20];
-        prev.read_exact(&mut got)
+        // (b) Accept the previous rank and answer its hello.
+        let link = Link {
+            epoch,
+            rank,
+            prev: prev_rank,
+            secret,
+            deadline,
+            timeout,
+        };
+        let (mut prev, mut prev_nonce) = link.accept(&listener)?;
+        let mut na = nonce()?;
+        link.answer(&mut prev, &prev_nonce, &na)?;
+        // (c) Check the next rank's answer, and prove ourselves to it.
+        next.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(1))))
+            .map_err(connect_err)?;
+        let mut answer = [0u8; NONCE_LEN + TAG_LEN];
+        next.read_exact(&mut answer)
             .map_err(|source| CollectiveError::Io {
                 epoch,
                 op: "handshake",
-                peer: prev_rank,
+                peer: next_rank,
                 source,
             })?;
-        prev.set_read_timeout(None).map_err(listen_err)?;
-        prev.set_nodelay(true).map_err(listen_err)?;
-        let their_epoch = u64::from_le_bytes(got[4..12].try_into().expect("8 bytes"));
-        let their_rank = u64::from_le_bytes(got[12..20].try_into().expect("8 bytes"));
-        if got[0..4] != MAGIC || their_epoch != epoch || their_rank != prev_rank as u64 {
+        let (na_next, tag) = answer.split_at(NONCE_LEN);
+        if let Some(k) = secret
+            && !k.verify(
+                RING_ACCEPT,
+                &[&link_bytes(epoch, next_rank, rank, &nc, na_next)],
+                tag,
+            )
+        {
             return Err(CollectiveError::Handshake {
                 epoch,
                 detail: format!(
-                    "expected rank {prev_rank} of epoch {epoch}, got rank {their_rank} of epoch {their_epoch}"
+                    "the listener of rank {next_rank} at {next_addr} does not hold the job's secret"
                 ),
             });
         }
+        let proof = match secret {
+            Some(k) => *k
+                .tag(
+                    RING_CONNECT,
+                    &[&link_bytes(epoch, rank, next_rank, na_next, &nc)],
+                )
+                .as_bytes(),
+            None => [0u8; TAG_LEN],
+        };
+        next.write_all(&proof).map_err(connect_err)?;
+        next.set_read_timeout(None).map_err(connect_err)?;
+        // (d) Check the previous rank's proof; a stranger that got here is
+        // closed and the next connection taken, until the deadline.
+        loop {
+            match link.proof(&mut prev, &prev_nonce, &na) {
+                Ok(()) => break,
+                Err(why) => {
+                    eprintln!("rank {rank}: epoch {epoch}: closed a ring connection: {why}");
+                    (prev, prev_nonce) = link.accept(&listener)?;
+                    na = nonce()?;
+                    link.answer(&mut prev, &prev_nonce, &na)?;
+                }
+            }
+        }
+        prev.set_nodelay(true).map_err(listen_err)?;
         let clones = [next.try_clone(), prev.try_clone()]
             .into_iter()
             .collect::<io::Result<Vec<_>>>()
@@ -465,6 +525,127 @@ fn remaining(deadline: Instant) -> Duration {
 }
 
 /// Accepts one connection before `deadline`; `Err(None)` on timeout.
+/// Bytes of a ring hello: magic, epoch, rank, nonce.
+const HELLO: usize = 20 + NONCE_LEN;
+/// Tag domains of the two proofs of a link.
+const RING_ACCEPT: &str = "hatrain-ring-accept-v1";
+const RING_CONNECT: &str = "hatrain-ring-connect-v1";
+/// How long a connection to our listener has for each handshake message.
+const HANDSHAKE_STEP: Duration = Duration::from_secs(2);
+
+/// What a link's proofs are tags of: the epoch, who proves to whom, and
+/// both nonces (the prover's peer's first), each of a fixed length.
+fn link_bytes(epoch: u64, prover: usize, peer: usize, theirs: &[u8], ours: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(24 + 2 * NONCE_LEN);
+    v.extend_from_slice(&epoch.to_le_bytes());
+    v.extend_from_slice(&(prover as u64).to_le_bytes());
+    v.extend_from_slice(&(peer as u64).to_le_bytes());
+    v.extend_from_slice(theirs);
+    v.extend_from_slice(ours);
+    v
+}
+
+/// The accepting side of this rank's link with the previous rank.
+struct Link<'a> {
+    epoch: u64,
+    rank: usize,
+    prev: usize,
+    secret: Option<&'a Secret>,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Link<'_> {
+    /// Accepts connections until one sends the previous rank's hello for
+    /// this epoch; others are closed. Returns it and its nonce.
+    fn accept(
+        &self,
+        listener: &TcpListener,
+    ) -> Result<(TcpStream, [u8; NONCE_LEN]), CollectiveError> {
+        let epoch = self.epoch;
+        loop {
+            let mut conn = accept_until(listener, self.deadline).map_err(|e| match e {
+                None => CollectiveError::AcceptTimeout {
+                    epoch,
+                    peer: self.prev,
+                    waited: self.timeout,
+                },
+                Some(source) => CollectiveError::Listen { epoch, source },
+            })?;
+            let step = remaining(self.deadline).clamp(Duration::from_millis(1), HANDSHAKE_STEP);
+            let mut got = [0u8; HELLO];
+            let read = conn
+                .set_read_timeout(Some(step))
+                .and_then(|()| conn.read_exact(&mut got));
+            let their_epoch = u64::from_le_bytes(got[4..12].try_into().expect("8 bytes"));
+            let their_rank = u64::from_le_bytes(got[12..20].try_into().expect("8 bytes"));
+            if read.is_ok()
+                && got[0..4] == MAGIC
+                && their_epoch == epoch
+                && their_rank == self.prev as u64
+            {
+                let mut nonce = [0u8; NONCE_LEN];
+                nonce.copy_from_slice(&got[20..]);
+                return Ok((conn, nonce));
+            }
+            eprintln!(
+                "rank {}: epoch {epoch}: closed a ring connection that is not rank {}'s of this epoch",
+                self.rank, self.prev
+            );
+        }
+    }
+
+    /// Sends our nonce and our proof over the connector's nonce.
+    fn answer(
+        &self,
+        conn: &mut TcpStream,
+        theirs: &[u8],
+        ours: &[u8; NONCE_LEN],
+    ) -> Result<(), CollectiveError> {
+        let mut out = [0u8; NONCE_LEN + TAG_LEN];
+        out[..NONCE_LEN].copy_from_slice(ours);
+        if let Some(k) = self.secret {
+            out[NONCE_LEN..].copy_from_slice(
+                k.tag(
+                    RING_ACCEPT,
+                    &[&link_bytes(self.epoch, self.rank, self.prev, theirs, ours)],
+                )
+                .as_bytes(),
+            );
+        }
+        // A stranger that closed already is found out at the proof.
+        let _ = conn.write_all(&out);
+        Ok(())
+    }
+
+    /// Reads and checks the connector's proof over our nonce.
+    fn proof(
+        &self,
+        conn: &mut TcpStream,
+        theirs: &[u8],
+        ours: &[u8; NONCE_LEN],
+    ) -> Result<(), String> {
+        let step = remaining(self.deadline).clamp(Duration::from_millis(1), HANDSHAKE_STEP);
+        let mut tag = [0u8; TAG_LEN];
+        conn.set_read_timeout(Some(step))
+            .and_then(|()| conn.read_exact(&mut tag))
+            .map_err(|e| format!("no proof of the job's secret ({e})"))?;
+        conn.set_read_timeout(None).map_err(|e| e.to_string())?;
+        match self.secret {
+            Some(k)
+                if !k.verify(
+                    RING_CONNECT,
+                    &[&link_bytes(self.epoch, self.prev, self.rank, ours, theirs)],
+                    &tag,
+                ) =>
+            {
+                Err("its proof of the job's secret is wrong".into())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 fn accept_until(listener: &TcpListener, deadline: Instant) -> Result<TcpStream, Option<io::Error>> {
     listener.set_nonblocking(true).map_err(Some)?;
     loop {
@@ -540,25 +721,76 @@ mod tests {
         }
     }
 
+    fn key() -> Secret {
+        Secret::from_bytes([5; hatrain_shared::auth::KEY_LEN])
+    }
+
+    fn rank_thread<T: Send + 'static>(
+        addr: SocketAddr,
+        rank: usize,
+        world: usize,
+        f: impl Fn(Communicator) -> T + Send + 'static,
+    ) -> thread::JoinHandle<T> {
+        thread::spawn(move || {
+            let mut store =
+                StoreClient::connect(addr, Duration::from_secs(5), Some(key())).unwrap();
+            let comm = Communicator::connect(
+                &mut store,
+                rank,
+                world,
+                7,
+                Duration::from_secs(10),
+                Some(&key()),
+            )
+            .unwrap();
+            f(comm)
+        })
+    }
+
     fn run_ranks<T: Send + 'static>(
         world: usize,
         f: impl Fn(Communicator) -> T + Send + Sync + Clone + 'static,
     ) -> Vec<T> {
-        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), Some(key())).unwrap();
         let addr = server.local_addr();
         let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let f = f.clone();
-                thread::spawn(move || {
-                    let mut store = StoreClient::connect(addr, Duration::from_secs(5)).unwrap();
-                    let comm =
-                        Communicator::connect(&mut store, rank, world, 7, Duration::from_secs(10))
-                            .unwrap();
-                    f(comm)
-                })
-            })
+            .map(|rank| rank_thread(addr, rank, world, f.clone()))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_stranger_at_a_ring_listener_is_closed_before_any_tensor_byte() {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), Some(key())).unwrap();
+        let addr = server.local_addr();
+        let gather = |mut c: Communicator| c.all_gather_f64(c.rank() as f64 + 0.5).unwrap();
+        let r0 = rank_thread(addr, 0, 2, gather);
+        // The stranger reads rank 0's listener from the store (as if it had
+        // seen it somehow) and claims to be rank 1 of epoch 7.
+        let mut peek = StoreClient::connect(addr, Duration::from_secs(5), Some(key())).unwrap();
+        let listener: SocketAddr = peek
+            .get(&ring_key(7, 0), Duration::from_secs(10))
+            .unwrap()
+            .parse()
+            .unwrap();
+        let mut stranger = TcpStream::connect(listener).unwrap();
+        let mut hello = [0u8; HELLO];
+        hello[0..4].copy_from_slice(&MAGIC);
+        hello[4..12].copy_from_slice(&7u64.to_le_bytes());
+        hello[12..20].copy_from_slice(&1u64.to_le_bytes());
+        stranger.write_all(&hello).unwrap();
+        let r1 = rank_thread(addr, 1, 2, gather);
+        // Its forged proof.
+        let _ = stranger.write_all(&[0xAB; TAG_LEN]);
+        assert_eq!(r0.join().unwrap(), vec![0.5, 1.5]);
+        assert_eq!(r1.join().unwrap(), vec![0.5, 1.5]);
+        // All it ever got was rank 0's nonce and proof; then the close.
+        stranger
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = stranger.read_to_end(&mut got);
+        assert!(got.len() <= NONCE_LEN + TAG_LEN, "{} bytes", got.len());
     }
 
     #[test]

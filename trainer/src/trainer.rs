@@ -23,6 +23,7 @@ use crate::faults::{ENV_FAULT_PLAN, FaultPlan, PlanError, Point};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
 use clap::Parser;
+use hatrain_shared::auth::Secret;
 use hatrain_shared::checkpoint::{self, CheckpointError};
 use hatrain_shared::rendezvous::ENV_AGENT_STORE;
 use hatrain_shared::shard::shard_range;
@@ -199,6 +200,8 @@ pub enum TrainError {
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
     Plan(#[from] PlanError),
+    #[error("the job's secret")]
+    Secret(#[from] hatrain_shared::auth::AuthError),
     #[error("stopped by the agent")]
     Stopped,
     #[error("an uncorrectable memory error tore the state and step repair is not enabled")]
@@ -392,28 +395,43 @@ struct Dist {
     env: DistEnv,
     _server: Option<StoreServer>,
     store: Option<StoreClient>,
+    /// The job's secret, when the launcher gave one: the store and the ring
+    /// then speak only to its holders.
+    secret: Option<Secret>,
 }
 
 impl Dist {
     fn start(env: DistEnv) -> Result<Self, TrainError> {
+        let secret = match std::env::var_os(hatrain_shared::auth::ENV_SECRET_FILE) {
+            Some(path) => Some(Secret::load(std::path::Path::new(&path))?),
+            None => None,
+        };
         let Some(master) = env.master else {
             return Ok(Self {
                 env,
                 _server: None,
                 store: None,
+                secret,
             });
         };
         // Under another launcher rank 0 hosts the store itself.
         let server = if !env.agent_store && env.rank == 0 {
-            Some(StoreServer::bind(master)?)
+            if secret.is_none() {
+                eprintln!(
+                    "rank 0: no {} given: the rendezvous store and the ring accept any local process",
+                    hatrain_shared::auth::ENV_SECRET_FILE
+                );
+            }
+            Some(StoreServer::bind(master, secret.clone())?)
         } else {
             None
         };
-        let store = StoreClient::connect(master, CONNECT_TIMEOUT)?;
+        let store = StoreClient::connect(master, CONNECT_TIMEOUT, secret.clone())?;
         Ok(Self {
             env,
             _server: server,
             store: Some(store),
+            secret,
         })
     }
 
@@ -426,6 +444,7 @@ impl Dist {
                 self.env.world_size,
                 epoch,
                 CONNECT_TIMEOUT,
+                self.secret.as_ref(),
             )?),
         }
     }
@@ -994,7 +1013,7 @@ impl TrainError {
     /// The documented exit code for this error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            Self::Env(_) | Self::Args(_) | Self::Plan(_) => exit::USAGE,
+            Self::Env(_) | Self::Args(_) | Self::Plan(_) | Self::Secret(_) => exit::USAGE,
             Self::Load(_) => exit::LOAD,
             Self::Save { .. } | Self::SaveElsewhere { .. } => exit::SAVE,
             Self::Stopped => exit::STOPPED,

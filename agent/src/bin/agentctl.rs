@@ -129,6 +129,12 @@ fn run(cli: Cli) -> Result<()> {
                 s.uptime_s,
                 if s.recovering { " | RECOVERING" } else { "" }
             );
+            if let Some(st) = &s.store {
+                println!(
+                    "rendezvous store: {} requests served | {} refused (bad or missing authentication) | {} closed unauthenticated at the deadline | {} closed over the limit | {} open",
+                    st.served, st.refused, st.timed_out, st.over_limit, st.open
+                );
+            }
             if let Some(p) = &s.persist {
                 println!(
                     "checkpoints: written by the agent into {} every {} steps | last iteration {} | {} saved{}{}{}",

@@ -30,6 +30,7 @@ use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
 use crate::supervisor::Supervisor;
+use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Injection, Store};
 use hatrain_shared::statemap::StateMap;
@@ -104,6 +105,8 @@ struct Driver<'a> {
     dump_waiters: Vec<oneshot::Sender<Response>>,
     collected: mpsc::UnboundedSender<Collected>,
     outcome: Option<Outcome>,
+    /// The rendezvous store, on node 0: it outlives every worker.
+    store: Option<StoreServer>,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -122,13 +125,35 @@ async fn run_with(
     dir: &mut JobDir,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
+    // The job's secret: only its holders speak to the store and the ranks.
+    // It reaches the workers in a 0600 file of the 0700 job folder.
+    let secret = match &cfg.secret_file {
+        Some(path) => Secret::load(path)?,
+        None => Secret::generate()?,
+    };
+    let secret_file = {
+        let (mut f, path) = dir.create(jobdir::SECRET)?;
+        secret
+            .write_to(&mut f)
+            .and_then(|()| f.sync_all())
+            .map_err(|source| LaunchError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        path
+    };
     // The rendezvous store lives as long as this function: it outlives every
-    // worker.
-    let (_store, port) = if cfg.node_rank == 0 {
-        let addr = crate::launch::resolve(&cfg.master_addr, cfg.master_port.unwrap_or(0))?;
-        let store = StoreServer::bind(addr).map_err(LaunchError::Store)?;
+    // worker. On one node it listens on loopback only.
+    let (store, port) = if cfg.node_rank == 0 {
+        let host = if cfg.nnodes == 1 {
+            "127.0.0.1"
+        } else {
+            cfg.master_addr.as_str()
+        };
+        let addr = crate::launch::resolve(host, cfg.master_port.unwrap_or(0))?;
+        let store = StoreServer::bind(addr, Some(secret.clone())).map_err(LaunchError::Store)?;
         let port = store.local_addr().port();
-        tracing::info!(addr = %store.local_addr(), "rendezvous store listening");
+        tracing::info!(addr = %store.local_addr(), "rendezvous store listening (authenticated)");
         (Some(store), port)
     } else {
         (
@@ -150,6 +175,18 @@ async fn run_with(
             hatrain_shared::control::ENV_SOCKET.into(),
             socket.display().to_string(),
         ));
+        s.env.push((
+            hatrain_shared::auth::ENV_SECRET_FILE.into(),
+            secret_file.display().to_string(),
+        ));
+        if cfg.nnodes == 1 {
+            // The workers reach the store where it listens.
+            for (k, v) in s.env.iter_mut() {
+                if k == "MASTER_ADDR" {
+                    *v = "127.0.0.1".into();
+                }
+            }
+        }
     }
     tracing::info!(
         world_size = cfg.world_size(),
@@ -184,6 +221,7 @@ async fn run_with(
         dump_waiters: Vec::new(),
         collected: collected_tx,
         outcome: None,
+        store,
     };
 
     let mut next_tick = tokio::time::Instant::now();

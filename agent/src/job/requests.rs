@@ -12,6 +12,7 @@ use hatrain_shared::control::{
 };
 use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
 use hatrain_shared::statemap::StateMap;
+use hatrain_shared::store::StoreServer;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -247,6 +248,7 @@ impl Driver<'_> {
             uptime_s: self.started.elapsed().as_secs_f64(),
             recovering: self.machine.recovering(),
             activity: Some(self.machine.activity()),
+            store: self.store.as_ref().map(StoreServer::stats),
             workers: self.workers(sup),
             faults: self.machine.faults().to_vec(),
             persist: self
