@@ -377,3 +377,45 @@ fn a_clean_exit_before_the_peers_finish_is_a_fault_and_recovered_bit_identically
     );
     assert!(job_pids(&job).is_empty());
 }
+
+#[test]
+fn a_rebuild_that_keeps_failing_is_retried_then_the_job_dumps_and_names_the_ranks() {
+    let d = tempfile::tempdir().unwrap();
+    let (shm, log, ckpt) = (
+        d.path().join("shm"),
+        d.path().join("run.jsonl"),
+        d.path().join("ckpt"),
+    );
+    let job = job_id("rebuild");
+    // Rank 1 is killed; rank 2 then cannot reach its next peer whenever it
+    // resumes from step 8 or 9 (s* is 9, or 8 when the kill tore a commit).
+    let plan = "1:10:forward:kill;2:8:rebuild:fail:*;2:9:rebuild:fail:*";
+    let mut cmd = reboot_launch(&job, &shm, &log, plan);
+    cmd.arg("--save").arg(&ckpt);
+    let t = Instant::now();
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(
+        stderr.matches("trying again under a new epoch").count(),
+        2,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("could not be rebuilt under 3 epochs")
+            && stderr.contains("rank 2 could not reach rank 3"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("last-words checkpoint of iteration"),
+        "the dump comes first: {stderr}"
+    );
+    let it: u64 = std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((8..=9).contains(&it), "{it}");
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    assert!(job_pids(&job).is_empty());
+}

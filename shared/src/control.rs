@@ -186,6 +186,9 @@ pub struct StatusReport {
     /// What the rendezvous store has served and refused (node 0).
     #[serde(default)]
     pub store: Option<crate::store::StoreStats>,
+    /// Where the rendezvous store listens (node 0).
+    #[serde(default)]
+    pub store_addr: Option<String>,
     pub workers: Vec<WorkerReport>,
     pub faults: Vec<FaultRecord>,
     /// The agent-side checkpoint writer, when it saves for the trainer.
@@ -226,6 +229,8 @@ pub enum FaultKind {
     EarlyExit,
     /// A worker did not pause for a recovery in time.
     NoPause,
+    /// The ranks could not rebuild their communicator.
+    Rebuild,
 }
 
 impl std::fmt::Display for FaultKind {
@@ -236,6 +241,7 @@ impl std::fmt::Display for FaultKind {
             Self::Uce => "uce",
             Self::EarlyExit => "early exit",
             Self::NoPause => "no pause",
+            Self::Rebuild => "rebuild",
         })
     }
 }

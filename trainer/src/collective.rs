@@ -221,6 +221,7 @@ impl Communicator {
         epoch: u64,
         timeout: Duration,
         secret: Option<&Secret>,
+        cancel: &dyn Fn() -> bool,
     ) -> Result<Self, CollectiveError> {
         assert!(rank < world, "rank {rank} outside world {world}");
         if world == 1 {
@@ -238,9 +239,19 @@ impl Communicator {
 
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
-        let next_addr = store
-            .get(&ring_key(epoch, next_rank), remaining(deadline))
-            .map_err(rdzv)?;
+        // Waited for in slices, so that a new directive (the agent giving up
+        // on this epoch) cancels the build promptly.
+        let next_addr = loop {
+            if cancel() {
+                return Err(CollectiveError::Aborted { epoch });
+            }
+            let slice = remaining(deadline).min(CANCEL_SLICE);
+            match store.get(&ring_key(epoch, next_rank), slice) {
+                Ok(a) => break a,
+                Err(RendezvousError::Timeout { .. }) if !remaining(deadline).is_zero() => {}
+                Err(e) => return Err(rdzv(e)),
+            }
+        };
         let connect_err = |source| CollectiveError::Connect {
             epoch,
             peer: next_rank,
@@ -273,21 +284,22 @@ impl Communicator {
             secret,
             deadline,
             timeout,
+            cancel,
         };
         let (mut prev, mut prev_nonce) = link.accept(&listener)?;
         let mut na = nonce()?;
         link.answer(&mut prev, &prev_nonce, &na)?;
         // (c) Check the next rank's answer, and prove ourselves to it.
-        next.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(1))))
-            .map_err(connect_err)?;
         let mut answer = [0u8; NONCE_LEN + TAG_LEN];
-        next.read_exact(&mut answer)
-            .map_err(|source| CollectiveError::Io {
+        read_full(&mut next, &mut answer, deadline, cancel).map_err(|e| match e {
+            None => CollectiveError::Aborted { epoch },
+            Some(source) => CollectiveError::Io {
                 epoch,
                 op: "handshake",
                 peer: next_rank,
                 source,
-            })?;
+            },
+        })?;
         let (na_next, tag) = answer.split_at(NONCE_LEN);
         if let Some(k) = secret
             && !k.verify(
@@ -553,6 +565,7 @@ struct Link<'a> {
     secret: Option<&'a Secret>,
     deadline: Instant,
     timeout: Duration,
+    cancel: &'a dyn Fn() -> bool,
 }
 
 impl Link<'_> {
@@ -564,14 +577,16 @@ impl Link<'_> {
     ) -> Result<(TcpStream, [u8; NONCE_LEN]), CollectiveError> {
         let epoch = self.epoch;
         loop {
-            let mut conn = accept_until(listener, self.deadline).map_err(|e| match e {
-                None => CollectiveError::AcceptTimeout {
-                    epoch,
-                    peer: self.prev,
-                    waited: self.timeout,
-                },
-                Some(source) => CollectiveError::Listen { epoch, source },
-            })?;
+            let mut conn =
+                accept_until(listener, self.deadline, self.cancel).map_err(|e| match e {
+                    Accept::Cancelled => CollectiveError::Aborted { epoch },
+                    Accept::TimedOut => CollectiveError::AcceptTimeout {
+                        epoch,
+                        peer: self.prev,
+                        waited: self.timeout,
+                    },
+                    Accept::Failed(source) => CollectiveError::Listen { epoch, source },
+                })?;
             let step = remaining(self.deadline).clamp(Duration::from_millis(1), HANDSHAKE_STEP);
             let mut got = [0u8; HELLO];
             let read = conn
@@ -646,22 +661,87 @@ impl Link<'_> {
     }
 }
 
-fn accept_until(listener: &TcpListener, deadline: Instant) -> Result<TcpStream, Option<io::Error>> {
-    listener.set_nonblocking(true).map_err(Some)?;
+/// How a build is polled for cancellation while it waits.
+const CANCEL_SLICE: Duration = Duration::from_millis(200);
+
+/// Why no connection was accepted.
+enum Accept {
+    Cancelled,
+    TimedOut,
+    Failed(io::Error),
+}
+
+fn accept_until(
+    listener: &TcpListener,
+    deadline: Instant,
+    cancel: &dyn Fn() -> bool,
+) -> Result<TcpStream, Accept> {
+    listener.set_nonblocking(true).map_err(Accept::Failed)?;
     loop {
         match listener.accept() {
             Ok((s, _)) => {
-                s.set_nonblocking(false).map_err(Some)?;
+                s.set_nonblocking(false).map_err(Accept::Failed)?;
                 return Ok(s);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if cancel() {
+                    return Err(Accept::Cancelled);
+                }
                 if Instant::now() >= deadline {
-                    return Err(None);
+                    return Err(Accept::TimedOut);
                 }
                 thread::sleep(Duration::from_millis(2));
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Accept::Failed(e)),
+        }
+    }
+}
+
+/// Fills `buf` from `s` by the deadline, in slices that check `cancel`;
+/// `Err(None)` when cancelled.
+fn read_full(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    cancel: &dyn Fn() -> bool,
+) -> Result<(), Option<io::Error>> {
+    let mut at = 0;
+    while at < buf.len() {
+        if cancel() {
+            return Err(None);
+        }
+        let left = remaining(deadline);
+        if left.is_zero() {
+            return Err(Some(io::ErrorKind::TimedOut.into()));
+        }
+        s.set_read_timeout(Some(left.min(CANCEL_SLICE)))
+            .map_err(Some)?;
+        match s.read(&mut buf[at..]) {
+            Ok(0) => return Err(Some(io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => at += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(Some(e)),
+        }
+    }
+    s.set_read_timeout(None).map_err(Some)
+}
+
+impl CollectiveError {
+    /// The peer this rank could not reach, when the error names one.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            Self::Connect { peer, .. }
+            | Self::AcceptTimeout { peer, .. }
+            | Self::Io { peer, .. }
+            | Self::Protocol { peer, .. } => Some(*peer),
+            _ => None,
         }
     }
 }
@@ -741,6 +821,7 @@ mod tests {
                 7,
                 Duration::from_secs(10),
                 Some(&key()),
+                &|| false,
             )
             .unwrap();
             f(comm)

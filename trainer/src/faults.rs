@@ -1,7 +1,8 @@
 //! Deterministic fault injection for tests and demos, from
 //! `HATRAIN_FAULT_PLAN`: `RANK:STEP:POINT:ACTION` entries separated by `;`,
 //! POINT one of `forward`, `update` (inside the fences), `commit` (halfway
-//! through the snapshot copy), ACTION one of `stop` (SIGSTOP itself, for a
+//! through the snapshot copy), `rebuild` (resuming from STEP: with `fail`,
+//! the communicator cannot be rebuilt, every time), ACTION one of `stop` (SIGSTOP itself, for a
 //! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17),
 //! `exit0` (exit code 0 before training is over),
 //! `hang` (block forever), `sleepMS` (sleep MS milliseconds: a slow rank),
@@ -38,6 +39,8 @@ pub enum Point {
     Forward,
     Update,
     Commit,
+    /// Rebuilding the communicator to resume from the step named.
+    Rebuild,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +54,8 @@ enum Action {
     Hang,
     /// Sleep this many milliseconds: a slow but live rank.
     Sleep(u64),
+    /// Fail (at `rebuild`: the rank cannot reach its next peer), every time.
+    Fail,
     /// An uncorrectable memory error at a byte of a state buffer (by
     /// name), or outside every registered buffer (`None`).
     Uce(Option<String>, usize),
@@ -104,13 +109,15 @@ impl FaultPlan {
                     "forward" => Point::Forward,
                     "update" => Point::Update,
                     "commit" => Point::Commit,
-                    _ => return Err(bad("POINT must be forward, update or commit")),
+                    "rebuild" => Point::Rebuild,
+                    _ => return Err(bad("POINT must be forward, update, commit or rebuild")),
                 },
                 action: match a {
                     "stop" => Action::Stop,
                     "kill" => Action::Kill,
                     "exit" => Action::Exit,
                     "exit0" => Action::ExitClean,
+                    "fail" => Action::Fail,
                     "hang" => Action::Hang,
                     "uce-outside" => Action::Uce(None, 0),
                     other => match (other.strip_prefix("sleep"), other.strip_prefix("uce-")) {
@@ -128,7 +135,7 @@ impl FaultPlan {
                         }
                         _ => {
                             return Err(bad(
-                                "ACTION must be stop, kill, exit, exit0, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
+                                "ACTION must be stop, kill, exit, exit0, fail, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
                             ));
                         }
                     },
@@ -167,10 +174,18 @@ impl FaultPlan {
                     Action::ExitClean => std::process::exit(0),
                     Action::Hang => hang(),
                     Action::Sleep(ms) => thread::sleep(Duration::from_millis(ms)),
-                    Action::Uce(..) => {}
+                    Action::Uce(..) | Action::Fail => {}
                 }
             }
         }
+    }
+
+    /// Whether a `fail` entry names (`step`, `point`): unlike the others it
+    /// holds every time it is asked (a rebuild that keeps failing).
+    pub fn fails(&self, step: u64, point: Point) -> bool {
+        self.entries
+            .iter()
+            .any(|(e, _)| e.step == step && e.point == point && e.action == Action::Fail)
     }
 
     /// Tells the plan where its UCEs go: the part names of the rank's

@@ -435,7 +435,11 @@ impl Dist {
         })
     }
 
-    fn communicator(&mut self, epoch: u64) -> Result<Communicator, TrainError> {
+    fn communicator(
+        &mut self,
+        epoch: u64,
+        cancel: &dyn Fn() -> bool,
+    ) -> Result<Communicator, TrainError> {
         match self.store.as_mut() {
             None => Ok(Communicator::single(epoch)),
             Some(store) => Ok(Communicator::connect(
@@ -445,6 +449,7 @@ impl Dist {
                 epoch,
                 CONNECT_TIMEOUT,
                 self.secret.as_ref(),
+                cancel,
             )?),
         }
     }
@@ -594,7 +599,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             }
             // Copied in place: the registered buffers never move.
             write(&t.state.params).copy_from_slice(&t.model.init(args.seed ^ STREAM_INIT));
-            let mut comm = dist.communicator(t.epoch)?;
+            let mut comm = dist.communicator(t.epoch, &|| rt.directive_pending())?;
             rt.set_communicator(&comm);
             if let Some(dir) = &args.load {
                 resumed_from = Some(t.load(dir, &mut comm)?);
@@ -859,7 +864,17 @@ impl Trainer<'_> {
                         self.torn = false;
                     }
                     self.epoch = epoch;
-                    match dist.communicator(epoch) {
+                    let built = if self.plan.fails(step, Point::Rebuild) {
+                        Err(TrainError::Collective(CollectiveError::Connect {
+                            epoch,
+                            peer: (self.rank + 1) % self.world,
+                            addr: "(the fault plan)".into(),
+                            source: std::io::ErrorKind::ConnectionRefused.into(),
+                        }))
+                    } else {
+                        dist.communicator(epoch, &|| rt.directive_pending())
+                    };
+                    match built {
                         Ok(comm) => {
                             rt.set_communicator(&comm);
                             eprintln!(
@@ -876,11 +891,20 @@ impl Trainer<'_> {
                             }))?;
                             return Ok(comm);
                         }
-                        Err(e) => eprintln!(
-                            "rank {}: rebuilding the communicator for epoch {epoch} failed: {}; waiting",
-                            self.rank,
-                            error_chain(&e)
-                        ),
+                        // A newer directive came while building: obey it.
+                        Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
+                        Err(e) => {
+                            let peer = match &e {
+                                TrainError::Collective(c) => c.peer(),
+                                _ => None,
+                            };
+                            eprintln!(
+                                "rank {}: rebuilding the communicator for epoch {epoch} failed: {}; told the agent",
+                                self.rank,
+                                error_chain(&e)
+                            );
+                            rt.rebuild_failed(epoch, peer);
+                        }
                     }
                 }
                 Directive::Stop | Directive::Pause { .. } | Directive::None => {

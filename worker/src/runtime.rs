@@ -530,6 +530,18 @@ impl Runtime {
         }
     }
 
+    /// The communicator of `epoch` could not be built (`peer`, if known, was
+    /// unreachable): says so in the control page, where the agent takes it
+    /// as a fault of the recovery, and tries again under a new epoch or
+    /// stops the job. Call [`Runtime::await_directive`] next.
+    pub fn rebuild_failed(&self, epoch: u64, peer: Option<usize>) {
+        if let Some(a) = &self.attached {
+            a.store
+                .page()
+                .record_rebuild_failure(epoch, peer.map(|p| p as u64));
+        }
+    }
+
     /// Tells the watcher which communicator to abort on a pause.
     pub fn set_communicator(&self, comm: &dyn Communicator) {
         if let Some(a) = &self.attached {

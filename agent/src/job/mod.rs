@@ -459,6 +459,9 @@ impl Driver<'_> {
         for e in self.take_uces(sup) {
             self.feed(sup, e);
         }
+        for e in self.take_rebuild_failures(sup) {
+            self.feed(sup, e);
+        }
         let views = self.views(sup);
         self.feed(sup, Event::Tick(views));
     }

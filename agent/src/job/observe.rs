@@ -75,4 +75,20 @@ impl Driver<'_> {
             })
             .collect()
     }
+
+    /// The failed communicator rebuilds the workers reported, each once.
+    pub(super) fn take_rebuild_failures(&self, sup: &Supervisor) -> Vec<Event> {
+        sup.ranks()
+            .iter()
+            .filter_map(|&rank| {
+                let p = self.stores.get(&rank)?.page();
+                if !p.faults().0.contains(FaultFlags::REBUILD_FAILED) {
+                    return None;
+                }
+                p.clear_faults(FaultFlags::REBUILD_FAILED);
+                let (epoch, peer) = p.rebuild_failure();
+                Some(Event::RebuildFailed { rank, epoch, peer })
+            })
+            .collect()
+    }
 }

@@ -249,6 +249,7 @@ impl Driver<'_> {
             recovering: self.machine.recovering(),
             activity: Some(self.machine.activity()),
             store: self.store.as_ref().map(StoreServer::stats),
+            store_addr: self.store.as_ref().map(|s| s.local_addr().to_string()),
             workers: self.workers(sup),
             faults: self.machine.faults().to_vec(),
             persist: self

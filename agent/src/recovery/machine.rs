@@ -43,6 +43,10 @@ use hatrain_shared::shm::{Directive, Phase};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
+/// Epochs a recovery tries to rebuild the communicators under before the
+/// job stops.
+pub const MAX_REBUILDS: usize = 3;
+
 /// What the machine decides by.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MachineConfig {
@@ -121,6 +125,9 @@ pub struct Machine {
     checkpoint: bool,
     /// An `agentctl dump` waits for the recovery in progress.
     dump_waiting: bool,
+    /// Epochs whose communicator could not be built in the recovery in
+    /// progress, with who could not reach whom.
+    rebuilds: Vec<(u64, usize, Option<u64>)>,
     watch: Watch,
     last_words: Option<Written>,
     out: Step,
@@ -145,6 +152,7 @@ impl Machine {
             finished_at: HashMap::new(),
             checkpoint: false,
             dump_waiting: false,
+            rebuilds: Vec::new(),
             watch: Watch::default(),
             last_words: None,
             out: Step::default(),
@@ -163,6 +171,9 @@ impl Machine {
             Event::Registered { rank, checkpoint } => self.registered(rank, checkpoint),
             Event::Uce { rank, part, offset } => self.uce(now, rank, &part, offset),
             Event::SpawnFailed { rank, error } => self.spawn_failed(now, rank, &error),
+            Event::RebuildFailed { rank, epoch, peer } => {
+                self.rebuild_failed(now, rank, epoch, peer)
+            }
             Event::Collected { epoch, steps } => self.collected(now, epoch, steps),
             Event::Written { epoch, result } => self.written(now, epoch, result),
             Event::DumpRequested => self.dump_requested(now),
@@ -456,6 +467,7 @@ impl Machine {
             self.note(Level::Info, None, text);
         }
         self.state = State::Running;
+        self.rebuilds.clear();
         self.watch.restart_clocks(now);
         if self.dump_waiting {
             self.dump_waiting = false;

@@ -105,6 +105,13 @@ pub enum Event {
     },
     /// A replacement process could not be started.
     SpawnFailed { rank: usize, error: String },
+    /// A rank could not build its communicator for `epoch` (`peer`, when
+    /// known, was unreachable).
+    RebuildFailed {
+        rank: usize,
+        epoch: u64,
+        peer: Option<u64>,
+    },
     /// The verified snapshot steps of every rank, for [`Command::Collect`].
     Collected {
         epoch: u64,

@@ -6,6 +6,8 @@
 //! fault flags:  bit 0 UCE repaired in a state part (step must be redone)
 //!               bit 1 UCE outside the registered state (fatal)
 //!               bit 2 another SIGBUS (fatal)
+//!               bit 3 the rank could not rebuild its communicator
+//!                     (epoch at 56, unreachable peer at 120)
 //! fault part, fault offset: where the repairable UCE hit
 //! injection kind: 0 none | 1 crash | 2 hang | 3 uce
 //! injection part, offset: the UCE's target; injection step: the step it
@@ -31,6 +33,8 @@ bitflags::bitflags! {
         const UCE_FATAL = 1 << 1;
         /// Another SIGBUS killed the process.
         const SIGBUS = 1 << 2;
+        /// The rank could not rebuild its communicator for an epoch.
+        const REBUILD_FAILED = 1 << 3;
     }
 }
 
@@ -82,6 +86,25 @@ impl ControlPage {
         self.fault_offset.store(site.offset, Ordering::Relaxed);
         self.fault_flags
             .fetch_or(FaultFlags::UCE_REPAIRABLE.bits(), Ordering::Release);
+    }
+
+    /// Records that the communicator of `epoch` could not be built because
+    /// `peer` (if known) could not be reached (worker side).
+    pub fn record_rebuild_failure(&self, epoch: u64, peer: Option<u64>) {
+        self.rebuild_epoch.store(epoch, Ordering::Relaxed);
+        self.rebuild_peer
+            .store(peer.unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.fault_flags
+            .fetch_or(FaultFlags::REBUILD_FAILED.bits(), Ordering::Release);
+    }
+
+    /// The epoch and peer of the last failed rebuild.
+    pub fn rebuild_failure(&self) -> (u64, Option<u64>) {
+        let peer = self.rebuild_peer.load(Ordering::Relaxed);
+        (
+            self.rebuild_epoch.load(Ordering::Relaxed),
+            (peer != u64::MAX).then_some(peer),
+        )
     }
 
     /// The recorded faults, and where the last repairable UCE hit.

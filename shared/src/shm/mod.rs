@@ -18,10 +18,12 @@
 //!
 //! control page (every field a little-endian u64, accessed atomically):
 //!   0 magic "HTRCTL\0\2"  8 version (major<<16|minor)  16 rank  24 slots K
-//!  32 slot capacity C    40 layout hash   48 job hash     56 (reserved)
+//!  32 slot capacity C    40 layout hash   48 job hash
+//!  56 epoch whose communicator the rank could not rebuild
 //!  64 pid                72 phase         80 last completed step
 //!  88 epoch              96 heartbeat    104 restart count
 //! 112 1 while the rank waits in a collective (on its peers), else 0
+//! 120 the peer it could not reach then (u64::MAX: unknown)
 //! 128 directive seq     136 directive kind  144 directive epoch
 //! 152 directive step    160 acknowledged directive seq
 //! 168 fault flags       176 fault part      184 fault offset

@@ -287,4 +287,64 @@ impl Machine {
             .unwrap_or(ExitStatus::Exited(1));
         self.stop_with(now, Outcome::WorkerFailed { rank, status });
     }
+
+    /// A rank could not build the communicator of `epoch`: the recovery
+    /// tries again under a new epoch, at most [`MAX_REBUILDS`] epochs in
+    /// all; then the job stops, naming who could not reach whom.
+    pub(super) fn rebuild_failed(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        epoch: u64,
+        peer: Option<u64>,
+    ) {
+        let current = match self.state {
+            State::Recovering {
+                epoch: e,
+                stage: Stage::Resuming { .. },
+                ..
+            } => e,
+            _ => return,
+        };
+        if epoch != current || self.rebuilds.iter().any(|(e, _, _)| *e == epoch) {
+            return;
+        }
+        self.rebuilds.push((epoch, rank, peer));
+        let whom = |p: Option<u64>| p.map_or("its peers".to_string(), |p| format!("rank {p}"));
+        let detail = format!(
+            "rank {rank} could not reach {} to rebuild the communicator of epoch {epoch}",
+            whom(peer)
+        );
+        if self.rebuilds.len() < MAX_REBUILDS {
+            self.note(
+                Level::Warn,
+                Some(rank),
+                format!(
+                    "{detail}: trying again under a new epoch ({} of {MAX_REBUILDS})",
+                    self.rebuilds.len() + 1
+                ),
+            );
+            self.begin_recovery(now, Vec::new());
+            return;
+        }
+        let tried: Vec<String> = self
+            .rebuilds
+            .iter()
+            .map(|(e, r, p)| format!("epoch {e}: rank {r} could not reach {}", whom(*p)))
+            .collect();
+        let reason = format!(
+            "the communicator could not be rebuilt under {MAX_REBUILDS} epochs ({}): stopping the job",
+            tried.join("; ")
+        );
+        self.fault_note(Level::Error, rank, "rebuild failed", &detail, &reason);
+        self.record_fault(
+            now,
+            rank,
+            FaultKind::Rebuild,
+            detail,
+            "stop the job".into(),
+            reason,
+        );
+        self.stop_with(now, Outcome::RecoveryFailed);
+    }
 }

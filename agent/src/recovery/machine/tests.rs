@@ -607,3 +607,51 @@ fn restart_limits_still_end_the_job_with_last_words() {
     assert!(sim.m.faults()[1].reason.contains("--max-restarts"));
     assert!(sim.m.last_words().is_some());
 }
+
+#[test]
+fn a_rebuild_that_keeps_failing_is_retried_under_new_epochs_then_stops_naming_the_ranks() {
+    let mut sim = Sim::new(4);
+    sim.run(6);
+    sim.crash(1);
+    // No communicator can be built: no rank gets past s*.
+    for r in &mut sim.ranks {
+        r.hung = true;
+    }
+    let mut epochs = Vec::new();
+    for _ in 0..MAX_REBUILDS {
+        sim.run_until("resuming", 200, |s| s.m.activity().contains("resuming"));
+        let epoch = sim.m.epoch();
+        epochs.push(epoch);
+        sim.feed(Event::RebuildFailed {
+            rank: 2,
+            epoch,
+            peer: Some(3),
+        });
+        // A second report of the same epoch changes nothing.
+        sim.feed(Event::RebuildFailed {
+            rank: 0,
+            epoch,
+            peer: None,
+        });
+    }
+    sim.run_until("the end", 200, |s| s.outcome.is_some());
+    assert_eq!(sim.outcome, Some(Outcome::RecoveryFailed));
+    assert!(
+        sim.m.last_words().is_some(),
+        "the last words are written first"
+    );
+    let f = sim.m.faults().last().unwrap();
+    assert_eq!(f.kind, FaultKind::Rebuild);
+    for e in &epochs {
+        assert!(
+            f.reason
+                .contains(&format!("epoch {e}: rank 2 could not reach rank 3")),
+            "{}",
+            f.reason
+        );
+    }
+    assert_eq!(
+        epochs.windows(2).filter(|w| w[1] > w[0]).count(),
+        MAX_REBUILDS - 1
+    );
+}
