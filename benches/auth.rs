@@ -81,7 +81,10 @@ fn main() {
     }
     let (sp, sa) = (median(plain), median(authed));
     println!("authentication cost, median (loopback, 2-core machine)");
-    println!("{:<22} {:>12} {:>14} {:>8}", "case", "plain", "authenticated", "ratio");
+    println!(
+        "{:<22} {:>12} {:>14} {:>8}",
+        "case", "plain", "authenticated", "ratio"
+    );
     println!(
         "{:<22} {:>9.1} us {:>11.1} us {:>8.3}",
         "store round trip",

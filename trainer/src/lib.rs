@@ -6,6 +6,7 @@
 //!   synthetic Markov-chain token stream of known entropy, AdamW over a
 //!   ZeRO-1 shard;
 //! - [`collective`]: abortable ring collectives over TCP, one per epoch;
+//! - [`dist`]: where a rank sits in the job and how it meets its peers;
 //! - [`checkpoint`]: the trainer's state map and checkpoint loader;
 //! - [`faults`]: the deterministic fault plan tests and the demo use;
 //! - [`trainer`]: the training loop.
@@ -14,6 +15,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod faults;
 pub mod model;
 pub mod optim;

@@ -19,21 +19,19 @@ use crate::checkpoint::{self as ck, SaveTo};
 use crate::collective::{CollectiveError, Communicator};
 use crate::config::{ModelConfig, ModelSize};
 use crate::data::{MarkovChain, SplitMix64};
+use crate::dist::{Dist, DistEnv};
 use crate::faults::{ENV_FAULT_PLAN, FaultPlan, PlanError, Point};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
 use clap::Parser;
-use hatrain_shared::auth::Secret;
 use hatrain_shared::checkpoint::{self, CheckpointError};
-use hatrain_shared::rendezvous::ENV_AGENT_STORE;
 use hatrain_shared::shard::shard_range;
 use hatrain_shared::shm::Directive;
 use hatrain_shared::statemap::StateMap;
-use hatrain_shared::store::{RendezvousError, StoreClient, StoreServer};
+use hatrain_shared::store::RendezvousError;
 use hatrain_worker::runtime::{CommitOf, Runtime, RuntimeError, SharedBuf, Start};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -45,7 +43,7 @@ const STREAM_DATA: u64 = 0xDA7A;
 const STREAM_SAMPLER: u64 = 0x5A3B;
 
 /// How long building a communicator may take before the rank gives up.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone, Parser, serde::Serialize)]
 #[command(
@@ -214,69 +212,6 @@ pub enum TrainError {
     },
 }
 
-/// Where this process sits in the job, from the torchrun-style environment.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DistEnv {
-    pub rank: usize,
-    pub world_size: usize,
-    pub local_rank: usize,
-    pub master: Option<SocketAddr>,
-    /// The launcher hosts the rendezvous store (else rank 0 does).
-    pub agent_store: bool,
-}
-
-impl DistEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`.
-    /// Without `WORLD_SIZE` the process is a job of one.
-    pub fn from_env() -> Result<Self, TrainError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
-    }
-
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, TrainError> {
-        let num = |k: &str, default: usize| -> Result<usize, TrainError> {
-            match get(k) {
-                None => Ok(default),
-                Some(v) => v
-                    .trim()
-                    .parse()
-                    .map_err(|_| TrainError::Env(format!("{k}={v:?} is not a number"))),
-            }
-        };
-        let world_size = num("WORLD_SIZE", 1)?;
-        let rank = num("RANK", 0)?;
-        let local_rank = num("LOCAL_RANK", rank)?;
-        if world_size == 0 || rank >= world_size {
-            return Err(TrainError::Env(format!(
-                "RANK={rank} is outside WORLD_SIZE={world_size}"
-            )));
-        }
-        let master = if world_size > 1 {
-            let addr = get("MASTER_ADDR").ok_or_else(|| {
-                TrainError::Env("MASTER_ADDR is required when WORLD_SIZE > 1".into())
-            })?;
-            let port = num("MASTER_PORT", usize::MAX)?;
-            let port = u16::try_from(port).map_err(|_| {
-                TrainError::Env("MASTER_PORT (1-65535) is required when WORLD_SIZE > 1".into())
-            })?;
-            let resolved = (addr.as_str(), port)
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| TrainError::Env(format!("MASTER_ADDR={addr:?} does not resolve")))?;
-            Some(resolved)
-        } else {
-            None
-        };
-        Ok(Self {
-            rank,
-            world_size,
-            local_rank,
-            master,
-            agent_store: get(ENV_AGENT_STORE).is_some_and(|v| v == "1"),
-        })
-    }
-}
-
 /// Everything that must survive for training to resume exactly. The large
 /// buffers are shared with the runtime, which snapshots them.
 #[derive(Debug, Clone)]
@@ -387,71 +322,6 @@ impl JsonLog {
                 })?;
         }
         Ok(())
-    }
-}
-
-/// The store and communicator of a job.
-struct Dist {
-    env: DistEnv,
-    _server: Option<StoreServer>,
-    store: Option<StoreClient>,
-    /// The job's secret, when the launcher gave one: the store and the ring
-    /// then speak only to its holders.
-    secret: Option<Secret>,
-}
-
-impl Dist {
-    fn start(env: DistEnv) -> Result<Self, TrainError> {
-        let secret = match std::env::var_os(hatrain_shared::auth::ENV_SECRET_FILE) {
-            Some(path) => Some(Secret::load(std::path::Path::new(&path))?),
-            None => None,
-        };
-        let Some(master) = env.master else {
-            return Ok(Self {
-                env,
-                _server: None,
-                store: None,
-                secret,
-            });
-        };
-        // Under another launcher rank 0 hosts the store itself.
-        let server = if !env.agent_store && env.rank == 0 {
-            if secret.is_none() {
-                eprintln!(
-                    "rank 0: no {} given: the rendezvous store and the ring accept any local process",
-                    hatrain_shared::auth::ENV_SECRET_FILE
-                );
-            }
-            Some(StoreServer::bind(master, secret.clone())?)
-        } else {
-            None
-        };
-        let store = StoreClient::connect(master, CONNECT_TIMEOUT, secret.clone())?;
-        Ok(Self {
-            env,
-            _server: server,
-            store: Some(store),
-            secret,
-        })
-    }
-
-    fn communicator(
-        &mut self,
-        epoch: u64,
-        cancel: &dyn Fn() -> bool,
-    ) -> Result<Communicator, TrainError> {
-        match self.store.as_mut() {
-            None => Ok(Communicator::single(epoch)),
-            Some(store) => Ok(Communicator::connect(
-                store,
-                self.env.rank,
-                self.env.world_size,
-                epoch,
-                CONNECT_TIMEOUT,
-                self.secret.as_ref(),
-                cancel,
-            )?),
-        }
     }
 }
 
@@ -1101,36 +971,6 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         DistEnv::from_lookup(|k| map.get(k).cloned())
-    }
-
-    #[test]
-    fn environment_is_validated() {
-        let single = env(&[]).unwrap();
-        assert_eq!(
-            (single.rank, single.world_size, single.master),
-            (0, 1, None)
-        );
-        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "2")])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("RANK=2 is outside WORLD_SIZE=2"), "{e}");
-        let e = env(&[("WORLD_SIZE", "2"), ("RANK", "0")])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("MASTER_ADDR"), "{e}");
-        let e = env(&[("WORLD_SIZE", "two")]).unwrap_err().to_string();
-        assert!(e.contains("WORLD_SIZE=\"two\""), "{e}");
-        let ok = env(&[
-            ("WORLD_SIZE", "4"),
-            ("RANK", "3"),
-            ("LOCAL_RANK", "1"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
-            (ENV_AGENT_STORE, "1"),
-        ])
-        .unwrap();
-        assert_eq!(ok.master, Some("127.0.0.1:29500".parse().unwrap()));
-        assert!(ok.agent_store && ok.local_rank == 1);
     }
 
     fn tiny(iters: u64) -> TrainArgs {
