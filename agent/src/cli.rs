@@ -42,9 +42,11 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub master_port: Option<u16>,
     /// Job identifier, passed to workers as HATRAIN_JOB_ID: 1 to 64
-    /// letters, digits, '.', '_' or '-', not starting with '.'.
-    #[arg(long, env = "HATRAIN_JOB_ID", default_value = "hatrain")]
-    pub job_id: JobId,
+    /// letters, digits, '.', '_' or '-', not starting with '.' (default:
+    /// Slurm's job and step, else one made for this launch, printed at
+    /// start).
+    #[arg(long, env = "HATRAIN_JOB_ID")]
+    pub job_id: Option<JobId>,
     /// RAYON_NUM_THREADS for each worker when the environment does not set
     /// it (default: cores / workers, at least 1).
     #[arg(long)]

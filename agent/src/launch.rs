@@ -101,6 +101,56 @@ pub enum LaunchError {
     },
 }
 
+/// Where a launch's job id came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobIdSource {
+    /// `--job-id` or `HATRAIN_JOB_ID`.
+    Given,
+    /// The launcher's own run id (Slurm's job and step).
+    Launcher(&'static str),
+    /// Made for this launch: unique on the host.
+    Made,
+}
+
+/// Picks the job id: the flag (or `HATRAIN_JOB_ID`), else Slurm's job and
+/// step (`slurm-<job>.<step>`, with `-node<K>` on several nodes, since
+/// several agents of one job may share a host), else one made for this
+/// launch from its pid and random bits, so that two launches with default
+/// settings never share a folder.
+pub fn resolve_job_id(
+    flag: Option<JobId>,
+    nnodes: usize,
+    node_rank: usize,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<(JobId, JobIdSource), LaunchError> {
+    if let Some(id) = flag {
+        return Ok((id, JobIdSource::Given));
+    }
+    if let Some(job) = get("SLURM_JOB_ID") {
+        let step = get("SLURM_STEP_ID").unwrap_or_else(|| "0".into());
+        let mut id = format!("slurm-{}.{}", job.trim(), step.trim());
+        if nnodes > 1 {
+            id.push_str(&format!("-node{node_rank}"));
+        }
+        let id = JobId::new(&id).map_err(|e| {
+            LaunchError::Config(format!("SLURM_JOB_ID={job:?} gives no job id: {e}"))
+        })?;
+        return Ok((id, JobIdSource::Launcher("SLURM_JOB_ID")));
+    }
+    let mut bits = [0u8; 4];
+    getrandom::fill(&mut bits)
+        .map_err(|e| LaunchError::Config(format!("cannot make a job id: {e}")))?;
+    let id = format!(
+        "hatrain-{}-{:08x}",
+        std::process::id(),
+        u32::from_le_bytes(bits)
+    );
+    Ok((
+        JobId::new(&id).expect("a made id is a name"),
+        JobIdSource::Made,
+    ))
+}
+
 /// Picks the node rank: the flag, else the first of [`NODE_RANK_VARS`] set.
 pub fn resolve_node_rank(
     flag: Option<usize>,
@@ -260,6 +310,32 @@ mod tests {
             4
         );
         assert_eq!(resolve_node_rank(None, env(&[])).unwrap(), 0);
+        let given = JobId::new("mine").unwrap();
+        assert_eq!(
+            resolve_job_id(Some(given.clone()), 1, 0, env(&[("SLURM_JOB_ID", "7")])).unwrap(),
+            (given, JobIdSource::Given)
+        );
+        let (id, from) = resolve_job_id(
+            None,
+            2,
+            1,
+            env(&[("SLURM_JOB_ID", "7"), ("SLURM_STEP_ID", "3")]),
+        )
+        .unwrap();
+        assert_eq!(
+            (id.as_str(), from),
+            ("slurm-7.3-node1", JobIdSource::Launcher("SLURM_JOB_ID"))
+        );
+        let e = resolve_job_id(None, 1, 0, env(&[("SLURM_JOB_ID", "../x")])).unwrap_err();
+        assert!(e.to_string().contains("SLURM_JOB_ID"), "{e}");
+        let (a, from) = resolve_job_id(None, 1, 0, env(&[])).unwrap();
+        let (b, _) = resolve_job_id(None, 1, 0, env(&[])).unwrap();
+        assert_eq!(from, JobIdSource::Made);
+        assert_ne!(a, b, "made ids differ");
+        assert!(
+            a.as_str()
+                .starts_with(&format!("hatrain-{}-", std::process::id()))
+        );
         let e = resolve_node_rank(None, env(&[("PMI_RANK", "x")])).unwrap_err();
         assert!(e.to_string().contains("PMI_RANK=\"x\""), "{e}");
     }

@@ -11,6 +11,7 @@
 //! - [`control`]: the control socket for workers and `agentctl`;
 //! - [`persister`]: checkpoints written from the snapshots;
 //! - [`gpu`]: GPU memory errors as a fault source;
+//! - [`oom`]: whether the kernel's OOM killer ended a worker;
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
 
 pub mod cli;
@@ -19,6 +20,7 @@ pub mod gpu;
 pub mod job;
 pub mod jobdir;
 pub mod launch;
+pub mod oom;
 pub mod persister;
 pub mod reaper;
 pub mod recovery;
@@ -51,6 +53,10 @@ pub mod exit {
     /// Training finished, but the agent could not write its final
     /// checkpoint (the previous one is intact).
     pub const SAVE_FAILED: u8 = 4;
+    /// The job cannot run on this host: a snapshot store cannot be made
+    /// (the shm root is too small, or out of resources); the message names
+    /// the root, the bytes needed and free, and the flags to change.
+    pub const UNFIT: u8 = 5;
 
     /// The code for an agent stopped by signal `sig` (128+N).
     pub fn signaled(sig: i32) -> u8 {

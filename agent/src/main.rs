@@ -4,8 +4,9 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use hatrain_agent::cli::{Cli, Command, LaunchArgs};
 use hatrain_agent::exit;
-use hatrain_agent::launch::{self, HaSettings, LaunchConfig, LaunchError};
+use hatrain_agent::launch::{self, HaSettings, JobIdSource, LaunchConfig, LaunchError};
 use hatrain_agent::recovery::{HangPolicy, Outcome, RestartPolicy};
+use hatrain_shared::control::FaultKind;
 use hatrain_shared::ha::{self, HaFlags};
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -54,7 +55,7 @@ fn run(command: Command) -> Result<ExitCode> {
         let shutdown = CancellationToken::new();
         let signaled = Arc::new(AtomicI32::new(0));
         watch_signals(shutdown.clone(), Arc::clone(&signaled))?;
-        let outcome = match command {
+        let (outcome, faults) = match command {
             Command::Launch(args) => {
                 let report = launch::run(&launch_config(args)?, shutdown).await?;
                 if let Some((it, dir)) = &report.last_words {
@@ -74,14 +75,25 @@ fn run(command: Command) -> Result<ExitCode> {
                     );
                     return Ok(ExitCode::from(exit::SAVE_FAILED));
                 }
-                report.outcome
+                (report.outcome, report.faults)
             }
         };
         Ok(match outcome {
             Outcome::Succeeded => ExitCode::SUCCESS,
             Outcome::WorkerFailed { rank, status } => {
-                eprintln!("hatrain-agent: rank {rank} failed ({status}); job stopped");
+                let oom = faults.iter().rev().find(|f| f.ranks == [rank]).filter(|f| f.kind == FaultKind::Oom);
+                match oom {
+                    Some(_) => eprintln!(
+                        "hatrain-agent: rank {rank} ran out of memory (killed by the kernel's OOM killer, {status}); job stopped"
+                    ),
+                    None => eprintln!("hatrain-agent: rank {rank} failed ({status}); job stopped"),
+                }
                 ExitCode::from(exit::worker(status.code()))
+            }
+            Outcome::Unfit => {
+                let why = faults.iter().rev().find(|f| f.kind == FaultKind::Store).map_or("", |f| f.detail.as_str());
+                eprintln!("hatrain-agent: the job cannot run on this host: {why}");
+                ExitCode::from(exit::UNFIT)
             }
             Outcome::RecoveryFailed => {
                 eprintln!(
@@ -119,6 +131,18 @@ fn seconds(flag: &str, v: f64) -> Result<Duration, LaunchError> {
 
 fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
     let node_rank = launch::resolve_node_rank(a.node_rank, |k| std::env::var(k).ok())?;
+    let (job_id, source) =
+        launch::resolve_job_id(a.job_id, a.nnodes, node_rank, |k| std::env::var(k).ok())?;
+    match source {
+        JobIdSource::Given => tracing::info!(job = %job_id, "job id"),
+        JobIdSource::Launcher(var) => {
+            tracing::info!(job = %job_id, from = var, "job id (from the launcher's)")
+        }
+        JobIdSource::Made => tracing::info!(
+            job = %job_id,
+            "job id made for this launch (give --job-id to choose one); agentctl finds the job by it"
+        ),
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let h = &a.ha;
     let flags = HaFlags {
@@ -169,7 +193,7 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         nproc_per_node: a.nproc_per_node,
         master_addr: a.master_addr,
         master_port: a.master_port,
-        job_id: a.job_id,
+        job_id,
         secret_file: a.secret_file,
         threads_per_worker: a
             .threads_per_worker

@@ -231,6 +231,11 @@ pub enum FaultKind {
     NoPause,
     /// The ranks could not rebuild their communicator.
     Rebuild,
+    /// The kernel's OOM killer killed a worker: out of memory.
+    Oom,
+    /// A rank's snapshot store could not be made on the host (no room in
+    /// the shm root, or no resources).
+    Store,
 }
 
 impl std::fmt::Display for FaultKind {
@@ -242,6 +247,8 @@ impl std::fmt::Display for FaultKind {
             Self::EarlyExit => "early exit",
             Self::NoPause => "no pause",
             Self::Rebuild => "rebuild",
+            Self::Oom => "out of memory",
+            Self::Store => "no store",
         })
     }
 }
@@ -257,6 +264,8 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path} is not served by the agent of its job: {detail}")]
+    NotTheAgent { path: PathBuf, detail: String },
     #[error("talking to the agent at {path}")]
     Frame {
         path: PathBuf,
@@ -277,9 +286,57 @@ pub fn trusted_socket(socket: &Path) -> Result<(), crate::trust::TrustError> {
     Ok(())
 }
 
+/// Connects to the agent at `socket`, after checking that the socket and
+/// its folder are trusted ([`trusted_socket`]), and that the process at the
+/// other end is the agent that holds the folder's lock
+/// ([`crate::joblock`]): not a stale socket, and not a second agent that
+/// took the folder by mistake.
+pub fn connect(socket: &Path) -> Result<std::os::unix::net::UnixStream, ClientError> {
+    trusted_socket(socket)?;
+    let s =
+        std::os::unix::net::UnixStream::connect(socket).map_err(|source| ClientError::Connect {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+    let not = |detail: String| ClientError::NotTheAgent {
+        path: socket.to_path_buf(),
+        detail,
+    };
+    let peer = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| not(format!("cannot read its peer's credentials: {e}")))?
+        .pid();
+    let dir = socket
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    match crate::joblock::probe(dir) {
+        Ok(crate::joblock::LockState::Held(Some(h))) if h.pid == peer => Ok(s),
+        Ok(crate::joblock::LockState::Held(Some(h))) => Err(not(format!(
+            "its peer is pid {peer}, but the job's lock is held by pid {} (job {}, started at {})",
+            h.pid,
+            h.job,
+            h.started()
+        ))),
+        Ok(crate::joblock::LockState::Held(None)) => {
+            Err(not("its agent is still starting; try again".into()))
+        }
+        Ok(crate::joblock::LockState::Free) => Err(not(format!(
+            "no agent holds the job's lock ({}): the agent that made it is gone",
+            dir.join(crate::joblock::LOCK).display()
+        ))),
+        Ok(crate::joblock::LockState::Missing) => Err(not(format!(
+            "{} has no {}",
+            dir.display(),
+            crate::joblock::LOCK
+        ))),
+        Err(e) => Err(not(format!("cannot probe the job's lock: {e}"))),
+    }
+}
+
 /// Sends one request to the agent listening on `socket` and returns its
 /// reply (a blocking client, for `agentctl`, workers and the demo);
-/// `timeout` bounds the wait for the reply.
+/// `timeout` bounds the wait for the reply. The agent is checked first
+/// ([`connect`]).
 pub fn request(
     socket: &Path,
     request: &Request,
@@ -289,11 +346,7 @@ pub fn request(
         path: socket.to_path_buf(),
         source,
     };
-    let mut s =
-        std::os::unix::net::UnixStream::connect(socket).map_err(|source| ClientError::Connect {
-            path: socket.to_path_buf(),
-            source,
-        })?;
+    let mut s = connect(socket)?;
     s.set_read_timeout(Some(timeout))
         .map_err(|source| ClientError::Connect {
             path: socket.to_path_buf(),

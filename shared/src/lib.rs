@@ -12,6 +12,7 @@
 //! - [`shard`]: how a flat buffer is split across the ranks of a group;
 //! - [`ha`]: the high-availability switches;
 //! - [`ident`]: job ids, which are names and never paths;
+//! - [`joblock`]: the lock that claims a job's folder, and who holds it;
 //! - [`trust`]: whether a folder or file may be used (owner, mode, kind).
 //!
 //! Nothing here decides *when* anything happens; that is the agent's and the
@@ -23,6 +24,7 @@ pub mod control;
 pub mod frame;
 pub mod ha;
 pub mod ident;
+pub mod joblock;
 pub mod rendezvous;
 pub mod shard;
 pub mod shm;

@@ -2,6 +2,7 @@
 
 use hatrain_scenarios::mapworker::{BETA, alpha, alpha_len, beta, header, map};
 use hatrain_shared::shm::Directive;
+use hatrain_shared::statemap::{Dtype, Part, Sharing};
 use hatrain_worker::comm::NoHooks;
 use hatrain_worker::runtime::{CommitOf, Runtime, SharedBuf, Start};
 use std::path::PathBuf;
@@ -34,15 +35,28 @@ fn main() -> ExitCode {
     let interval = num("--interval", 5);
     let step_ms = num("--step-ms", 10);
     let dir = PathBuf::from(arg("--save").unwrap_or_else(|| "mapworker-ckpt".into()));
+    // `--delay-rank R --delay-ms MS`: rank R registers MS late (a test
+    // takes the shm root's space meanwhile).
+    if arg("--delay-rank").and_then(|r| r.parse::<usize>().ok()) == Some(rank) {
+        std::thread::sleep(Duration::from_millis(num("--delay-ms", 0)));
+    }
     let a: SharedBuf = Arc::new(RwLock::new(vec![0.0; alpha_len(rank) as usize]));
     let b: SharedBuf = Arc::new(RwLock::new(vec![0.0; BETA as usize]));
-    let (mut rt, start) = match Runtime::connect(
-        rank,
-        map(rank, world, &dir, interval),
-        vec![Arc::clone(&a), Arc::clone(&b)],
-        1,
-        Arc::new(NoHooks),
-    ) {
+    let mut state_map = map(rank, world, &dir, interval);
+    let mut buffers = vec![Arc::clone(&a), Arc::clone(&b)];
+    // `--pad-mib N`: N MiB more state, in a part of its own that no
+    // checkpoint holds, so the stores are as large as a test needs.
+    let pad = num("--pad-mib", 0) * (1 << 18);
+    if pad > 0 {
+        state_map.parts.push(Part {
+            name: "pad".into(),
+            dtype: Dtype::F32,
+            len: pad,
+            sharing: Sharing::Unique,
+        });
+        buffers.push(Arc::new(RwLock::new(vec![0.0; pad as usize])));
+    }
+    let (mut rt, start) = match Runtime::connect(rank, state_map, buffers, 1, Arc::new(NoHooks)) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("mapworker rank {rank}: {e}");

@@ -95,8 +95,12 @@ fn drain(mut r: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<
 }
 
 impl Job {
+    /// Starts `cmd`; every process it starts carries `HATRAIN_TEST_TAG=job`
+    /// in its environment, so the guard finds them even when the job's id
+    /// is made by the agent.
     pub fn spawn(mut cmd: Command, job: &str) -> Self {
         let mut child = cmd
+            .env(TAG, job)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -168,10 +172,14 @@ pub fn kill(pid: i32, sig: i32) {
     }
 }
 
+/// The environment variable that marks a test job's processes.
+pub const TAG: &str = "HATRAIN_TEST_TAG";
+
 /// Pids of live (not zombie) processes whose environment carries
-/// `HATRAIN_JOB_ID=<job>`.
+/// `HATRAIN_JOB_ID=<job>` or `HATRAIN_TEST_TAG=<job>`.
 pub fn job_pids(job: &str) -> Vec<i32> {
     let needle = format!("HATRAIN_JOB_ID={job}");
+    let tagged = format!("{TAG}={job}");
     let mut out = Vec::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return out;
@@ -183,7 +191,10 @@ pub fn job_pids(job: &str) -> Vec<i32> {
         let Ok(env) = std::fs::read(e.path().join("environ")) else {
             continue;
         };
-        if !env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
+        if !env
+            .split(|b| *b == 0)
+            .any(|kv| kv == needle.as_bytes() || kv == tagged.as_bytes())
+        {
             continue;
         }
         let zombie = std::fs::read_to_string(e.path().join("stat"))

@@ -6,6 +6,8 @@
 //! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17),
 //! `exit0` (exit code 0 before training is over),
 //! `hang` (block forever), `sleepMS` (sleep MS milliseconds: a slow rank),
+//! `allocMB` (allocate and touch MB MiB that are never freed: a rank that
+//! runs out of memory under a limit),
 //! `uce-PART-OFFSET` (an uncorrectable memory error at byte OFFSET of state
 //! part PART) or `uce-outside` (one outside the registered state). An
 //! optional fifth field names the incarnation (restart count) the entry
@@ -54,6 +56,8 @@ enum Action {
     Hang,
     /// Sleep this many milliseconds: a slow but live rank.
     Sleep(u64),
+    /// Allocate and touch this many MiB, and keep them.
+    Alloc(u64),
     /// Fail (at `rebuild`: the rank cannot reach its next peer), every time.
     Fail,
     /// An uncorrectable memory error at a byte of a state buffer (by
@@ -124,6 +128,11 @@ impl FaultPlan {
                         (Some(ms), _) => {
                             Action::Sleep(ms.parse().map_err(|_| bad("sleepMS needs a number"))?)
                         }
+                        (None, None) if other.starts_with("alloc") => Action::Alloc(
+                            other["alloc".len()..]
+                                .parse()
+                                .map_err(|_| bad("allocMB needs a number"))?,
+                        ),
                         (_, Some(target)) => {
                             let (buf, off) = target
                                 .rsplit_once('-')
@@ -135,7 +144,7 @@ impl FaultPlan {
                         }
                         _ => {
                             return Err(bad(
-                                "ACTION must be stop, kill, exit, exit0, fail, hang, sleepMS, uce-BUFFER-OFFSET or uce-outside",
+                                "ACTION must be stop, kill, exit, exit0, fail, hang, sleepMS, allocMB, uce-BUFFER-OFFSET or uce-outside",
                             ));
                         }
                     },
@@ -174,6 +183,14 @@ impl FaultPlan {
                     Action::ExitClean => std::process::exit(0),
                     Action::Hang => hang(),
                     Action::Sleep(ms) => thread::sleep(Duration::from_millis(ms)),
+                    Action::Alloc(mib) => {
+                        // Touched page by page, so the memory is really used.
+                        let mut v: Vec<u8> = Vec::new();
+                        for _ in 0..mib {
+                            v.extend(std::iter::repeat_n(1u8, 1 << 20));
+                        }
+                        std::mem::forget(v);
+                    }
                     Action::Uce(..) | Action::Fail => {}
                 }
             }
@@ -229,6 +246,8 @@ mod tests {
             FaultPlan::parse("1:12:forward:stop; 2:20:update:kill;1:30:commit:exit", 1, 0).unwrap();
         assert_eq!(p.entries.len(), 2);
         assert_eq!(p.entries[1].0.point, Point::Commit);
+        let p = FaultPlan::parse("0:3:forward:alloc512:*", 0, 2).unwrap();
+        assert_eq!(p.entries[0].0.action, Action::Alloc(512));
         assert!(
             FaultPlan::parse("1:12:forward:stop", 1, 1)
                 .unwrap()
@@ -240,6 +259,7 @@ mod tests {
             "x:1:forward:stop",
             "1:1:sideways:stop",
             "1:1:forward:nap",
+            "1:1:forward:allocx",
         ] {
             let e = FaultPlan::parse(bad, 1, 0).unwrap_err().to_string();
             assert!(e.contains(bad), "{e}");

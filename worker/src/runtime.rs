@@ -32,7 +32,6 @@ use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode};
 use hatrain_shared::frame::FrameError;
 use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store, UceSite};
 use hatrain_shared::statemap::{Dtype, StateMap, StateMapError};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -49,12 +48,8 @@ pub const ENV_RESTART_COUNT: &str = "HATRAIN_RESTART_COUNT";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    #[error("cannot reach the agent at {path}")]
-    Connect {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Agent(#[from] hatrain_shared::control::ClientError),
     #[error("agent protocol")]
     Frame(#[from] FrameError),
     #[error("agent refused: {0}")]
@@ -263,11 +258,7 @@ impl Runtime {
             return Ok((rt, Start::Standalone));
         };
         let save_interval = rt.map.checkpoint.as_ref().map(|c| c.interval);
-        control::trusted_socket(&socket)?;
-        let mut conn = UnixStream::connect(&socket).map_err(|source| RuntimeError::Connect {
-            path: socket.clone(),
-            source,
-        })?;
+        let mut conn = control::connect(&socket)?;
         PROTOCOL.send_json(
             &mut conn,
             &Request::Register {

@@ -1,11 +1,12 @@
 //! `agentctl`: inspects a running hatrain agent over its control socket.
 //! One small function per verb; `--json` prints the agent's reply as JSON.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use hatrain_shared::control::{FaultRecord, InjectKind, Request, Response, WorkerReport};
 use hatrain_shared::ident::JobId;
-use std::path::PathBuf;
+use hatrain_shared::joblock;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -20,9 +21,10 @@ struct Cli {
     /// or HATRAIN_AGENT_SOCKET).
     #[arg(long, env = "HATRAIN_AGENT_SOCKET")]
     socket: Option<PathBuf>,
-    /// Job id, to find the socket under --shm-root.
-    #[arg(long, env = "HATRAIN_JOB_ID", default_value = "hatrain")]
-    job: JobId,
+    /// Job id, to find the socket under --shm-root (default: the only job
+    /// running there).
+    #[arg(long, env = "HATRAIN_JOB_ID")]
+    job: Option<JobId>,
     /// Root of the agents' shared memory (default: /dev/shm/hatrain for
     /// root, /dev/shm/hatrain-<uid> for others).
     #[arg(long)]
@@ -36,6 +38,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Verb {
+    /// The jobs whose agents run under --shm-root.
+    Jobs,
     /// The job, its ranks and its recent faults.
     Status,
     /// One line per rank.
@@ -76,15 +80,66 @@ fn main() -> ExitCode {
     }
 }
 
+/// The socket of the job to talk to: `--socket`, else `--job`'s under the
+/// root, else the only job running under the root.
+fn socket(cli: &Cli, root: &Path) -> Result<PathBuf> {
+    if let Some(s) = &cli.socket {
+        return Ok(s.clone());
+    }
+    if let Some(job) = &cli.job {
+        return Ok(root.join(job).join("agent.sock"));
+    }
+    let jobs = joblock::running(root)
+        .with_context(|| format!("cannot list the jobs under {}", root.display()))?;
+    match jobs.as_slice() {
+        [] => bail!("no job is running under {}", root.display()),
+        [(job, _)] => Ok(root.join(job).join("agent.sock")),
+        several => bail!(
+            "{} jobs are running under {}; choose one with --job:\n{}",
+            several.len(),
+            root.display(),
+            several
+                .iter()
+                .map(|(j, h)| format!("  {j} (agent pid {}, started at {})", h.pid, h.started()))
+                .collect::<Vec<_>>()
+                .join("\n")
+        ),
+    }
+}
+
+fn jobs(root: &Path, json: bool) -> Result<()> {
+    let jobs = match joblock::running(root) {
+        Ok(j) => j,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", root.display())),
+    };
+    if json {
+        let list: Vec<_> = jobs
+            .iter()
+            .map(|(j, h)| serde_json::json!({"job": j.as_str(), "pid": h.pid, "started_unix_s": h.started_unix_s}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else if jobs.is_empty() {
+        println!("no job is running under {}", root.display());
+    } else {
+        for (j, h) in &jobs {
+            println!("{j}  agent pid {}  started at {}", h.pid, h.started());
+        }
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
-    let socket = cli.socket.clone().unwrap_or_else(|| {
-        cli.shm_root
-            .clone()
-            .unwrap_or_else(hatrain_shared::trust::default_shm_root)
-            .join(&cli.job)
-            .join("agent.sock")
-    });
+    let root = cli
+        .shm_root
+        .clone()
+        .unwrap_or_else(hatrain_shared::trust::default_shm_root);
+    if matches!(cli.verb, Verb::Jobs) {
+        return jobs(&root, cli.json);
+    }
+    let socket = socket(&cli, &root)?;
     let request = match cli.verb {
+        Verb::Jobs => unreachable!("answered above"),
         Verb::Status => Request::Status,
         Verb::Workers => Request::Workers,
         Verb::Faults => Request::Faults,

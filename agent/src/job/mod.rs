@@ -26,6 +26,7 @@ use crate::control::{self, ControlMsg};
 use crate::gpu::GpuFault;
 use crate::jobdir::{self, JobDir};
 use crate::launch::{LaunchConfig, LaunchError};
+use crate::oom::OomWatch;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
@@ -107,6 +108,8 @@ struct Driver<'a> {
     outcome: Option<Outcome>,
     /// The rendezvous store, on node 0: it outlives every worker.
     store: Option<StoreServer>,
+    /// The workers' memory cgroups, to tell an OOM kill.
+    oom: OomWatch,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -222,7 +225,11 @@ async fn run_with(
         collected: collected_tx,
         outcome: None,
         store,
+        oom: OomWatch::default(),
     };
+    for (rank, pid) in sup.running() {
+        d.oom.started(rank, pid);
+    }
 
     let mut next_tick = tokio::time::Instant::now();
     let mut shutdown_seen = false;
@@ -247,8 +254,8 @@ async fn run_with(
                     // The machine judges an exit against fresh control pages.
                     let views = d.views(&sup);
                     d.feed(&mut sup, Event::Tick(views));
-                    let fatal_uce = d.take_fatal_uce(rank);
-                    d.feed(&mut sup, Event::Exited { rank, status: ev.status, fatal_uce });
+                    let cause = d.exit_cause(rank, ev.pid, ev.status);
+                    d.feed(&mut sup, Event::Exited { rank, status: ev.status, cause });
                 }
             },
             Some(msg) = ctl_rx.recv() => d.on_request(&mut sup, msg),
@@ -345,6 +352,7 @@ impl Driver<'_> {
             Command::Respawn { rank, restarts } => match sup.respawn(rank, restarts) {
                 Ok(pid) => {
                     tracing::info!(rank, pid, restarts, "replacement started");
+                    self.oom.started(rank, pid);
                     None
                 }
                 Err(e) => Some(Event::SpawnFailed {

@@ -2,7 +2,8 @@
 //! [`RankView`], and the faults the workers recorded.
 
 use super::Driver;
-use crate::recovery::{Event, RankView};
+use crate::reaper::ExitStatus;
+use crate::recovery::{Event, ExitCause, RankView};
 use crate::supervisor::Supervisor;
 use hatrain_shared::shm::FaultFlags;
 
@@ -37,17 +38,23 @@ impl Driver<'_> {
             .collect()
     }
 
-    /// Whether `rank`'s process died of a memory error outside its state
-    /// (and clears the flag, which its replacement must not inherit).
-    pub(super) fn take_fatal_uce(&self, rank: usize) -> bool {
-        let Some(s) = self.stores.get(&rank) else {
-            return false;
-        };
-        let (flags, _) = s.page().faults();
-        let fatal = flags.contains(FaultFlags::UCE_FATAL);
-        s.page()
-            .clear_faults(FaultFlags::UCE_FATAL | FaultFlags::SIGBUS);
-        fatal
+    /// What else is known of why `rank`'s process `pid` ended with
+    /// `status`: a memory error outside its state (the flag is cleared,
+    /// since its replacement must not inherit it), or the OOM killer.
+    pub(super) fn exit_cause(&mut self, rank: usize, pid: i32, status: ExitStatus) -> ExitCause {
+        let fatal_uce = self.stores.get(&rank).is_some_and(|s| {
+            let (flags, _) = s.page().faults();
+            s.page()
+                .clear_faults(FaultFlags::UCE_FATAL | FaultFlags::SIGBUS);
+            flags.contains(FaultFlags::UCE_FATAL)
+        });
+        if fatal_uce {
+            ExitCause::FatalUce
+        } else if status == ExitStatus::Signaled(libc::SIGKILL) && self.oom.killed(rank, pid) {
+            ExitCause::OutOfMemory
+        } else {
+            ExitCause::Status
+        }
     }
 
     /// The memory errors the workers repaired since the last tick, each

@@ -57,6 +57,40 @@ pub fn injection(
     })
 }
 
+/// Why a rank's snapshot store cannot be made on this host.
+#[derive(Debug)]
+pub(super) struct Unfit(String);
+
+/// Bytes that an unprivileged user may still write to the file system of
+/// `path` (statvfs(3): available blocks × fragment size).
+pub fn space_left(path: &std::path::Path) -> std::io::Result<u64> {
+    let v = nix::sys::statvfs::statvfs(path)?;
+    Ok(v.blocks_available() as u64 * v.fragment_size() as u64)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// The refusal of a store that does not fit: the root, the bytes needed
+/// and free, and the flags that change them.
+pub fn unfit_message(
+    root: &std::path::Path,
+    needed: u64,
+    free: u64,
+    stores: u64,
+    geometry: Geometry,
+) -> String {
+    format!(
+        "the shm root {} has {free} bytes ({}) free, but {stores} snapshot store(s) of {} slots of {} need {needed} bytes ({}): give a --shm-root with more room, or fewer --snapshot-slots (at least 2)",
+        root.display(),
+        mib(free),
+        geometry.slots,
+        mib(geometry.capacity as u64),
+        mib(needed),
+    )
+}
+
 impl Driver<'_> {
     pub(super) fn on_request(&mut self, sup: &mut Supervisor, msg: ControlMsg) {
         let response = match msg.request {
@@ -67,7 +101,16 @@ impl Driver<'_> {
                 return;
             }
             Request::Register { rank, pid, map } => {
-                let r = self.register(sup, rank, pid, map);
+                let r = match self.register(sup, rank, pid, map) {
+                    Ok(r) => r,
+                    Err(Unfit(reason)) => {
+                        let _ = msg.reply.send(Response::Error {
+                            message: reason.clone(),
+                        });
+                        self.feed(sup, Event::Unfit { rank, reason });
+                        return;
+                    }
+                };
                 if matches!(r, Response::Registered { .. }) {
                     let checkpoint = self.maps.get(&rank).is_some_and(|m| m.checkpoint.is_some());
                     let _ = msg.reply.send(r);
@@ -133,8 +176,17 @@ impl Driver<'_> {
         }
     }
 
-    fn register(&mut self, sup: &Supervisor, rank: usize, pid: u32, map: StateMap) -> Response {
-        let refuse = |message: String| Response::Error { message };
+    /// Registers a rank: its state map, and its store (made at its first
+    /// registration, reused by its replacements). `Err` when the store
+    /// cannot be made: the job cannot run on this host.
+    fn register(
+        &mut self,
+        sup: &Supervisor,
+        rank: usize,
+        pid: u32,
+        map: StateMap,
+    ) -> Result<Response, Unfit> {
+        let refuse = |message: String| Ok(Response::Error { message });
         if !sup.ranks().contains(&rank) {
             return refuse(format!(
                 "rank {rank} is not one of this host's ranks {:?}",
@@ -160,40 +212,81 @@ impl Driver<'_> {
         if !reuse {
             let name = format!("rank_{rank:05}.shm");
             let geometry = Geometry::new(self.cfg.ha.slots, total);
+            let root = self.dir.root().to_path_buf();
+            if self.stores.is_empty() {
+                // INVARIANT: before the first store is made, the space for
+                // every store of this host is checked at once (each sized
+                // like this rank's: shards differ by a page at most), so a
+                // job that cannot fit is refused before any rank trains.
+                // Space taken after the check makes a later creation fail
+                // with ENOSPC (the pages are reserved, never left sparse).
+                let stores = sup.ranks().len() as u64;
+                let needed = geometry.file_len() as u64 * stores;
+                match space_left(&root) {
+                    Ok(free) if free < needed => {
+                        return Err(Unfit(unfit_message(&root, needed, free, stores, geometry)));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(root = %root.display(), error = %e, "cannot tell the space left in the shm root")
+                    }
+                }
+            }
             let created =
                 self.dir
                     .create(&name)
                     .map_err(|e| e.to_string())
                     .and_then(|(file, path)| {
                         Store::create_in(
-                            file,
-                            &path,
-                            rank,
-                            geometry,
-                            layout,
-                            shm::hash_str(self.cfg.job_id.as_str()),
-                        )
-                        .map_err(|e| e.to_string())
+                        file,
+                        &path,
+                        rank,
+                        geometry,
+                        layout,
+                        shm::hash_str(self.cfg.job_id.as_str()),
+                    )
+                    .map_err(|e| match e {
+                        shm::ShmError::NoSpace {
+                            bytes,
+                            path,
+                            source,
+                        } => format!(
+                            "cannot reserve the snapshot store of rank {rank} ({}: {source}); {}",
+                            path.display(),
+                            unfit_message(
+                                &root,
+                                bytes,
+                                space_left(&root).unwrap_or(0),
+                                1,
+                                geometry,
+                            )
+                        ),
+                        e => format!("cannot make the snapshot store of rank {rank}: {e}"),
+                    })
                     });
             match created {
                 Ok(s) => {
                     tracing::info!(rank, pid, bytes = total, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
                     self.stores.insert(rank, Arc::new(s));
                 }
-                Err(e) => return refuse(e),
+                Err(e) => {
+                    // Whatever the creation made is gone already.
+                    self.dir.forget(&name);
+                    return Err(Unfit(e));
+                }
             }
         }
         let start = self.machine.start_mode();
         tracing::info!(rank, pid, ?start, "worker registered");
         self.maps.insert(rank, Arc::new(map));
-        Response::Registered {
+        Ok(Response::Registered {
             store: self.stores[&rank].path().to_path_buf(),
             start,
             // Ranks wait on a failed collective whenever the agent may pause
             // them: for a recovery or for a last-words dump.
             recover: self.cfg.ha.modes.any(),
             agent_saves,
-        }
+        })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -32,10 +32,10 @@
 use super::consistent::consistent_step;
 use super::policy::{
     ExitDecision, RankHistory, RestartPolicy, UceAction, early_exit, left_waiting, on_failure,
-    uce_action,
+    out_of_memory_again, uce_action,
 };
 use super::watchdog::{HangPolicy, Watch};
-use super::{Command, Event, Level, Note, Outcome, RankView, Written};
+use super::{Command, Event, ExitCause, Level, Note, Outcome, RankView, Written};
 use crate::reaper::ExitStatus;
 use hatrain_shared::control::{FaultKind, FaultRecord, StartMode};
 use hatrain_shared::ha::HaModes;
@@ -46,6 +46,11 @@ use std::time::Duration;
 /// Epochs a recovery tries to rebuild the communicators under before the
 /// job stops.
 pub const MAX_REBUILDS: usize = 3;
+
+/// Restarts after an out-of-memory kill, over the whole job: a restart at
+/// the same size usually meets the same end, so the second one stops the
+/// job (with its last words).
+pub const MAX_OOM_RESTARTS: u32 = 1;
 
 /// What the machine decides by.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,6 +135,8 @@ pub struct Machine {
     rebuilds: Vec<(u64, usize, Option<u64>)>,
     watch: Watch,
     last_words: Option<Written>,
+    /// Restarts of ranks the OOM killer killed.
+    oom_restarts: u32,
     out: Step,
 }
 
@@ -155,6 +162,7 @@ impl Machine {
             rebuilds: Vec::new(),
             watch: Watch::default(),
             last_words: None,
+            oom_restarts: 0,
             out: Step::default(),
         }
     }
@@ -166,8 +174,9 @@ impl Machine {
             Event::Exited {
                 rank,
                 status,
-                fatal_uce,
-            } => self.exited(now, rank, status, fatal_uce),
+                cause,
+            } => self.exited(now, rank, status, cause),
+            Event::Unfit { rank, reason } => self.unfit(now, rank, reason),
             Event::Registered { rank, checkpoint } => self.registered(rank, checkpoint),
             Event::Uce { rank, part, offset } => self.uce(now, rank, &part, offset),
             Event::SpawnFailed { rank, error } => self.spawn_failed(now, rank, &error),

@@ -86,14 +86,16 @@ pub struct Written {
 pub enum Event {
     /// Every rank's control page and process, read now.
     Tick(Vec<RankView>),
-    /// A worker process ended; `fatal_uce` when its control page says an
-    /// uncorrectable memory error outside its state killed it. The event
-    /// loop feeds a fresh [`Event::Tick`] first.
+    /// A worker process ended, for `cause` as far as the agent could tell.
+    /// The event loop feeds a fresh [`Event::Tick`] first.
     Exited {
         rank: usize,
         status: ExitStatus,
-        fatal_uce: bool,
+        cause: ExitCause,
     },
+    /// A rank's snapshot store cannot be made on this host (no room in the
+    /// shm root, or no resources): the job cannot run here.
+    Unfit { rank: usize, reason: String },
     /// A rank registered; `checkpoint` when its state map says how to write
     /// a checkpoint.
     Registered { rank: usize, checkpoint: bool },
@@ -126,6 +128,19 @@ pub enum Event {
     DumpRequested,
     /// The agent is asked to stop (SIGTERM).
     Shutdown,
+}
+
+/// What else the agent knows of why a worker ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitCause {
+    /// Nothing beyond its exit status.
+    Status,
+    /// Its control page says an uncorrectable memory error outside its
+    /// state killed it.
+    FatalUce,
+    /// The kernel's OOM killer killed it (its memory cgroup counted the
+    /// kill, or the kernel's log names it).
+    OutOfMemory,
 }
 
 /// What the event loop is to do.
@@ -191,5 +206,7 @@ pub enum Outcome {
     /// A fault could not be repaired; the reason is logged and in the fault
     /// history.
     RecoveryFailed,
+    /// The host cannot hold the job (its snapshot stores cannot be made).
+    Unfit,
     Interrupted,
 }

@@ -171,6 +171,18 @@ pub fn on_failure(
     )
 }
 
+/// Whether an out-of-memory kill of `rank` (`oom`) ends the job: after
+/// `restarted` restarts for out-of-memory kills in this job, at most `limit`
+/// are allowed, since a restart at the same size usually meets the same
+/// end. Returns the reason when it does.
+pub fn out_of_memory_again(rank: usize, oom: bool, restarted: u32, limit: u32) -> Option<String> {
+    (oom && restarted >= limit).then(|| {
+        format!(
+            "rank {rank} ran out of memory (killed by the kernel's OOM killer) after {restarted} restart(s) for running out of memory: a restart at the same size would meet the same end, so the job stops"
+        )
+    })
+}
+
 /// Whether rank `rank`'s clean exit after completing `step` steps is a
 /// fault: it is when the rank never said it had finished (`finished`: its
 /// control page reached the finished phase; a worker that never registered
@@ -232,6 +244,19 @@ pub fn uce_action(modes: &HaModes, rank: usize, part: &str) -> (UceAction, Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_memory_allows_the_limit_of_restarts_and_no_more() {
+        for restarted in 0..4 {
+            for limit in 0..3 {
+                let stop = out_of_memory_again(1, true, restarted, limit);
+                assert_eq!(stop.is_some(), restarted >= limit, "{restarted} {limit}");
+                assert!(out_of_memory_again(1, false, restarted, limit).is_none());
+            }
+        }
+        let why = out_of_memory_again(3, true, 1, 1).unwrap();
+        assert!(why.contains("rank 3 ran out of memory"), "{why}");
+    }
 
     const KILL: ExitStatus = ExitStatus::Signaled(9);
     const RECOVER: HaModes = HaModes {

@@ -70,7 +70,7 @@ impl Machine {
         now: Duration,
         rank: usize,
         status: ExitStatus,
-        fatal_uce: bool,
+        cause: ExitCause,
     ) {
         let step = self.view(rank).step;
         if let Some(v) = self.views.get_mut(&rank) {
@@ -116,17 +116,25 @@ impl Machine {
             }
             return;
         }
-        let (kind, detail) = match self.killed.remove(&rank) {
-            Some((kind, seen)) => (kind, format!("{seen}; then {status}")),
-            None if fatal_uce => (
+        let (kind, detail) = match (self.killed.remove(&rank), cause) {
+            (Some((kind, seen)), _) => (kind, format!("{seen}; then {status}")),
+            (None, ExitCause::FatalUce) => (
                 FaultKind::Uce,
                 format!(
                     "SIGBUS BUS_MCEERR outside the registered state: the process could not trust its memory; {status}"
                 ),
             ),
-            None => (FaultKind::Crash, status.to_string()),
+            (None, ExitCause::OutOfMemory) => (
+                FaultKind::Oom,
+                format!("killed by the kernel's OOM killer: out of memory ({status})"),
+            ),
+            (None, ExitCause::Status) => (FaultKind::Crash, status.to_string()),
         };
-        let what = format!("failed ({status})");
+        let what = if kind == FaultKind::Oom {
+            format!("ran out of memory ({status})")
+        } else {
+            format!("failed ({status})")
+        };
         self.failure(now, rank, kind, detail, &what, Some(status), step);
     }
 
@@ -163,18 +171,29 @@ impl Machine {
         }
         let history = self.history.get(&rank).cloned().unwrap_or_default();
         let code = status.map_or(0, ExitStatus::code);
-        let (decision, reason) = on_failure(
-            now,
+        let (decision, reason) = match out_of_memory_again(
             rank,
-            what,
-            code,
-            step,
-            &history,
-            &self.cfg.modes,
-            &self.cfg.restart,
-        );
+            kind == FaultKind::Oom,
+            self.oom_restarts,
+            MAX_OOM_RESTARTS,
+        ) {
+            Some(reason) => (ExitDecision::Stop { rank, code }, reason),
+            None => on_failure(
+                now,
+                rank,
+                what,
+                code,
+                step,
+                &history,
+                &self.cfg.modes,
+                &self.cfg.restart,
+            ),
+        };
         match decision {
             ExitDecision::Restart { .. } => {
+                if kind == FaultKind::Oom {
+                    self.oom_restarts += 1;
+                }
                 let history = self.history.entry(rank).or_default();
                 history.record_restart(now, step, &self.cfg.restart);
                 let restarts = history.restarts;
@@ -272,6 +291,31 @@ impl Machine {
                 self.stop_with(now, Outcome::RecoveryFailed);
             }
         }
+    }
+
+    /// A rank's snapshot store cannot be made: the job cannot run on this
+    /// host. It stops at once: nothing can have been snapshotted yet, since
+    /// stores are made before a rank trains.
+    pub(super) fn unfit(&mut self, now: Duration, rank: usize, reason: String) {
+        if matches!(self.state, State::Done(_)) {
+            return;
+        }
+        self.fault_note(
+            Level::Error,
+            rank,
+            "the host cannot hold the job",
+            &reason,
+            "no snapshot store, no protection: stopping the job",
+        );
+        self.record_fault(
+            now,
+            rank,
+            FaultKind::Store,
+            reason,
+            "stop the job".into(),
+            "the rank's snapshot store cannot be made on this host".into(),
+        );
+        self.finish(Outcome::Unfit);
     }
 
     pub(super) fn spawn_failed(&mut self, now: Duration, rank: usize, error: &str) {

@@ -150,7 +150,7 @@ impl Sim {
                     self.queue.push_back(Event::Exited {
                         rank,
                         status: ExitStatus::Signaled(9),
-                        fatal_uce: false,
+                        cause: ExitCause::Status,
                     });
                 }
             }
@@ -189,7 +189,7 @@ impl Sim {
         self.feed(Event::Exited {
             rank,
             status: ExitStatus::Signaled(9),
-            fatal_uce: false,
+            cause: ExitCause::Status,
         });
     }
 
@@ -494,7 +494,7 @@ fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
     sim.feed(Event::Exited {
         rank: 1,
         status: ExitStatus::Exited(0),
-        fatal_uce: false,
+        cause: ExitCause::Status,
     });
     assert!(sim.kinds().is_empty(), "believed at first");
     sim.ranks[0].phase = Phase::Paused;
@@ -519,7 +519,7 @@ fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
         sim.feed(Event::Exited {
             rank: r,
             status: ExitStatus::Exited(0),
-            fatal_uce: false,
+            cause: ExitCause::Status,
         });
     }
     assert_eq!(sim.outcome, Some(Outcome::Succeeded));
@@ -535,7 +535,7 @@ fn a_clean_exit_ahead_of_the_peers_is_a_fault_and_the_last_one_is_the_end() {
     sim.feed(Event::Exited {
         rank: 0,
         status: ExitStatus::Exited(0),
-        fatal_uce: false,
+        cause: ExitCause::Status,
     });
     sim.run_until("the end", 100, |s| s.outcome.is_some());
     assert_eq!(sim.outcome, Some(Outcome::RecoveryFailed));
@@ -653,5 +653,74 @@ fn a_rebuild_that_keeps_failing_is_retried_under_new_epochs_then_stops_naming_th
     assert_eq!(
         epochs.windows(2).filter(|w| w[1] > w[0]).count(),
         MAX_REBUILDS - 1
+    );
+}
+
+impl Sim {
+    /// The OOM killer takes `rank` now.
+    fn oom(&mut self, rank: usize) {
+        self.ranks[rank].alive = false;
+        let views = self.views();
+        self.feed(Event::Tick(views));
+        self.feed(Event::Exited {
+            rank,
+            status: ExitStatus::Signaled(9),
+            cause: ExitCause::OutOfMemory,
+        });
+    }
+}
+
+#[test]
+fn an_oom_kill_is_restarted_once_then_the_job_writes_its_last_words_and_stops() {
+    let mut sim = Sim::new(3);
+    sim.run(6);
+    sim.oom(2);
+    sim.run_until("recovery", 200, |s| !s.m.recovering());
+    let f = &sim.m.faults()[0];
+    assert_eq!(f.kind, FaultKind::Oom);
+    assert!(
+        f.detail.contains("OOM killer") && f.action.contains("restart rank 2 in place"),
+        "{f:?}"
+    );
+    sim.run(4);
+    // Another rank this time: the limit is the job's, not the rank's.
+    sim.oom(0);
+    sim.run_until("the end", 300, |s| s.outcome.is_some());
+    assert_eq!(
+        sim.outcome,
+        Some(Outcome::WorkerFailed {
+            rank: 0,
+            status: ExitStatus::Signaled(9)
+        })
+    );
+    assert_eq!(sim.kinds(), vec![FaultKind::Oom, FaultKind::Oom]);
+    let last = &sim.m.faults()[1];
+    assert!(
+        last.reason.contains("would meet the same end") && last.action == "stop the job",
+        "{last:?}"
+    );
+    assert!(
+        sim.m.last_words().is_some(),
+        "the last words are written before the stop"
+    );
+    assert!(!sim.commands.contains(&Command::Respawn {
+        rank: 0,
+        restarts: 1
+    }));
+}
+
+#[test]
+fn a_store_that_cannot_be_made_stops_the_job_at_once() {
+    let mut sim = Sim::new(2);
+    sim.feed(Event::Unfit {
+        rank: 1,
+        reason: "the shm root /x has 0 bytes free".into(),
+    });
+    assert_eq!(sim.outcome, Some(Outcome::Unfit));
+    assert_eq!(sim.kinds(), vec![FaultKind::Store]);
+    assert!(
+        !sim.commands
+            .iter()
+            .any(|c| matches!(c, Command::Respawn { .. } | Command::Write { .. }))
     );
 }
