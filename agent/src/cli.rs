@@ -1,5 +1,6 @@
 //! Command-line interface of `hatrain-agent`.
 
+use crate::output::{PerRank, RankFilter};
 use clap::{Args, Parser, Subcommand};
 use hatrain_shared::ident::JobId;
 use std::ffi::OsString;
@@ -23,6 +24,9 @@ pub enum Command {
     Launch(LaunchArgs),
 }
 
+/// `launch` takes torchrun's flags in both spellings (`--nproc-per-node`
+/// and `--nproc_per_node`), so a torchrun command line runs after changing
+/// its first word.
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
     /// Number of hosts in the job.
@@ -30,22 +34,36 @@ pub struct LaunchArgs {
     pub nnodes: usize,
     /// This host's index (default: SLURM_NODEID, OMPI_COMM_WORLD_RANK,
     /// PMI_RANK, else 0).
-    #[arg(long)]
+    #[arg(long, alias = "node_rank")]
     pub node_rank: Option<usize>,
     /// Workers on this host.
-    #[arg(long)]
+    #[arg(long, alias = "nproc_per_node", default_value_t = 1)]
     pub nproc_per_node: usize,
-    /// Address of node 0, which hosts the rendezvous store.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address of node 0: rank 0 of the workers listens there (torch's
+    /// store), and node 0's agent hosts hatrain's rendezvous store there.
+    #[arg(long, alias = "master_addr", default_value = "localhost")]
     pub master_addr: String,
-    /// Port of the rendezvous store (default on one node: a free port).
-    #[arg(long)]
+    /// The workers' MASTER_PORT, which rank 0 listens on (default on one
+    /// node: a free port).
+    #[arg(long, alias = "master_port")]
     pub master_port: Option<u16>,
-    /// Job identifier, passed to workers as HATRAIN_JOB_ID: 1 to 64
-    /// letters, digits, '.', '_' or '-', not starting with '.' (default:
-    /// Slurm's job and step, else one made for this launch, printed at
-    /// start).
-    #[arg(long, env = "HATRAIN_JOB_ID")]
+    /// The port of the agents' own rendezvous store on node 0 (default:
+    /// --master-port + 1 on several nodes, a free port on one).
+    #[arg(long, alias = "rdzv_port")]
+    pub rdzv_port: Option<u16>,
+    /// One host, with free ports: what torchrun's --standalone does.
+    #[arg(long)]
+    pub standalone: bool,
+    /// Job identifier, passed to workers as HATRAIN_JOB_ID and
+    /// TORCHELASTIC_RUN_ID: 1 to 64 letters, digits, '.', '_' or '-', not
+    /// starting with '.' (default: Slurm's job and step, else one made for
+    /// this launch, printed at start).
+    #[arg(
+        long,
+        env = "HATRAIN_JOB_ID",
+        visible_alias = "rdzv-id",
+        alias = "rdzv_id"
+    )]
     pub job_id: Option<JobId>,
     /// RAYON_NUM_THREADS for each worker when the environment does not set
     /// it (default: cores / workers, at least 1).
@@ -59,10 +77,34 @@ pub struct LaunchArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(long, default_value_t = 5.0)]
     pub stop_grace_secs: f64,
+    /// Run the command as it is, not with Python (torchrun's --no-python).
+    #[arg(long, alias = "no_python")]
+    pub no_python: bool,
+    /// The command is a Python module: `python -m MODULE` (torchrun's -m).
+    #[arg(short = 'm', long)]
+    pub module: bool,
+    /// Base folder for the workers' log files and error files:
+    /// <log-dir>/<job>_<random>/attempt_<restart>/<local rank>/ (default: a
+    /// temporary folder, removed at exit unless logs were written to it).
+    #[arg(long, alias = "log_dir")]
+    pub log_dir: Option<PathBuf>,
+    /// Send streams to the log files only: 0 none, 1 stdout, 2 stderr, 3
+    /// both, for every local rank, or LOCAL_RANK:N pairs (0:1,1:2).
+    #[arg(short = 'r', long, default_value = "0")]
+    pub redirects: PerRank,
+    /// Send streams to the log files and to the console (as --redirects).
+    #[arg(short = 't', long, default_value = "0")]
+    pub tee: PerRank,
+    /// Show only these local ranks' output on the console (0,2); the log
+    /// files keep everything.
+    #[arg(long, alias = "local_ranks_filter")]
+    pub local_ranks_filter: Option<RankFilter>,
     #[command(flatten)]
     pub ha: HaArgs,
-    /// The worker command and its arguments.
-    #[arg(last = true, required = true)]
+    /// The worker command and its arguments, after `--` or as torchrun
+    /// takes them (a script ending in .py runs with python3 -u, as does
+    /// every command with -m; --no-python runs it as it is).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     pub command: Vec<OsString>,
 }
 
@@ -83,9 +125,11 @@ pub struct HaArgs {
     /// Scale down and back up by data-parallel ranks.
     #[arg(long)]
     pub enable_elastic_training: bool,
-    /// Restarts allowed per rank over the job.
-    #[arg(long, default_value_t = 10)]
-    pub max_restarts: u32,
+    /// With worker reboot: restarts allowed per rank over the job (default
+    /// 10). Otherwise, as torchrun: times the whole group is stopped and
+    /// started again after a worker fails (default 0).
+    #[arg(long, alias = "max_restarts")]
+    pub max_restarts: Option<u32>,
     /// Restarts allowed per rank within --restart-window-secs.
     #[arg(long, default_value_t = 5)]
     pub max_restarts_in_window: u32,
@@ -119,4 +163,9 @@ pub struct HaArgs {
     pub hang_floor_secs: f64,
     #[arg(long, default_value_t = 600.0)]
     pub hang_startup_grace_secs: f64,
+    /// With the switches on, warn about a worker that has not registered
+    /// with the hatrain runtime after this many seconds: it is not
+    /// protected.
+    #[arg(long, default_value_t = 60.0)]
+    pub register_timeout_secs: f64,
 }

@@ -1,13 +1,19 @@
 //! `hatrain-agent launch`: the torchrun-style launcher of one host.
 //!
-//! It hosts the job's rendezvous store (on node rank 0), starts
-//! `--nproc-per-node` workers with the torchrun environment (`RANK`,
-//! `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`,
-//! `MASTER_ADDR`, `MASTER_PORT`), and supervises them until they all finish,
-//! one fails, or the agent is asked to stop.
+//! It hosts hatrain's rendezvous store (on node rank 0, on a port of its
+//! own), starts `--nproc-per-node` workers with the environment torchrun
+//! gives its workers ([`LaunchConfig::worker_specs`]), and supervises them
+//! until they all finish, one fails, or the agent is asked to stop.
+//!
+//! Ports: the workers' `MASTER_ADDR:MASTER_PORT` is theirs, as under
+//! torchrun (rank 0 of node 0 listens there, for torch's own store); the
+//! agents' store listens on `--rdzv-port` (default `--master-port` + 1 on
+//! several nodes, a free port on one), and hatrain's workers find it in
+//! `HATRAIN_AGENT_STORE`.
 
 use crate::control::ControlError;
 use crate::job::{self, JobReport};
+use crate::output::PerRank;
 use crate::reaper::ReaperError;
 use crate::recovery::{HangPolicy, RestartPolicy};
 use crate::supervisor::{SupervisorError, WorkerSpec};
@@ -31,8 +37,16 @@ pub struct LaunchConfig {
     pub node_rank: usize,
     pub nproc_per_node: usize,
     pub master_addr: String,
-    /// `None` on a single node: the store picks a free port.
+    /// The workers' `MASTER_PORT`; `None` on a single node: a free port.
     pub master_port: Option<u16>,
+    /// The agents' rendezvous store's port; `None`: see [`Self::store_port`].
+    pub rdzv_port: Option<u16>,
+    /// Times the whole group may be stopped and started again after a
+    /// worker fails, when worker reboot cannot handle it (torchrun's
+    /// `--max-restarts`).
+    pub group_restarts: u32,
+    /// Where the workers' output and error files go.
+    pub output: OutputPlan,
     pub job_id: JobId,
     /// Where the job's secret comes from (`None`: made for this launch).
     pub secret_file: Option<PathBuf>,
@@ -61,6 +75,19 @@ pub struct HaSettings {
     /// Leave the trainer's `--save-interval` saves to the trainer (on the
     /// training path) instead of writing them from the snapshots.
     pub trainer_saves: bool,
+    /// How long a worker may run without registering with the runtime
+    /// before the agent warns that it is not protected.
+    pub register_timeout: Duration,
+}
+
+/// Where the workers' output goes (torchrun's `--log-dir`, `--redirects`,
+/// `--tee`, `--local-ranks-filter`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OutputPlan {
+    pub log_dir: Option<PathBuf>,
+    pub redirects: PerRank,
+    pub tee: PerRank,
+    pub filter: Option<Vec<usize>>,
 }
 
 impl Default for HaSettings {
@@ -73,8 +100,44 @@ impl Default for HaSettings {
             pause_timeout: Duration::from_secs(60),
             hang: HangPolicy::default(),
             trainer_saves: false,
+            register_timeout: Duration::from_secs(60),
         }
     }
+}
+
+/// The program a worker runs, as torchrun picks it: the command as it is
+/// with `--no-python`; `python -u -m MODULE ...` with `-m`; `python -u
+/// SCRIPT ...` for a script ending in `.py`; else the command as it is (so
+/// `-- hatrain-train ...` runs the binary). `python` is `$HATRAIN_PYTHON`,
+/// else `python3` on the PATH.
+pub fn worker_command(
+    command: Vec<OsString>,
+    no_python: bool,
+    module: bool,
+    python: Option<OsString>,
+) -> Result<Vec<OsString>, LaunchError> {
+    if command.is_empty() {
+        return Err(LaunchError::Config(
+            "no worker command given (a script, or a program after `--`)".into(),
+        ));
+    }
+    if no_python && module {
+        return Err(LaunchError::Config(
+            "--no-python and -m/--module do not go together".into(),
+        ));
+    }
+    let script = std::path::Path::new(&command[0])
+        .extension()
+        .is_some_and(|e| e == "py");
+    if no_python || !(module || script) {
+        return Ok(command);
+    }
+    let mut c = vec![python.unwrap_or_else(|| "python3".into()), "-u".into()];
+    if module {
+        c.push("-m".into());
+    }
+    c.extend(command);
+    Ok(c)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +248,18 @@ impl LaunchConfig {
         if self.nnodes > 1 && self.master_port.is_none() {
             return bad("--master-port is required with more than one node".into());
         }
+        if self.nnodes > 1 && self.rdzv_port.is_none() && self.master_port == Some(u16::MAX) {
+            return bad(
+                "--master-port 65535 leaves no port above it for the agents' store: give --rdzv-port"
+                    .into(),
+            );
+        }
+        if self.master_port.is_some() && self.master_port == self.store_port() {
+            return bad(
+                "--rdzv-port must differ from --master-port: the workers' rank 0 listens on --master-port"
+                    .into(),
+            );
+        }
         if self.nnodes > 1 && self.secret_file.is_none() {
             return bad(
                 "--secret-file is required with more than one node: every host's agent needs the job's secret"
@@ -215,24 +290,80 @@ impl LaunchConfig {
         self.nnodes * self.nproc_per_node
     }
 
-    /// The worker specs of this node, given the store's actual port.
-    pub fn worker_specs(&self, master_port: u16) -> Vec<WorkerSpec> {
-        let inherited_threads = std::env::var_os("RAYON_NUM_THREADS").is_some();
+    /// The agents' store's port: `--rdzv-port`, else `--master-port` + 1
+    /// on several nodes (so every agent derives the same), else `None` (a
+    /// free port, on one node).
+    pub fn store_port(&self) -> Option<u16> {
+        self.rdzv_port.or_else(|| {
+            (self.nnodes > 1)
+                .then(|| self.master_port.and_then(|p| p.checked_add(1)))
+                .flatten()
+        })
+    }
+
+    /// The worker specs of this node: the workers' `MASTER_ADDR` and
+    /// `MASTER_PORT`, the store's address, the run's folder for error
+    /// files, and the environment `env` the agent was started with (for
+    /// what it leaves alone). Each variable has torchrun's meaning;
+    /// `TORCHELASTIC_RESTART_COUNT` counts group restarts and
+    /// [`Supervisor`](crate::supervisor::Supervisor) updates it.
+    pub fn worker_specs(
+        &self,
+        master_addr: &str,
+        master_port: u16,
+        store: SocketAddr,
+        run_dir: &std::path::Path,
+        env_of: impl Fn(&str) -> Option<String>,
+    ) -> Vec<WorkerSpec> {
+        let inherited_threads = env_of("RAYON_NUM_THREADS").is_some();
+        let omp_unset = env_of("OMP_NUM_THREADS").is_none() && self.nproc_per_node > 1;
         (0..self.nproc_per_node)
             .map(|local_rank| {
                 let rank = self.node_rank * self.nproc_per_node + local_rank;
+                let world = self.world_size().to_string();
                 let mut env = vec![
                     ("RANK".to_string(), rank.to_string()),
                     ("LOCAL_RANK".into(), local_rank.to_string()),
-                    ("WORLD_SIZE".into(), self.world_size().to_string()),
+                    ("WORLD_SIZE".into(), world.clone()),
                     ("LOCAL_WORLD_SIZE".into(), self.nproc_per_node.to_string()),
                     ("GROUP_RANK".into(), self.node_rank.to_string()),
-                    ("MASTER_ADDR".into(), self.master_addr.clone()),
+                    ("GROUP_WORLD_SIZE".into(), self.nnodes.to_string()),
+                    ("ROLE_RANK".into(), rank.to_string()),
+                    ("ROLE_WORLD_SIZE".into(), world),
+                    ("ROLE_NAME".into(), "default".into()),
+                    ("MASTER_ADDR".into(), master_addr.to_string()),
                     ("MASTER_PORT".into(), master_port.to_string()),
-                    (ENV_AGENT_STORE.into(), "1".into()),
+                    (ENV_GROUP_RESTARTS.into(), "0".into()),
+                    (
+                        "TORCHELASTIC_MAX_RESTARTS".into(),
+                        self.group_restarts.to_string(),
+                    ),
+                    ("TORCHELASTIC_RUN_ID".into(), self.job_id.to_string()),
+                    // The workers' rank 0 makes torch's store itself: the
+                    // agent's store is hatrain's own, on another port.
+                    ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),
+                    (
+                        "TORCH_NCCL_ASYNC_ERROR_HANDLING".into(),
+                        env_of("TORCH_NCCL_ASYNC_ERROR_HANDLING").unwrap_or_else(|| "1".into()),
+                    ),
+                    // The signals the launcher stops the group on, as
+                    // torchrun says in its own environment.
+                    (
+                        "TORCHELASTIC_SIGNALS_TO_HANDLE".into(),
+                        env_of("TORCHELASTIC_SIGNALS_TO_HANDLE")
+                            .unwrap_or_else(|| "SIGTERM,SIGINT,SIGHUP,SIGQUIT".into()),
+                    ),
+                    (
+                        ENV_ERROR_FILE.into(),
+                        error_file(run_dir, 0, local_rank).display().to_string(),
+                    ),
+                    (ENV_AGENT_STORE.into(), store.to_string()),
                     ("HATRAIN_JOB_ID".into(), self.job_id.to_string()),
                     ("HATRAIN_RESTART_COUNT".into(), "0".into()),
                 ];
+                if omp_unset {
+                    env.push(("OMP_NUM_THREADS".into(), "1".into()));
+                }
                 if !inherited_threads {
                     env.push((
                         "RAYON_NUM_THREADS".into(),
@@ -251,12 +382,45 @@ impl LaunchConfig {
     }
 }
 
+/// The group restart count torchrun gives its workers.
+pub const ENV_GROUP_RESTARTS: &str = "TORCHELASTIC_RESTART_COUNT";
+/// Where a worker's `torch.distributed.elastic` error handler writes the
+/// exception that ended it.
+pub const ENV_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+
+/// The folder of one attempt (group restart) of one local rank in the
+/// run's folder, torchrun's layout.
+pub fn attempt_dir(run_dir: &std::path::Path, restart: u32, local_rank: usize) -> PathBuf {
+    run_dir
+        .join(format!("attempt_{restart}"))
+        .join(local_rank.to_string())
+}
+
+/// The error file of one local rank in one attempt.
+pub fn error_file(run_dir: &std::path::Path, restart: u32, local_rank: usize) -> PathBuf {
+    attempt_dir(run_dir, restart, local_rank).join("error.json")
+}
+
 /// Runs one host's part of the job until it ends or `shutdown` fires.
 pub async fn run(
     cfg: &LaunchConfig,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
     job::run(cfg, shutdown).await
+}
+
+/// A port free now on `host` (the kernel's pick for port 0), for the
+/// workers' `MASTER_PORT` on one node, as torchrun's `--standalone` picks
+/// one.
+pub(crate) fn free_port(host: &str) -> Result<u16, LaunchError> {
+    let addr = resolve(host, 0)?;
+    std::net::TcpListener::bind(addr)
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|source| LaunchError::Io {
+            path: PathBuf::from(format!("{host}:0")),
+            source,
+        })
 }
 
 pub(crate) fn resolve(host: &str, port: u16) -> Result<SocketAddr, LaunchError> {
@@ -270,6 +434,7 @@ pub(crate) fn resolve(host: &str, port: u16) -> Result<SocketAddr, LaunchError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn cfg() -> LaunchConfig {
         LaunchConfig {
@@ -278,6 +443,9 @@ mod tests {
             nproc_per_node: 3,
             master_addr: "127.0.0.1".into(),
             master_port: Some(29500),
+            rdzv_port: None,
+            group_restarts: 0,
+            output: OutputPlan::default(),
             job_id: JobId::new("j").unwrap(),
             secret_file: Some(PathBuf::from("/unused")),
             threads_per_worker: 1,
@@ -342,21 +510,81 @@ mod tests {
 
     #[test]
     fn worker_environment_is_torchrun_compatible() {
-        let specs = cfg().worker_specs(29500);
+        let store: SocketAddr = "127.0.0.1:29501".parse().unwrap();
+        let specs = cfg().worker_specs("10.0.0.1", 29500, store, Path::new("/run/x"), |_| None);
         assert_eq!(specs.len(), 3);
         let get = |s: &WorkerSpec, k: &str| {
             s.env
                 .iter()
                 .find(|(n, _)| n == k)
                 .map(|(_, v)| v.clone())
-                .unwrap()
+                .unwrap_or_else(|| panic!("{k} is set"))
         };
-        assert_eq!(get(&specs[2], "RANK"), "5");
-        assert_eq!(get(&specs[2], "LOCAL_RANK"), "2");
-        assert_eq!(get(&specs[2], "WORLD_SIZE"), "6");
-        assert_eq!(get(&specs[2], "LOCAL_WORLD_SIZE"), "3");
-        assert_eq!(get(&specs[2], "MASTER_PORT"), "29500");
+        for (k, v) in [
+            ("RANK", "5"),
+            ("LOCAL_RANK", "2"),
+            ("WORLD_SIZE", "6"),
+            ("LOCAL_WORLD_SIZE", "3"),
+            ("GROUP_RANK", "1"),
+            ("GROUP_WORLD_SIZE", "2"),
+            ("ROLE_RANK", "5"),
+            ("ROLE_WORLD_SIZE", "6"),
+            ("ROLE_NAME", "default"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+            ("TORCHELASTIC_MAX_RESTARTS", "0"),
+            ("TORCHELASTIC_RUN_ID", "j"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            ("TORCHELASTIC_ERROR_FILE", "/run/x/attempt_0/2/error.json"),
+            ("HATRAIN_AGENT_STORE", "127.0.0.1:29501"),
+            ("OMP_NUM_THREADS", "1"),
+        ] {
+            assert_eq!(get(&specs[2], k), v, "{k}");
+        }
         assert_eq!(specs[0].program, PathBuf::from("train"));
+        // What the user set is left alone.
+        let specs = cfg().worker_specs("h", 1, store, Path::new("/r"), |k| {
+            (k == "OMP_NUM_THREADS").then(|| "4".to_string())
+        });
+        assert!(specs[0].env.iter().all(|(k, _)| k != "OMP_NUM_THREADS"));
+        let mut c = cfg();
+        c.rdzv_port = None;
+        assert_eq!(c.store_port(), Some(29501), "derived from --master-port");
+        c.rdzv_port = Some(29500);
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--rdzv-port must differ")
+        );
+        c.nnodes = 1;
+        c.node_rank = 0;
+        c.rdzv_port = None;
+        assert_eq!(c.store_port(), None, "a free port on one node");
+    }
+
+    #[test]
+    fn commands_run_as_torchrun_runs_them() {
+        let v = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            worker_command(v(&["ddp.py", "--lr", "1"]), false, false, None).unwrap(),
+            v(&["python3", "-u", "ddp.py", "--lr", "1"])
+        );
+        assert_eq!(
+            worker_command(v(&["pkg.train"]), false, true, Some("/v/bin/python".into())).unwrap(),
+            v(&["/v/bin/python", "-u", "-m", "pkg.train"])
+        );
+        assert_eq!(
+            worker_command(v(&["ddp.py"]), true, false, None).unwrap(),
+            v(&["ddp.py"])
+        );
+        assert_eq!(
+            worker_command(v(&["hatrain-train", "--x"]), false, false, None).unwrap(),
+            v(&["hatrain-train", "--x"])
+        );
+        assert!(worker_command(v(&["x"]), true, true, None).is_err());
+        assert!(worker_command(vec![], false, false, None).is_err());
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - [`persister`]: checkpoints written from the snapshots;
 //! - [`gpu`]: GPU memory errors as a fault source;
 //! - [`oom`]: whether the kernel's OOM killer ended a worker;
+//! - [`output`]: the workers' output, as torchrun forwards and logs it;
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
 
 pub mod cli;
@@ -21,6 +22,7 @@ pub mod job;
 pub mod jobdir;
 pub mod launch;
 pub mod oom;
+pub mod output;
 pub mod persister;
 pub mod reaper;
 pub mod recovery;

@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use hatrain_agent::cli::{Cli, Command, LaunchArgs};
 use hatrain_agent::exit;
-use hatrain_agent::launch::{self, HaSettings, JobIdSource, LaunchConfig, LaunchError};
+use hatrain_agent::launch::{self, HaSettings, JobIdSource, LaunchConfig, LaunchError, OutputPlan};
 use hatrain_agent::recovery::{HangPolicy, Outcome, RestartPolicy};
 use hatrain_shared::control::FaultKind;
 use hatrain_shared::ha::{self, HaFlags};
@@ -31,7 +31,7 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("hatrain-agent: error: {e:#}");
+            say(format_args!("hatrain-agent: error: {e:#}"));
             let usage = e.downcast_ref::<LaunchError>().is_some_and(|e| {
                 matches!(
                     e,
@@ -59,20 +59,31 @@ fn run(command: Command) -> Result<ExitCode> {
             Command::Launch(args) => {
                 let report = launch::run(&launch_config(args)?, shutdown).await?;
                 if let Some((it, dir)) = &report.last_words {
-                    eprintln!(
+                    say(format_args!(
                         "hatrain-agent: last-words checkpoint of iteration {it} written; resume with --load {}",
                         dir.display()
-                    );
+                    ));
+                }
+                if report.group_restarts > 0 {
+                    say(format_args!(
+                        "hatrain-agent: the group of workers was restarted {} time(s) (TORCHELASTIC_RESTART_COUNT)",
+                        report.group_restarts
+                    ));
+                }
+                if let Some((rank, why)) = &report.root_cause {
+                    say(format_args!(
+                        "hatrain-agent: root cause (rank {rank}'s error file): {why}"
+                    ));
                 }
                 if let Some(Err(why)) = &report.final_save {
                     let newest = report.persist.as_ref().and_then(|p| {
                         let it = hatrain_shared::checkpoint::read_tracker(&p.dir).ok()?;
                         Some(format!("iteration {it} in {}", p.dir.display()))
                     });
-                    eprintln!(
+                    say(format_args!(
                         "hatrain-agent: training finished but its final checkpoint could not be written: {why}; the newest checkpoint on disk is {}",
                         newest.as_deref().unwrap_or("none")
-                    );
+                    ));
                     return Ok(ExitCode::from(exit::SAVE_FAILED));
                 }
                 (report.outcome, report.faults)
@@ -83,22 +94,22 @@ fn run(command: Command) -> Result<ExitCode> {
             Outcome::WorkerFailed { rank, status } => {
                 let oom = faults.iter().rev().find(|f| f.ranks == [rank]).filter(|f| f.kind == FaultKind::Oom);
                 match oom {
-                    Some(_) => eprintln!(
+                    Some(_) => say(format_args!(
                         "hatrain-agent: rank {rank} ran out of memory (killed by the kernel's OOM killer, {status}); job stopped"
-                    ),
-                    None => eprintln!("hatrain-agent: rank {rank} failed ({status}); job stopped"),
+                    )),
+                    None => say(format_args!("hatrain-agent: rank {rank} failed ({status}); job stopped")),
                 }
                 ExitCode::from(exit::worker(status.code()))
             }
             Outcome::Unfit => {
                 let why = faults.iter().rev().find(|f| f.kind == FaultKind::Store).map_or("", |f| f.detail.as_str());
-                eprintln!("hatrain-agent: the job cannot run on this host: {why}");
+                say(format_args!("hatrain-agent: the job cannot run on this host: {why}"));
                 ExitCode::from(exit::UNFIT)
             }
             Outcome::RecoveryFailed => {
-                eprintln!(
+                say(format_args!(
                     "hatrain-agent: recovery failed; job stopped (see the log above for why)"
-                );
+                ));
                 ExitCode::from(exit::RECOVERY_FAILED)
             }
             Outcome::Interrupted => ExitCode::from(exit::signaled(signaled.load(Ordering::SeqCst))),
@@ -106,19 +117,49 @@ fn run(command: Command) -> Result<ExitCode> {
     })
 }
 
-/// SIGTERM and SIGINT cancel the root shutdown token.
+/// SIGTERM, SIGINT, SIGHUP and SIGQUIT cancel the root shutdown token, as
+/// torchrun takes them (the terminal or ssh session that started the job
+/// going away is a stop, not a crash: the last words are written). A
+/// signal after the first is not lost: it says the agent is still stopping.
 fn watch_signals(shutdown: CancellationToken, signaled: Arc<AtomicI32>) -> Result<()> {
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let mut hup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+    let mut quit = signal(SignalKind::quit()).context("cannot handle SIGQUIT")?;
     tokio::spawn(async move {
-        let sig = tokio::select! {
-            _ = term.recv() => libc::SIGTERM,
-            _ = int.recv() => libc::SIGINT,
-        };
-        signaled.store(sig, Ordering::SeqCst);
-        shutdown.cancel();
+        loop {
+            let sig = tokio::select! {
+                Some(()) = term.recv() => libc::SIGTERM,
+                Some(()) = int.recv() => libc::SIGINT,
+                Some(()) = hup.recv() => libc::SIGHUP,
+                Some(()) = quit.recv() => libc::SIGQUIT,
+                else => return,
+            };
+            let name = nix::sys::signal::Signal::try_from(sig).map_or("a signal", |s| s.as_str());
+            if signaled
+                .compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                tracing::warn!(
+                    signal = name,
+                    "stopping: the workers are stopped (after the last-words checkpoint when the dump mode is on)"
+                );
+                shutdown.cancel();
+            } else {
+                say(format_args!(
+                    "hatrain-agent: {name} again: still stopping; the last-words checkpoint, if one is being written, is finished first (SIGKILL stops at once and loses it)"
+                ));
+            }
+        }
     });
     Ok(())
+}
+
+/// Writes a line to stderr, ignoring a stderr that is gone (a closed
+/// terminal after SIGHUP must not end the agent mid-dump).
+fn say(msg: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{msg}");
 }
 
 fn seconds(flag: &str, v: f64) -> Result<Duration, LaunchError> {
@@ -157,7 +198,9 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
     let ha = HaSettings {
         modes,
         policy: RestartPolicy {
-            max_restarts: h.max_restarts,
+            max_restarts: h
+                .max_restarts
+                .unwrap_or(RestartPolicy::default().max_restarts),
             window: seconds("--restart-window-secs", h.restart_window_secs)?,
             max_in_window: h.max_restarts_in_window,
             ..RestartPolicy::default()
@@ -186,20 +229,41 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
             ..HangPolicy::default()
         },
         trainer_saves: h.trainer_saves,
+        register_timeout: seconds("--register-timeout-secs", h.register_timeout_secs)?,
     };
+    if a.standalone && a.nnodes != 1 {
+        return Err(LaunchError::Config(format!(
+            "--standalone runs one host; --nnodes {} asks for more",
+            a.nnodes
+        )));
+    }
+    let command = launch::worker_command(
+        a.command,
+        a.no_python,
+        a.module,
+        std::env::var_os("HATRAIN_PYTHON"),
+    )?;
     Ok(LaunchConfig {
         nnodes: a.nnodes,
         node_rank,
         nproc_per_node: a.nproc_per_node,
         master_addr: a.master_addr,
         master_port: a.master_port,
+        rdzv_port: a.rdzv_port,
+        group_restarts: h.max_restarts.unwrap_or(0),
+        output: OutputPlan {
+            log_dir: a.log_dir,
+            redirects: a.redirects,
+            tee: a.tee,
+            filter: a.local_ranks_filter.map(|f| f.0),
+        },
         job_id,
         secret_file: a.secret_file,
         threads_per_worker: a
             .threads_per_worker
             .unwrap_or((cores / a.nproc_per_node.max(1)).max(1)),
         stop_grace: seconds("--stop-grace-secs", a.stop_grace_secs)?,
-        command: a.command,
+        command,
         ha,
     })
 }

@@ -1,5 +1,6 @@
-//! The supervisor: spawns one host's workers, forwards their output with a
-//! rank prefix, follows their exits through the [`Reaper`], and stops them.
+//! The supervisor: spawns one host's workers, forwards their output (see
+//! [`crate::output`]), follows their exits through the [`Reaper`], stops
+//! them, and starts the whole group again when asked (torchrun's restart).
 //!
 //! What to do on an exit is decided elsewhere (`recovery::on_exit`, a pure
 //! function); the supervisor only carries decisions out. Stopping is
@@ -8,6 +9,8 @@
 //! `PR_SET_PDEATHSIG = SIGKILL`, so they die with an agent that is killed
 //! before it can stop them.
 
+use crate::launch::{ENV_ERROR_FILE, ENV_GROUP_RESTARTS, OutputPlan, attempt_dir, error_file};
+use crate::output::Sink;
 use crate::reaper::{ExitEvent, ExitStatus, Reaper};
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill};
@@ -20,7 +23,6 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -71,6 +73,10 @@ pub struct Supervisor {
     reaper: Reaper,
     output: TaskTracker,
     grace: Duration,
+    plan: OutputPlan,
+    run_dir: PathBuf,
+    /// Group restarts so far (torchrun's restart count).
+    attempt: u32,
 }
 
 impl Supervisor {
@@ -81,6 +87,8 @@ impl Supervisor {
         specs: &[WorkerSpec],
         reaper: &Reaper,
         grace: Duration,
+        plan: OutputPlan,
+        run_dir: PathBuf,
     ) -> Result<Self, SupervisorError> {
         let (exits_tx, exits) = mpsc::unbounded_channel();
         let mut sup = Self {
@@ -93,6 +101,9 @@ impl Supervisor {
             reaper: reaper.clone(),
             output: TaskTracker::new(),
             grace,
+            plan,
+            run_dir,
+            attempt: 0,
         };
         for spec in specs {
             match sup.spawn(spec) {
@@ -127,6 +138,50 @@ impl Supervisor {
         Ok(pid)
     }
 
+    /// Stops every worker (SIGTERM, the grace period, SIGKILL) and starts
+    /// them all again as restart `attempt` of the group, with
+    /// `TORCHELASTIC_RESTART_COUNT` and the error files of that attempt. A
+    /// worker that cannot be started leaves the others stopped.
+    pub async fn restart_all(
+        &mut self,
+        attempt: u32,
+    ) -> Result<Vec<(usize, i32)>, SupervisorError> {
+        self.stop_running().await;
+        self.attempt = attempt;
+        let mut started = Vec::new();
+        for idx in 0..self.specs.len() {
+            let spec = &mut self.specs[idx];
+            for (k, v) in spec.env.iter_mut() {
+                match k.as_str() {
+                    ENV_GROUP_RESTARTS => *v = attempt.to_string(),
+                    ENV_ERROR_FILE => {
+                        *v = error_file(&self.run_dir, attempt, spec.local_rank)
+                            .display()
+                            .to_string()
+                    }
+                    "HATRAIN_RESTART_COUNT" => *v = "0".into(),
+                    _ => {}
+                }
+            }
+            let spec = self.specs[idx].clone();
+            let pid = self.spawn(&spec)?;
+            self.states[idx] = WorkerState::Running { pid };
+            self.by_pid.insert(pid, idx);
+            started.push((spec.rank, pid));
+        }
+        Ok(started)
+    }
+
+    /// The group restarts so far.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Where the workers' error files and logs go.
+    pub fn run_dir(&self) -> &std::path::Path {
+        &self.run_dir
+    }
+
     fn index(&self, rank: usize) -> Option<usize> {
         self.ranks.iter().position(|&r| r == rank)
     }
@@ -156,6 +211,13 @@ impl Supervisor {
     }
 
     fn spawn(&mut self, spec: &WorkerSpec) -> Result<i32, SupervisorError> {
+        // The attempt's folder holds the worker's error file (torch's error
+        // handler writes it and does not make its folder) and logs.
+        std::fs::create_dir_all(attempt_dir(&self.run_dir, self.attempt, spec.local_rank))
+            .map_err(|source| SupervisorError::Output {
+                rank: spec.rank,
+                source,
+            })?;
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -197,11 +259,43 @@ impl Supervisor {
         let stderr = child.stderr.take().map(OwnedFd::from);
         for (fd, to_stderr) in [(stdout, false), (stderr, true)] {
             if let Some(fd) = fd {
+                let sink = self.sink(spec, to_stderr).map_err(out_err)?;
                 let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(out_err)?;
-                self.output.spawn(forward(rx, spec.rank, to_stderr));
+                self.output.spawn(crate::output::forward(rx, sink));
             }
         }
         Ok(pid)
+    }
+
+    /// Where one stream of a worker goes: the console unless redirected
+    /// (or teed) and unless filtered out; a log file of the attempt when
+    /// redirected or teed.
+    fn sink(&self, spec: &WorkerSpec, stderr: bool) -> io::Result<Sink> {
+        let lr = spec.local_rank;
+        let (redirect, tee) = (
+            self.plan.redirects.of(lr).has(stderr),
+            self.plan.tee.of(lr).has(stderr),
+        );
+        let shown = self.plan.filter.as_ref().is_none_or(|f| f.contains(&lr));
+        let (file, path) = if redirect || tee {
+            let dir = attempt_dir(&self.run_dir, self.attempt, lr);
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join(if stderr { "stderr.log" } else { "stdout.log" });
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)?;
+            (Some(f), Some(path))
+        } else {
+            (None, None)
+        };
+        Ok(Sink {
+            rank: spec.rank,
+            stderr,
+            console: (!redirect || tee) && shown,
+            file,
+            path,
+        })
     }
 
     /// Pids of the workers still running, by rank.
@@ -229,6 +323,17 @@ impl Supervisor {
     /// the grace period, then waits until all are reaped and their output is
     /// drained.
     pub async fn stop_all(&mut self) {
+        self.stop_running().await;
+        self.output.close();
+        // Output pipes close when the workers die; a grandchild holding a
+        // pipe open must not keep the agent from exiting.
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.output.wait()).await;
+        let _ = io::stdout().flush();
+    }
+
+    /// SIGTERM to every running worker, SIGKILL to those still running after
+    /// the grace period, then waits until all are reaped.
+    async fn stop_running(&mut self) {
         let running = self.running();
         for &(rank, pid) in &running {
             tracing::info!(rank, pid, "sending SIGTERM");
@@ -244,11 +349,6 @@ impl Supervisor {
                 tracing::error!(left = ?self.running(), "workers not reaped after SIGKILL");
             }
         }
-        self.output.close();
-        // Output pipes close when the workers die; a grandchild holding a
-        // pipe open must not keep the agent from exiting.
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.output.wait()).await;
-        let _ = io::stdout().flush();
     }
 
     /// Waits until no worker runs; false if `limit` passed first.
@@ -280,27 +380,5 @@ pub fn signal(pid: i32, sig: Signal) {
     match kill(Pid::from_raw(pid), sig) {
         Ok(()) | Err(Errno::ESRCH) => {}
         Err(e) => tracing::error!(pid, ?sig, error = %e, "kill failed"),
-    }
-}
-
-/// Copies a worker's output line by line, prefixed with its rank.
-async fn forward(rx: tokio::net::unix::pipe::Receiver, rank: usize, to_stderr: bool) {
-    let mut reader = BufReader::new(rx);
-    let mut line = Vec::new();
-    loop {
-        line.clear();
-        match reader.read_until(b'\n', &mut line).await {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {
-                let text = String::from_utf8_lossy(&line);
-                let text = text.trim_end_matches(['\n', '\r']);
-                let out = format!("[rank {rank}] {text}\n");
-                let _ = if to_stderr {
-                    io::stderr().lock().write_all(out.as_bytes())
-                } else {
-                    io::stdout().lock().write_all(out.as_bytes())
-                };
-            }
-        }
     }
 }

@@ -147,6 +147,11 @@ pub struct WorkerReport {
     /// training loop, in milliseconds.
     pub last_commit_ms: Option<f64>,
     pub last_commit_blocking_ms: Option<f64>,
+    /// The rank registered with the runtime: its state is snapshotted and
+    /// it can be restarted in place. A worker that never did is supervised
+    /// as torchrun would (the whole group restarts).
+    #[serde(default)]
+    pub protected: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

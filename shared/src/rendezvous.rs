@@ -19,9 +19,10 @@ pub const PROTOCOL: Protocol = Protocol {
     max_payload: 64 * 1024,
 };
 
-/// Environment variable that tells a worker the launcher hosts the store at
-/// `MASTER_ADDR:MASTER_PORT`. Without it, rank 0 hosts one itself, so the
-/// trainer also runs under other launchers.
+/// Environment variable with the address (`HOST:PORT`) of the store the
+/// launcher hosts; `MASTER_ADDR:MASTER_PORT` is the workers' own (rank 0 of
+/// a PyTorch job listens there). Without it, rank 0 hosts the store at the
+/// master address, so the trainer also runs under other launchers.
 pub const ENV_AGENT_STORE: &str = "HATRAIN_AGENT_STORE";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -16,12 +16,14 @@ pub struct DistEnv {
     pub world_size: usize,
     pub local_rank: usize,
     pub master: Option<SocketAddr>,
-    /// The launcher hosts the rendezvous store (else rank 0 does).
-    pub agent_store: bool,
+    /// Where the launcher hosts the rendezvous store (`None`: rank 0 hosts
+    /// one at the master address).
+    pub agent_store: Option<SocketAddr>,
 }
 
 impl DistEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`.
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`
+    /// and the agent's store address (`HATRAIN_AGENT_STORE`, `HOST:PORT`).
     /// Without `WORLD_SIZE` the process is a job of one.
     pub fn from_env() -> Result<Self, TrainError> {
         Self::from_lookup(|k| std::env::var(k).ok())
@@ -62,12 +64,25 @@ impl DistEnv {
         } else {
             None
         };
+        let agent_store = match get(ENV_AGENT_STORE) {
+            None => None,
+            Some(v) => Some(
+                v.to_socket_addrs()
+                    .ok()
+                    .and_then(|mut a| a.next())
+                    .ok_or_else(|| {
+                        TrainError::Env(format!(
+                            "{ENV_AGENT_STORE}={v:?} is not a HOST:PORT that resolves"
+                        ))
+                    })?,
+            ),
+        };
         Ok(Self {
             rank,
             world_size,
             local_rank,
             master,
-            agent_store: get(ENV_AGENT_STORE).is_some_and(|v| v == "1"),
+            agent_store,
         })
     }
 }
@@ -96,8 +111,9 @@ impl Dist {
                 secret,
             });
         };
-        // Under another launcher rank 0 hosts the store itself.
-        let server = if !env.agent_store && env.rank == 0 {
+        // Under another launcher rank 0 hosts the store itself, at the
+        // master address; under hatrain's the agent hosts it.
+        let server = if env.agent_store.is_none() && env.rank == 0 {
             if secret.is_none() {
                 eprintln!(
                     "rank 0: no {} given: the rendezvous store and the ring accept any local process",
@@ -108,7 +124,8 @@ impl Dist {
         } else {
             None
         };
-        let store = StoreClient::connect(master, CONNECT_TIMEOUT, secret.clone())?;
+        let at = env.agent_store.unwrap_or(master);
+        let store = StoreClient::connect(at, CONNECT_TIMEOUT, secret.clone())?;
         Ok(Self {
             env,
             _server: server,
@@ -173,10 +190,15 @@ mod tests {
             ("LOCAL_RANK", "1"),
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", "29500"),
-            (ENV_AGENT_STORE, "1"),
+            (ENV_AGENT_STORE, "127.0.0.1:29600"),
         ])
         .unwrap();
         assert_eq!(ok.master, Some("127.0.0.1:29500".parse().unwrap()));
-        assert!(ok.agent_store && ok.local_rank == 1);
+        assert_eq!(ok.agent_store, Some("127.0.0.1:29600".parse().unwrap()));
+        assert_eq!(ok.local_rank, 1);
+        let e = env(&[(ENV_AGENT_STORE, "nowhere")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("HATRAIN_AGENT_STORE"), "{e}");
     }
 }

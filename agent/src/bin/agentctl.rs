@@ -234,8 +234,8 @@ fn run(cli: Cli) -> Result<()> {
 
 fn print_workers(w: &[WorkerReport]) {
     println!(
-        "{:>5} {:>8} {:>10} {:>8} {:>6} {:>9} {:>13} {:>10} {:>10}",
-        "rank", "pid", "phase", "step", "epoch", "restarts", "snapshot", "age s", "commit ms"
+        "{:>5} {:>8} {:>10} {:>8} {:>6} {:>9} {:>13} {:>10} {:>10}  protected",
+        "rank", "pid", "phase", "step", "epoch", "restarts", "snapshot", "age s", "commit ms",
     );
     for r in w {
         let (snap, age) =
@@ -248,7 +248,7 @@ fn print_workers(w: &[WorkerReport]) {
                     )
                 });
         println!(
-            "{:>5} {:>8} {:>10} {:>8} {:>6} {:>9} {:>13} {:>10} {:>10}",
+            "{:>5} {:>8} {:>10} {:>8} {:>6} {:>9} {:>13} {:>10} {:>10}  {}",
             r.rank,
             r.pid.map_or("-".into(), |p| p.to_string()),
             format!("{:?}", r.phase).to_lowercase(),
@@ -258,6 +258,11 @@ fn print_workers(w: &[WorkerReport]) {
             snap,
             age,
             r.last_commit_ms.map_or("-".into(), |m| format!("{m:.2}")),
+            if r.protected {
+                "yes"
+            } else {
+                "NO: never registered with the hatrain runtime"
+            },
         );
     }
 }

@@ -27,6 +27,7 @@ use crate::gpu::GpuFault;
 use crate::jobdir::{self, JobDir};
 use crate::launch::{LaunchConfig, LaunchError};
 use crate::oom::OomWatch;
+use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
@@ -56,6 +57,11 @@ pub struct JobReport {
     pub final_save: Option<Result<(u64, PathBuf), persister::PersistError>>,
     /// What the agent-side persister did.
     pub persist: Option<PersistReport>,
+    /// How often the whole group was restarted.
+    pub group_restarts: u32,
+    /// What the failed worker's error file says ended it (its rank and
+    /// message), when it wrote one.
+    pub root_cause: Option<(usize, String)>,
 }
 
 /// Tick period while the job runs, and while a recovery or dump is in
@@ -76,12 +82,44 @@ pub async fn run(
 ) -> Result<JobReport, LaunchError> {
     cfg.validate()?;
     let dir = JobDir::open(&cfg.ha.shm_root, &cfg.job_id)?;
+    let logs = cfg.output.redirects.any() || cfg.output.tee.any();
+    let run_dir = match RunDir::create(cfg.output.log_dir.as_deref(), cfg.job_id.as_str(), logs) {
+        Ok(r) => r,
+        Err(source) => {
+            dir.remove();
+            return Err(LaunchError::Io {
+                path: cfg
+                    .output
+                    .log_dir
+                    .clone()
+                    .unwrap_or_else(std::env::temp_dir),
+                source,
+            });
+        }
+    };
     let path = dir.path().to_path_buf();
-    let (result, dir) = run_in(cfg, dir, shutdown).await;
+    let (result, dir) = run_in(cfg, dir, run_dir.path(), shutdown).await;
     // No shared memory is left behind, whatever happened.
     dir.remove();
+    run_dir.finish();
     tracing::debug!(dir = %path.display(), "job folder removed");
     result
+}
+
+/// What a worker's error file (written by torch's `@record`) says ended it:
+/// its message's first line.
+pub fn root_cause(path: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(1 << 20)
+        .read_to_string(&mut text)
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let m = &v["message"];
+    let msg = m["message"].as_str().or_else(|| m.as_str())?;
+    Some(msg.lines().next().unwrap_or(msg).to_string())
 }
 
 /// The snapshots of every rank, verified off the loop's thread.
@@ -110,6 +148,9 @@ struct Driver<'a> {
     store: Option<StoreServer>,
     /// The workers' memory cgroups, to tell an OOM kill.
     oom: OomWatch,
+    /// A group restart the machine asked for, carried out between events
+    /// (it waits for the workers to stop).
+    group_restart: Option<u32>,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -117,15 +158,17 @@ struct Driver<'a> {
 async fn run_in(
     cfg: &LaunchConfig,
     mut dir: JobDir,
+    run_dir: &std::path::Path,
     shutdown: CancellationToken,
 ) -> (Result<JobReport, LaunchError>, JobDir) {
-    let result = run_with(cfg, &mut dir, shutdown).await;
+    let result = run_with(cfg, &mut dir, run_dir, shutdown).await;
     (result, dir)
 }
 
 async fn run_with(
     cfg: &LaunchConfig,
     dir: &mut JobDir,
+    run_dir: &std::path::Path,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
     // The job's secret: only its holders speak to the store and the ranks.
@@ -146,23 +189,26 @@ async fn run_with(
         path
     };
     // The rendezvous store lives as long as this function: it outlives every
-    // worker. On one node it listens on loopback only.
-    let (store, port) = if cfg.node_rank == 0 {
+    // worker. On one node it listens on loopback only, on a port of its own:
+    // the workers' MASTER_PORT is theirs.
+    let (store, store_addr) = if cfg.node_rank == 0 {
         let host = if cfg.nnodes == 1 {
             "127.0.0.1"
         } else {
             cfg.master_addr.as_str()
         };
-        let addr = crate::launch::resolve(host, cfg.master_port.unwrap_or(0))?;
+        let addr = crate::launch::resolve(host, cfg.store_port().unwrap_or(0))?;
         let store = StoreServer::bind(addr, Some(secret.clone())).map_err(LaunchError::Store)?;
-        let port = store.local_addr().port();
-        tracing::info!(addr = %store.local_addr(), "rendezvous store listening (authenticated)");
-        (Some(store), port)
+        let addr = store.local_addr();
+        tracing::info!(addr = %addr, "rendezvous store listening (authenticated)");
+        (Some(store), addr)
     } else {
-        (
-            None,
-            cfg.master_port.expect("validated: set with several nodes"),
-        )
+        let port = cfg.store_port().expect("validated: set with several nodes");
+        (None, crate::launch::resolve(&cfg.master_addr, port)?)
+    };
+    let master_port = match cfg.master_port {
+        Some(p) => p,
+        None => crate::launch::free_port(&cfg.master_addr)?,
     };
     let socket = dir.path().join(jobdir::SOCKET);
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
@@ -172,7 +218,14 @@ async fn run_with(
     // The reaper outlives the event loop: stopping the workers needs it.
     let reaper_stop = CancellationToken::new();
     let reaper = Reaper::start(reaper_stop.clone())?;
-    let mut specs = cfg.worker_specs(port);
+    let mut specs = cfg.worker_specs(&cfg.master_addr, master_port, store_addr, run_dir, |k| {
+        std::env::var(k).ok()
+    });
+    if std::env::var_os("OMP_NUM_THREADS").is_none() && cfg.nproc_per_node > 1 {
+        tracing::warn!(
+            "OMP_NUM_THREADS is set to 1 for each worker, as torchrun does, so that the host is not overloaded; set it yourself to tune it"
+        );
+    }
     for s in &mut specs {
         s.env.push((
             hatrain_shared::control::ENV_SOCKET.into(),
@@ -182,24 +235,24 @@ async fn run_with(
             hatrain_shared::auth::ENV_SECRET_FILE.into(),
             secret_file.display().to_string(),
         ));
-        if cfg.nnodes == 1 {
-            // The workers reach the store where it listens.
-            for (k, v) in s.env.iter_mut() {
-                if k == "MASTER_ADDR" {
-                    *v = "127.0.0.1".into();
-                }
-            }
-        }
     }
     tracing::info!(
         world_size = cfg.world_size(),
         node_rank = cfg.node_rank,
         nproc = cfg.nproc_per_node,
         modes = ?cfg.ha.modes.names(),
+        master = %format!("{}:{master_port}", cfg.master_addr),
         socket = %socket.display(),
         "starting workers"
     );
-    let mut sup = Supervisor::start(&specs, &reaper, cfg.stop_grace).await?;
+    let mut sup = Supervisor::start(
+        &specs,
+        &reaper,
+        cfg.stop_grace,
+        cfg.output.clone(),
+        run_dir.to_path_buf(),
+    )
+    .await?;
     let (gpu_tx, mut gpu_rx) = mpsc::channel::<GpuFault>(16);
     crate::gpu::watch(gpu_tx);
     let (collected_tx, mut collected_rx) = mpsc::unbounded_channel();
@@ -209,6 +262,8 @@ async fn run_with(
             restart: cfg.ha.policy,
             hang: cfg.ha.hang,
             pause_timeout: cfg.ha.pause_timeout,
+            group_restarts: cfg.group_restarts,
+            register_timeout: cfg.ha.register_timeout,
         },
         sup.ranks().to_vec(),
         unix_now(),
@@ -226,6 +281,7 @@ async fn run_with(
         outcome: None,
         store,
         oom: OomWatch::default(),
+        group_restart: None,
     };
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
@@ -236,6 +292,10 @@ async fn run_with(
     let outcome = loop {
         if let Some(o) = d.outcome {
             break o;
+        }
+        if let Some(restart) = d.group_restart.take() {
+            d.restart_group(&mut sup, restart).await;
+            continue;
         }
         let period = if d.machine.recovering() {
             TICK_RECOVERING
@@ -284,6 +344,15 @@ async fn run_with(
         None => None,
     };
     sup.stop_all().await;
+    let root_cause = match outcome {
+        Outcome::WorkerFailed { rank, .. } => sup
+            .ranks()
+            .iter()
+            .position(|&r| r == rank)
+            .and_then(|lr| root_cause(&crate::launch::error_file(run_dir, sup.attempt(), lr)))
+            .map(|m| (rank, m)),
+        _ => None,
+    };
     reaper_stop.cancel();
     ctl_stop.cancel();
     for w in d.dump_waiters.drain(..) {
@@ -297,6 +366,8 @@ async fn run_with(
         last_words: d.machine.last_words().map(|w| (w.iteration, w.dir.clone())),
         final_save,
         persist: d.persister.as_ref().map(Persister::report),
+        group_restarts: d.machine.group_restarts(),
+        root_cause,
     })
 }
 
@@ -412,9 +483,40 @@ impl Driver<'_> {
                 }
                 None
             }
+            Command::RestartGroup { restart } => {
+                self.group_restart = Some(restart);
+                None
+            }
             Command::Finish(outcome) => {
                 self.outcome = Some(outcome);
                 None
+            }
+        }
+    }
+
+    /// Stops every worker and starts the group again (torchrun's restart).
+    /// The loop waits for the workers to stop: at most the grace period,
+    /// then the SIGKILL.
+    async fn restart_group(&mut self, sup: &mut Supervisor, restart: u32) {
+        tracing::warn!(
+            restart,
+            limit = self.cfg.group_restarts,
+            "stopping every worker to restart the group"
+        );
+        match sup.restart_all(restart).await {
+            Ok(started) => {
+                for (rank, pid) in started {
+                    self.oom.started(rank, pid);
+                }
+                tracing::info!(restart, "the group is started again");
+            }
+            Err(e) => {
+                let rank = match &e {
+                    crate::supervisor::SupervisorError::Spawn { rank, .. }
+                    | crate::supervisor::SupervisorError::Output { rank, .. } => *rank,
+                };
+                let error = crate::error_chain(&e);
+                self.feed(sup, Event::SpawnFailed { rank, error });
             }
         }
     }

@@ -382,6 +382,7 @@ impl Driver<'_> {
                     }),
                     last_commit_ms: (commits > 0).then(|| commit_ns as f64 / 1e6),
                     last_commit_blocking_ms: (commits > 0).then(|| block_ns as f64 / 1e6),
+                    protected: self.machine.protected(rank),
                 }
             })
             .collect()

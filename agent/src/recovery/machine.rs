@@ -61,6 +61,12 @@ pub struct MachineConfig {
     /// How long every rank has to pause (and, doubled, to complete the
     /// first step after resuming).
     pub pause_timeout: Duration,
+    /// Times the whole group may be restarted when a failure cannot be
+    /// repaired in place (torchrun's `--max-restarts`).
+    pub group_restarts: u32,
+    /// How long a worker may run without registering before the machine
+    /// says it is not protected (with any mode on).
+    pub register_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +143,15 @@ pub struct Machine {
     last_words: Option<Written>,
     /// Restarts of ranks the OOM killer killed.
     oom_restarts: u32,
+    /// Ranks that registered with the runtime since the group (re)started:
+    /// only these can be rebooted in place and restored.
+    protected: BTreeSet<usize>,
+    /// When each rank's current process started.
+    spawned: HashMap<usize, Duration>,
+    /// Ranks already warned about running unprotected.
+    warned: BTreeSet<usize>,
+    /// Group restarts so far.
+    group_restarts: u32,
     out: Step,
 }
 
@@ -163,6 +178,10 @@ impl Machine {
             watch: Watch::default(),
             last_words: None,
             oom_restarts: 0,
+            protected: BTreeSet::new(),
+            spawned: HashMap::new(),
+            warned: BTreeSet::new(),
+            group_restarts: 0,
             out: Step::default(),
         }
     }
@@ -204,6 +223,17 @@ impl Machine {
     /// How often `rank` has been restarted.
     pub fn restarts(&self, rank: usize) -> u32 {
         self.history.get(&rank).map_or(0, |h| h.restarts)
+    }
+
+    /// Whether `rank` registered with the runtime (its state is snapshotted
+    /// and it can be rebooted in place).
+    pub fn protected(&self, rank: usize) -> bool {
+        self.protected.contains(&rank)
+    }
+
+    /// How often the whole group was restarted.
+    pub fn group_restarts(&self) -> u32 {
+        self.group_restarts
     }
 
     /// A recovery or dump is in progress.

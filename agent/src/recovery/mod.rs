@@ -169,6 +169,12 @@ pub enum Command {
         epoch: u64,
         step: u64,
     },
+    /// Stop every worker and start the whole group again, as restart
+    /// `restart` of the group (torchrun's restart: the workers resume from
+    /// their own checkpoints).
+    RestartGroup {
+        restart: u32,
+    },
     /// Answer the waiting `agentctl dump` requests.
     DumpDone(Result<Written, String>),
     /// The job ends with this outcome: stop the workers.

@@ -43,6 +43,7 @@ impl Machine {
 
     pub(super) fn registered(&mut self, rank: usize, checkpoint: bool) {
         self.checkpoint |= checkpoint;
+        self.protected.insert(rank);
         let v = self.views.entry(rank).or_insert(RankView::absent(rank));
         v.registered = true;
         v.alive = true;
@@ -169,6 +170,12 @@ impl Machine {
             );
             return;
         }
+        if let Some(why) = self.unrepairable_in_place(rank)
+            && self.state == State::Running
+        {
+            self.group_failure(now, rank, kind, detail, what, status, &why);
+            return;
+        }
         let history = self.history.get(&rank).cloned().unwrap_or_default();
         let code = status.map_or(0, ExitStatus::code);
         let (decision, reason) = match out_of_memory_again(
@@ -213,6 +220,7 @@ impl Machine {
                     reason,
                 );
                 self.watch.new_process(rank);
+                self.spawned.insert(rank, now);
                 self.cmd(Command::Respawn { rank, restarts });
                 if let State::Dumping { recover, .. } = &mut self.state {
                     recover.push(f);
@@ -290,6 +298,120 @@ impl Machine {
                 );
                 self.stop_with(now, Outcome::RecoveryFailed);
             }
+        }
+    }
+
+    /// Why a failure of `rank` cannot be repaired in place, if it cannot:
+    /// worker reboot is off, or some rank never registered with the runtime
+    /// (its state is nowhere to restore from).
+    fn unrepairable_in_place(&self, rank: usize) -> Option<String> {
+        if !self.cfg.modes.recover {
+            return Some("worker reboot is not enabled".into());
+        }
+        let unprotected: Vec<usize> = self
+            .participants()
+            .into_iter()
+            .chain([rank])
+            .filter(|r| !self.protected.contains(r))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        (!unprotected.is_empty()).then(|| {
+            format!(
+                "rank(s) {unprotected:?} never registered with the hatrain runtime, so there is no snapshot to restore them from"
+            )
+        })
+    }
+
+    /// A failure that cannot be repaired in place (`why`): the whole group
+    /// is stopped and started again, as torchrun does, while
+    /// `--max-restarts` allows; then the job stops (with its last words when
+    /// the dump mode is on).
+    #[allow(clippy::too_many_arguments)]
+    fn group_failure(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        kind: FaultKind,
+        detail: String,
+        what: &str,
+        status: Option<ExitStatus>,
+        why: &str,
+    ) {
+        let limit = self.cfg.group_restarts;
+        if self.group_restarts >= limit {
+            let reason = format!(
+                "rank {rank} {what}; {why}, and the group was restarted {} time(s), the --max-restarts limit of {limit}: stopping the job",
+                self.group_restarts
+            );
+            self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
+            self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
+            let outcome = match status {
+                Some(status) => Outcome::WorkerFailed { rank, status },
+                None => Outcome::RecoveryFailed,
+            };
+            self.stop_with(now, outcome);
+            return;
+        }
+        self.group_restarts += 1;
+        let restart = self.group_restarts;
+        let reason = format!(
+            "rank {rank} {what}; {why}: stopping every worker and starting the group again (restart {restart} of at most {limit}); the workers resume from their own checkpoints"
+        );
+        self.fault_note(
+            Level::Warn,
+            rank,
+            "worker failed: restarting the group",
+            &detail,
+            &reason,
+        );
+        let f = self.record_fault(
+            now,
+            rank,
+            kind,
+            detail,
+            format!("restart the whole group (restart {restart} of {limit})"),
+            reason,
+        );
+        // The group starts from nothing the machine knew: every rank is a
+        // new process that has yet to register.
+        self.faults[f].recovery_s = Some(0.0);
+        self.finished.clear();
+        self.finished_at.clear();
+        self.killed.clear();
+        self.protected.clear();
+        for r in self.ranks.clone() {
+            self.views.insert(r, RankView::absent(r));
+            self.watch.new_process(r);
+            self.spawned.insert(r, now);
+        }
+        self.cmd(Command::RestartGroup { restart });
+    }
+
+    /// Says once per rank, with any mode on, that a worker has run for the
+    /// register timeout without registering: nothing protects it.
+    pub(super) fn warn_unprotected(&mut self, now: Duration) {
+        if !self.cfg.modes.any() {
+            return;
+        }
+        let late: Vec<usize> = self
+            .participants()
+            .into_iter()
+            .filter(|r| {
+                self.view(*r).alive
+                    && !self.protected.contains(r)
+                    && !self.warned.contains(r)
+                    && now.saturating_sub(self.spawned.get(r).copied().unwrap_or_default())
+                        >= self.cfg.register_timeout
+            })
+            .collect();
+        for r in late {
+            self.warned.insert(r);
+            let text = format!(
+                "rank {r} has run {:?} without registering with the hatrain runtime: it is NOT protected (no snapshot, no in-place restart, no last-words checkpoint). Use the hatrain worker runtime in the training script (for PyTorch, the hatrain Python binding). Until then a failure stops and restarts the whole group, as torchrun does (--max-restarts {})",
+                self.cfg.register_timeout, self.cfg.group_restarts
+            );
+            self.note(Level::Warn, Some(r), text);
         }
     }
 

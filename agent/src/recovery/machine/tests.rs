@@ -79,6 +79,8 @@ fn config() -> MachineConfig {
             ..HangPolicy::default()
         },
         pause_timeout: Duration::from_secs(1),
+        group_restarts: 0,
+        register_timeout: Duration::from_secs(3),
     }
 }
 
@@ -177,6 +179,15 @@ impl Sim {
             }),
             Command::Write { epoch, step } => self.writing = Some((epoch, step, self.write_ticks)),
             Command::DumpDone(r) => self.dumps.push(r),
+            Command::RestartGroup { .. } => {
+                for r in self.ranks.iter_mut() {
+                    *r = SimRank {
+                        registered: false,
+                        phase: Phase::Starting,
+                        ..SimRank::fresh()
+                    };
+                }
+            }
             Command::Finish(o) => self.outcome = Some(o),
         }
     }
