@@ -64,7 +64,8 @@ fn main() {
             bytemuck::cast_slice(&m),
             bytemuck::cast_slice(&v),
         ];
-        checkpoint::write_rank(&tmp, &map, 0, it, &parts).expect("write");
+        let views = parts.map(hatrain_shared::statemap::PartView::whole);
+        checkpoint::write_rank(&tmp, &map, 0, it, &views).expect("write");
         checkpoint::commit_save(&dir, it, 1).expect("commit");
         save.push(t.elapsed().as_secs_f64());
 

@@ -67,6 +67,7 @@ fn main() {
         rank: 0,
         store: &store,
         map: &map,
+        sliced: false,
     }];
 
     let _ = std::fs::remove_dir_all(&dir);

@@ -49,7 +49,8 @@ fn assert_exact(ckpt: &Path, it: u64) {
         let b: Vec<f32> = (0..BETA).map(|i| beta(it, rank, i)).collect();
         let h = header(it, rank);
         let parts: [&[u8]; 3] = [&h, bytemuck::cast_slice(&a), bytemuck::cast_slice(&b)];
-        checkpoint::write_rank(&tmp, &map(rank, WORLD, ckpt, 5), rank, it, &parts).unwrap();
+        let views = parts.map(hatrain_shared::statemap::PartView::whole);
+        checkpoint::write_rank(&tmp, &map(rank, WORLD, ckpt, 5), rank, it, &views).unwrap();
         let (got, exp) = (rank_dir(&iter_dir(ckpt, it), rank), rank_dir(&tmp, rank));
         for file in ["first.safetensors", "second.safetensors", "meta.json"] {
             assert_eq!(

@@ -139,6 +139,11 @@ pub struct HaArgs {
     /// /dev/shm/hatrain for root, /dev/shm/hatrain-<uid> for others).
     #[arg(long)]
     pub shm_root: Option<PathBuf>,
+    /// Snapshots hold only each rank's slice of the parts its data-parallel
+    /// group shares (the parameters), rebuilt with an all-gather on
+    /// restore; `off` copies every part whole.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub snapshot_slices: String,
     /// Snapshot slots per rank. While the agent writes a checkpoint from a
     /// slot, that slot is held; with 2, snapshots wait meanwhile, with 3
     /// they go on.

@@ -78,6 +78,8 @@ pub struct HaSettings {
     /// How long a worker may run without registering with the runtime
     /// before the agent warns that it is not protected.
     pub register_timeout: Duration,
+    /// Snapshots hold each rank's slice of the replicated parts only.
+    pub slices: bool,
 }
 
 /// Where the workers' output goes (torchrun's `--log-dir`, `--redirects`,
@@ -101,6 +103,7 @@ impl Default for HaSettings {
             hang: HangPolicy::default(),
             trainer_saves: false,
             register_timeout: Duration::from_secs(60),
+            slices: true,
         }
     }
 }

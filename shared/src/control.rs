@@ -104,6 +104,10 @@ pub enum Response {
         /// does not save itself).
         #[serde(default)]
         agent_saves: bool,
+        /// The store holds this rank's slice of each replicated part only
+        /// (the group rebuilds the rest with an all-gather on restore).
+        #[serde(default)]
+        sliced: bool,
     },
     Status(Box<StatusReport>),
     Workers(Vec<WorkerReport>),

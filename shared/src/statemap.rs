@@ -17,10 +17,23 @@
 //!                  world_size, rank, <fields in map order>, files
 //! ```
 //!
+//! A **sliced** snapshot (the default) holds each unique part whole and only
+//! this rank's slice of each replicated part: elements
+//! [`shard_range`](crate::shard::shard_range)`(len, group, index)`, the
+//! slice the group's all-gather gives each rank. The other slices are on the
+//! other ranks' snapshots; a restore rebuilds the part with one all-gather.
+//! A full snapshot holds every part whole (`--snapshot-slices off`).
+//!
+//! ```text
+//! slot data, sliced: | part 0 (held 0..len0) | part 1 (held slice of len1) | ...
+//!                      each part's held elements, in map order, packed
+//! ```
+//!
 //! A map is external input: [`StateMap::validate`] checks every index, range
 //! and name before the agent uses it, and every error names what is wrong.
 
 use serde::{Deserialize, Serialize};
+use std::hash::Hasher;
 use std::ops::Range;
 use std::path::PathBuf;
 
@@ -219,6 +232,62 @@ impl StateMap {
             .collect()
     }
 
+    /// The elements of part `i` a snapshot of this rank holds: all of them,
+    /// or, `sliced`, this rank's slice of a replicated part (validated map).
+    pub fn held(&self, i: usize, sliced: bool) -> Range<u64> {
+        let p = &self.parts[i];
+        match p.sharing {
+            Sharing::Replicated { group, index } if sliced && group > 1 => {
+                let r = crate::shard::shard_range(p.len as usize, group, index);
+                r.start as u64..r.end as u64
+            }
+            _ => 0..p.len,
+        }
+    }
+
+    /// Byte range, in the snapshot, of each part's held elements.
+    pub fn slot_offsets(&self, sliced: bool) -> Vec<Range<usize>> {
+        let mut at = 0usize;
+        (0..self.parts.len())
+            .map(|i| {
+                let h = self.held(i, sliced);
+                let len = ((h.end - h.start) * self.parts[i].dtype.size() as u64) as usize;
+                let r = at..at + len;
+                at += len;
+                r
+            })
+            .collect()
+    }
+
+    /// Bytes of a snapshot (validated map).
+    pub fn slot_bytes(&self, sliced: bool) -> u64 {
+        self.slot_offsets(sliced).last().map_or(0, |r| r.end as u64)
+    }
+
+    /// Whether slicing changes anything: some part is replicated over a
+    /// group of more than one rank.
+    pub fn has_replicated(&self) -> bool {
+        self.parts
+            .iter()
+            .any(|p| matches!(p.sharing, Sharing::Replicated { group, .. } if group > 1))
+    }
+
+    /// A hash identifying what a snapshot's bytes are: the layout, and for
+    /// a sliced snapshot which slice of each replicated part.
+    pub fn slot_layout_hash(&self, sliced: bool) -> u64 {
+        if !sliced || !self.has_replicated() {
+            return self.layout_hash();
+        }
+        let mut h = twox_hash::XxHash3_64::new();
+        h.write(&self.layout_hash().to_le_bytes());
+        for i in 0..self.parts.len() {
+            let r = self.held(i, true);
+            h.write(&r.start.to_le_bytes());
+            h.write(&r.end.to_le_bytes());
+        }
+        h.finish()
+    }
+
     /// The index of the part named `name`.
     pub fn part(&self, name: &str) -> Option<usize> {
         self.parts.iter().position(|p| p.name == name)
@@ -233,14 +302,14 @@ impl StateMap {
     /// A hash identifying the snapshot layout: part names, types and lengths,
     /// in order.
     pub fn layout_hash(&self) -> u64 {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut h = twox_hash::XxHash3_64::new();
         for p in &self.parts {
-            h.update(p.name.as_bytes());
-            h.update(&[0]);
-            h.update(format!("{:?}", p.dtype).as_bytes());
-            h.update(&p.len.to_le_bytes());
+            h.write(p.name.as_bytes());
+            h.write(&[0]);
+            h.write(format!("{:?}", p.dtype).as_bytes());
+            h.write(&p.len.to_le_bytes());
         }
-        h.digest()
+        h.finish()
     }
 
     /// Checks every name, index and range, so that nothing derived from the
@@ -361,20 +430,38 @@ impl StateMap {
         Ok(())
     }
 
-    /// Reads field `value` from a snapshot's parts (validated map).
-    pub fn field(&self, value: &FieldValue, parts: &[&[u8]]) -> serde_json::Value {
+    /// Reads field `value` from a snapshot's parts (validated map); `None`
+    /// when the word is outside what the views hold.
+    pub fn field(&self, value: &FieldValue, parts: &[PartView<'_>]) -> Option<serde_json::Value> {
         match value {
-            FieldValue::Const(v) => v.clone(),
+            FieldValue::Const(v) => Some(v.clone()),
             FieldValue::U64 { part, offset } => {
-                let at = *offset as usize;
-                let word = parts
-                    .get(*part)
-                    .and_then(|p| p.get(at..at + 8))
+                let view = parts.get(*part)?;
+                let size = self.parts.get(*part)?.dtype.size() as u64;
+                let at = offset.checked_sub(view.first.checked_mul(size)?)? as usize;
+                let word = view
+                    .bytes
+                    .get(at..at.checked_add(8)?)
                     .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                    .map_or(0, u64::from_le_bytes);
-                serde_json::Value::from(word)
+                    .map(u64::from_le_bytes)?;
+                Some(serde_json::Value::from(word))
             }
         }
+    }
+}
+
+/// What a writer has of one part: its elements from `first` on, as bytes
+/// (the whole part, or a rank's slice of a replicated one).
+#[derive(Debug, Clone, Copy)]
+pub struct PartView<'a> {
+    pub first: u64,
+    pub bytes: &'a [u8],
+}
+
+impl<'a> PartView<'a> {
+    /// A whole part.
+    pub fn whole(bytes: &'a [u8]) -> Self {
+        Self { first: 0, bytes }
     }
 }
 
@@ -427,11 +514,48 @@ mod tests {
         assert_eq!(m.offsets(), vec![0..16, 16..56]);
         assert_eq!(m.largest_part(), Some(1));
         let meta: Vec<u8> = (0..16u8).collect();
-        let v = m.field(&FieldValue::U64 { part: 0, offset: 8 }, &[&meta, &[]]);
+        let views = [PartView::whole(&meta), PartView::whole(&[])];
+        let v = m.field(&FieldValue::U64 { part: 0, offset: 8 }, &views);
         assert_eq!(
             v,
-            serde_json::json!(u64::from_le_bytes([8, 9, 10, 11, 12, 13, 14, 15]))
+            Some(serde_json::json!(u64::from_le_bytes([
+                8, 9, 10, 11, 12, 13, 14, 15
+            ])))
         );
+        assert_eq!(
+            m.field(&FieldValue::U64 { part: 0, offset: 9 }, &views),
+            None,
+            "a word beyond the view"
+        );
+    }
+
+    #[test]
+    fn a_sliced_snapshot_holds_each_replicated_part_once_across_the_group() {
+        let mut m = sample();
+        // Rank 1 of 2: the second half of "w".
+        assert_eq!(m.held(1, true), 5..10);
+        assert_eq!(m.held(1, false), 0..10);
+        assert_eq!(m.held(0, true), 0..16, "unique parts are whole");
+        assert_eq!(m.slot_offsets(true), vec![0..16, 16..36]);
+        assert_eq!(m.slot_bytes(true), 36);
+        assert_eq!(m.slot_bytes(false), 56);
+        assert_ne!(m.slot_layout_hash(true), m.slot_layout_hash(false));
+        assert_eq!(m.slot_layout_hash(false), m.layout_hash());
+        // Every element of a replicated part is held by exactly one rank.
+        for (group, len) in [(1usize, 7u64), (3, 10), (4, 3), (8, 1001)] {
+            let mut covered = vec![0u32; len as usize];
+            for index in 0..group {
+                m.parts[1] = Part {
+                    len,
+                    sharing: Sharing::Replicated { group, index },
+                    ..m.parts[1].clone()
+                };
+                for e in m.held(1, true) {
+                    covered[e as usize] += 1;
+                }
+            }
+            assert!(covered.iter().all(|c| *c == 1), "{group} {len}");
+        }
     }
 
     #[test]

@@ -351,7 +351,8 @@ mod tests {
             bytemuck::cast_slice(&m[r.clone()]),
             bytemuck::cast_slice(&v[r]),
         ];
-        write_rank(tmp, &map, rank, iteration, &parts).unwrap();
+        let views = parts.map(hatrain_shared::statemap::PartView::whole);
+        write_rank(tmp, &map, rank, iteration, &views).unwrap();
     }
 
     fn save(dir: &Path, iteration: u64, world: usize, seed: f32) {

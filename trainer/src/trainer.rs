@@ -744,9 +744,16 @@ impl Trainer<'_> {
                     } else {
                         dist.communicator(epoch, &|| rt.directive_pending())
                     };
+                    // Sliced snapshots restore this rank's slice of the
+                    // parameters: one all-gather, in which every rank (kept
+                    // or restored) gives its slice, rebuilds the rest.
+                    let built = built.and_then(|mut comm| {
+                        rt.set_communicator(&comm);
+                        rt.rebuild_replicated(|buf| comm.all_gather(buf))?;
+                        Ok(comm)
+                    });
                     match built {
                         Ok(comm) => {
-                            rt.set_communicator(&comm);
                             eprintln!(
                                 "rank {}: resumed at step {step} under epoch {epoch} ({})",
                                 self.rank,
@@ -858,7 +865,8 @@ impl Trainer<'_> {
                 bytemuck::cast_slice(&m),
                 bytemuck::cast_slice(&v),
             ];
-            checkpoint::write_rank(&tmp, &self.map, rank, iteration, &parts)
+            let views = parts.map(hatrain_shared::statemap::PartView::whole);
+            checkpoint::write_rank(&tmp, &self.map, rank, iteration, &views)
         };
         agree(comm, iteration, written)?;
         // Rank 0 publishes; everyone learns whether it worked.

@@ -137,6 +137,12 @@ struct CommitJob {
 struct Attached {
     store: Arc<Store>,
     recover: bool,
+    /// Per buffer, the elements a snapshot holds: all, or this rank's
+    /// slice of a replicated part (a sliced snapshot).
+    held: Arc<Vec<std::ops::Range<usize>>>,
+    /// The snapshots are sliced: a restore leaves the other ranks' slices
+    /// of the replicated parts to [`Runtime::rebuild_replicated`].
+    sliced: bool,
     jobs: Option<mpsc::Sender<CommitJob>>,
     progress: Arc<(Mutex<CommitProgress>, Condvar)>,
     abort: Arc<Mutex<Option<Arc<dyn Abort>>>>,
@@ -267,15 +273,16 @@ impl Runtime {
                 map: rt.map.clone(),
             },
         )?;
-        let (store_path, start, recover) = match PROTOCOL.recv_json(&mut conn)? {
+        let (store_path, start, recover, sliced) = match PROTOCOL.recv_json(&mut conn)? {
             Response::Registered {
                 store,
                 start,
                 recover,
                 agent_saves,
+                sliced,
             } => {
                 rt.agent_saves = agent_saves.then(|| save_interval.unwrap_or(0));
-                (store, start, recover)
+                (store, start, recover, sliced)
             }
             Response::Error { message } => return Err(RuntimeError::Refused(message)),
             other => {
@@ -292,9 +299,17 @@ impl Runtime {
         }
         hatrain_shared::trust::check(&store_path, hatrain_shared::trust::Kind::File, me)?;
         let store = Arc::new(Store::open(&store_path)?);
-        if store.page().layout_hash() != rt.map.layout_hash() {
+        if store.page().layout_hash() != rt.map.slot_layout_hash(sliced) {
             return Err(RuntimeError::Layout { path: store_path });
         }
+        let held: Arc<Vec<std::ops::Range<usize>>> = Arc::new(
+            (1..rt.map.parts.len())
+                .map(|i| {
+                    let r = rt.map.held(i, sliced);
+                    r.start as usize..r.end as usize
+                })
+                .collect(),
+        );
         // The SIGBUS handler records fatal faults in the control page, so the
         // mapping must outlive every signal: one reference is kept for the
         // life of the process.
@@ -315,15 +330,18 @@ impl Runtime {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<CommitJob>();
         let committer = {
-            let (store, bufs, progress, hooks) = (
+            let (store, bufs, held, progress, hooks) = (
                 Arc::clone(&store),
                 rt.buffers.clone(),
+                Arc::clone(&held),
                 Arc::clone(&progress),
                 Arc::clone(&rt.hooks),
             );
             thread::Builder::new()
                 .name("hatrain-commit".into())
-                .spawn(move || commit_loop(rx, &store, &bufs, &progress, &*hooks, rank as u64))
+                .spawn(move || {
+                    commit_loop(rx, &store, &bufs, &held, &progress, &*hooks, rank as u64)
+                })
                 .map_err(|source| RuntimeError::Thread {
                     what: "commit",
                     source,
@@ -347,6 +365,8 @@ impl Runtime {
         rt.attached = Some(Attached {
             store,
             recover,
+            held,
+            sliced,
             jobs: Some(tx),
             progress,
             abort,
@@ -588,8 +608,49 @@ impl Runtime {
         }
     }
 
+    /// Whether the snapshots hold only this rank's slice of each replicated
+    /// part: then a restore is complete only after
+    /// [`Runtime::rebuild_replicated`].
+    pub fn sliced(&self) -> bool {
+        self.attached.as_ref().is_some_and(|a| a.sliced)
+    }
+
+    /// Bytes of one snapshot of this rank (0 without an agent).
+    pub fn snapshot_bytes(&self) -> u64 {
+        self.attached
+            .as_ref()
+            .map_or(0, |a| self.map.slot_bytes(a.sliced))
+    }
+
+    /// Rebuilds every replicated buffer from the slices the ranks of its
+    /// group hold, with `all_gather` (the framework's collective over the
+    /// new communicator): called by every rank after a resume, restored or
+    /// not, since each contributes its slice. On entry a buffer holds this
+    /// rank's slice, [`shard_range`](hatrain_shared::shard::shard_range)`(len,
+    /// group, index)`; `all_gather` must leave all of it on every rank. A
+    /// no-op for full snapshots.
+    pub fn rebuild_replicated<E>(
+        &self,
+        mut all_gather: impl FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let Some(a) = self.attached.as_ref().filter(|a| a.sliced) else {
+            return Ok(());
+        };
+        for (i, buf) in self.buffers.iter().enumerate() {
+            let part = &self.map.parts[i + 1];
+            if a.held[i].len() as u64 == part.len {
+                continue;
+            }
+            let mut g = buf.write().unwrap_or_else(|p| p.into_inner());
+            all_gather(&mut g[..])?;
+        }
+        Ok(())
+    }
+
     /// Copies the sealed snapshot of `step` into the state buffers (taking
-    /// their write locks) and returns its metadata block.
+    /// their write locks) and returns its metadata block. With sliced
+    /// snapshots only this rank's slice of a replicated part is restored:
+    /// [`Runtime::rebuild_replicated`] completes it.
     pub fn restore(&self, step: u64) -> Result<Vec<u8>, RuntimeError> {
         let a = self
             .attached
@@ -610,8 +671,8 @@ impl Runtime {
         let mut restored = false;
         for info in a.store.sealed().into_iter().filter(|i| i.step == step) {
             let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
-            for g in guards.iter_mut() {
-                outs.push(bytemuck::cast_slice_mut(&mut g[..]));
+            for (g, held) in guards.iter_mut().zip(a.held.iter()) {
+                outs.push(bytemuck::cast_slice_mut(&mut g[held.clone()]));
             }
             match a.store.read_slot(info.slot, &mut outs) {
                 Ok(read) if read.step == step => {
@@ -673,6 +734,7 @@ fn commit_loop(
     rx: mpsc::Receiver<CommitJob>,
     store: &Store,
     bufs: &[SharedBuf],
+    held: &[std::ops::Range<usize>],
     progress: &(Mutex<CommitProgress>, Condvar),
     hooks: &dyn Hooks,
     rank: u64,
@@ -691,7 +753,8 @@ fn commit_loop(
                 parts.extend(
                     guards
                         .iter()
-                        .map(|g| bytemuck::cast_slice::<f32, u8>(&g[..])),
+                        .zip(held)
+                        .map(|(g, h)| bytemuck::cast_slice::<f32, u8>(&g[h.clone()])),
                 );
                 let mut halfway = false;
                 let uces = job.uces;

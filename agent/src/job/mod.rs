@@ -384,6 +384,7 @@ impl Driver<'_> {
             rank,
             store: Arc::clone(self.stores.get(&rank)?),
             map: Arc::clone(map),
+            sliced: self.cfg.ha.slices,
         })
     }
 

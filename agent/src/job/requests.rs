@@ -200,11 +200,10 @@ impl Driver<'_> {
             Ok(yes) => yes,
             Err(e) => return refuse(e.to_string()),
         };
-        let total = map.total_bytes().and_then(|t| usize::try_from(t).ok());
-        let Some(total) = total else {
-            return refuse(format!("rank {rank}: the state does not fit this host"));
-        };
-        let layout = map.layout_hash();
+        // Validated: the map's bytes fit this host.
+        let sliced = self.cfg.ha.slices && map.has_replicated();
+        let total = map.slot_bytes(sliced) as usize;
+        let layout = map.slot_layout_hash(sliced);
         let reuse = self
             .stores
             .get(&rank)
@@ -266,7 +265,7 @@ impl Driver<'_> {
                     });
             match created {
                 Ok(s) => {
-                    tracing::info!(rank, pid, bytes = total, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
+                    tracing::info!(rank, pid, bytes = total, sliced, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
                     self.stores.insert(rank, Arc::new(s));
                 }
                 Err(e) => {
@@ -286,6 +285,7 @@ impl Driver<'_> {
             // them: for a recovery or for a last-words dump.
             recover: self.cfg.ha.modes.any(),
             agent_saves,
+            sliced,
         })
     }
 

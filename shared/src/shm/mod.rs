@@ -43,6 +43,7 @@
 //! [`directive`], persist holds in [`hold`] and faults and injections in
 //! [`fault`].
 
+mod copy;
 mod directive;
 mod fault;
 mod hold;
@@ -141,7 +142,7 @@ pub struct Store {
 
 /// Stable 64-bit identity of a string (job ids).
 pub fn hash_str(s: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(s.as_bytes())
+    twox_hash::XxHash3_64::oneshot(s.as_bytes())
 }
 
 /// Path of `rank`'s store under `dir`.

@@ -8,7 +8,8 @@
 //! release ordering. Whatever instant the writer dies at, another slot still
 //! holds a sealed, verifiable snapshot.
 //!
-//! The checksum is xxh3-64 over the data followed by the header words it
+//! The checksum is XXH3-64 (twox-hash, which picks AVX2 at run time) over
+//! the data followed by the header words it
 //! vouches for (rank, step, epoch, length, job hash, layout hash, sealed
 //! at), so a header changed after sealing fails verification as surely as
 //! a flipped data bit. Readers ([`Store::verify`], [`Store::read_slot`])
@@ -17,12 +18,14 @@
 
 use super::mapping::Words;
 use super::{PAGE, ShmError, Store, VERSION_WORD};
+use std::hash::Hasher;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use twox_hash::XxHash3_64;
 
 pub const SLOT_MAGIC: u64 = u64::from_le_bytes(*b"HTRSLOT\x02");
-/// Bytes hashed per piece while copying: the piece is still in cache when
-/// it is hashed, so the data is read from memory once.
-const COPY_PIECE: usize = 256 * 1024;
+/// Bytes copied and hashed per piece: the source piece is still in cache
+/// when it is hashed, so the data is read from memory once.
+const COPY_PIECE: usize = 64 * 1024;
 
 const STATE_EMPTY: u64 = 0;
 const STATE_WRITING: u64 = 1;
@@ -96,7 +99,7 @@ impl Store {
     }
 
     /// Feeds the header words the checksum covers into `h`, after the data.
-    fn sum_header(&self, h: &mut xxhash_rust::xxh3::Xxh3, info: &SlotInfo) -> u64 {
+    fn sum_header(&self, h: &mut XxHash3_64, info: &SlotInfo) -> u64 {
         let page = self.page();
         for w in [
             info.rank,
@@ -107,9 +110,9 @@ impl Store {
             page.layout_hash(),
             info.sealed_at_unix_ns,
         ] {
-            h.update(&w.to_le_bytes());
+            h.write(&w.to_le_bytes());
         }
-        h.digest()
+        h.finish()
     }
 
     /// The header of `slot` if it claims to be sealed (not verified).
@@ -197,8 +200,8 @@ impl Store {
         // SAFETY: reading sealed bytes; a concurrent writer would first make
         // seq odd, which `check_sum` detects.
         let data = unsafe { self.map.bytes(self.data_offset(slot), info.len as usize) };
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(data);
+        let mut h = XxHash3_64::new();
+        h.write(data);
         let sum = self.sum_header(&mut h, &info);
         self.check_sum(slot, &info, sum)?;
         Ok(info)
@@ -271,13 +274,12 @@ impl Store {
         // SAFETY: this slot is not the newest sealed one and we are the only
         // writer; readers see seq odd and ignore its bytes.
         let dst = unsafe { self.map.bytes_mut(self.data_offset(slot), len) };
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut hasher = XxHash3_64::new();
         let mut at = 0;
         for part in parts {
             for piece in part.chunks(COPY_PIECE) {
-                let out = &mut dst[at..at + piece.len()];
-                out.copy_from_slice(piece);
-                hasher.update(out);
+                super::copy::copy(&mut dst[at..at + piece.len()], piece);
+                hasher.write(piece);
                 at += piece.len();
                 if !progress(at, len) {
                     return Err(self.bad(
@@ -297,6 +299,9 @@ impl Store {
             sealed_at_unix_ns: now_unix_ns(),
         };
         info.checksum = self.sum_header(&mut hasher, &info);
+        // INVARIANT: the copy's streaming stores are ordered before the
+        // seal that publishes them.
+        super::copy::fence();
         // Seal: header fields, then state and an even seq, released.
         h.rank.store(rank, Ordering::Relaxed);
         h.step.store(step, Ordering::Relaxed);
@@ -324,12 +329,12 @@ impl Store {
         }
         // SAFETY: as in `verify`; the checksum of the copy is checked below.
         let src = unsafe { self.map.bytes(self.data_offset(slot), total) };
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut hasher = XxHash3_64::new();
         let mut at = 0;
         for o in out.iter_mut() {
             for piece in o.chunks_mut(COPY_PIECE) {
                 piece.copy_from_slice(&src[at..at + piece.len()]);
-                hasher.update(piece);
+                hasher.write(piece);
                 at += piece.len();
             }
         }
