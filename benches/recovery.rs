@@ -1,9 +1,13 @@
 //! End-to-end benchmarks of worker reboot, with real trainer processes.
 //!
-//! 1. Snapshot overhead: median step time with a snapshot every step,
-//!    divided by the median step time with snapshots off
-//!    (`--snapshot-interval` larger than the run), for the `10m` and `100m`
-//!    models on 2 ranks (`HATRAIN_BENCH_SIZES` narrows it).
+//! 1. Snapshot overhead: median step time with a snapshot every step
+//!    (sliced, the default, and full with `--snapshot-slices off`), divided
+//!    by the median step time with snapshots off (`--snapshot-interval`
+//!    larger than the run), for the `10m` and `100m` models on 2 ranks
+//!    (`HATRAIN_BENCH_SIZES` narrows it). The three configurations run
+//!    interleaved `HATRAIN_BENCH_REPS` times (default 3); each run's figure
+//!    is its median step time over steps 3-9, and the table gives the
+//!    median over runs.
 //! 2. Recovery: one rank is killed with SIGKILL during step K; the time is
 //!    from the kill until step K has been completed again.
 //!    - hatrain: worker reboot (`--enable-worker-reboot`), the agent restarts
@@ -15,8 +19,9 @@
 //!    K takes the values 13, 16 and 19 (3, 6 and 9 steps after a save, 6 on
 //!    average = save-interval/2 + 1), on the `10m` model, 2 ranks.
 //!    Reported per run: for hatrain the time to the first step completed
-//!    after the kill (the first step after recovery) and to step K; for the
-//!    baseline the time to step K; steps redone; the medians and ratios.
+//!    after the kill (the first step after recovery) and to step K, with
+//!    sliced snapshots and with full ones; for the baseline the time to
+//!    step K; steps redone; the medians and ratios.
 
 mod common;
 use common::{agent, median, train_args, trainer};
@@ -47,7 +52,7 @@ fn steps(log: &Path) -> Vec<Value> {
         .collect()
 }
 
-fn launch(nproc: usize, ha: bool, shm: &Path, train: &[String]) -> Child {
+fn launch(nproc: usize, ha: bool, shm: &Path, slices: &str, train: &[String]) -> Child {
     let mut c = Command::new(agent());
     c.args([
         "launch",
@@ -55,6 +60,8 @@ fn launch(nproc: usize, ha: bool, shm: &Path, train: &[String]) -> Child {
         &nproc.to_string(),
         "--stop-grace-secs",
         "2",
+        "--snapshot-slices",
+        slices,
     ])
     .arg("--shm-root")
     .arg(shm);
@@ -114,25 +121,68 @@ fn kill_rank1(child: &Child) -> f64 {
     t
 }
 
-fn overhead(dir: &Path, size: &str) -> (f64, f64) {
-    let mut out = Vec::new();
-    for interval in ["1", "1000000"] {
-        let log = dir.join(format!("overhead-{size}-{interval}.jsonl"));
-        let mut c = launch(
-            2,
-            true,
-            dir,
-            &train_args(size, 9, &log, &["--snapshot-interval", interval]),
-        );
-        assert!(c.wait().unwrap().success());
-        let t: Vec<f64> = steps(&log)
-            .iter()
-            .filter(|e| e["step"].as_u64() > Some(2))
-            .map(|e| e["step_time_s"].as_f64().unwrap())
-            .collect();
-        out.push(median(t));
+/// Median step time (steps 3-9) of one run of `size` on 2 ranks.
+fn step_time(dir: &Path, size: &str, interval: &str, slices: &str) -> f64 {
+    let log = dir.join(format!("overhead-{size}-{interval}-{slices}.jsonl"));
+    let _ = std::fs::remove_file(&log);
+    let mut c = launch(
+        2,
+        true,
+        dir,
+        slices,
+        &train_args(size, 9, &log, &["--snapshot-interval", interval]),
+    );
+    assert!(c.wait().unwrap().success());
+    let t: Vec<f64> = steps(&log)
+        .iter()
+        .filter(|e| e["step"].as_u64() > Some(2))
+        .map(|e| e["step_time_s"].as_f64().unwrap())
+        .collect();
+    median(t)
+}
+
+/// Interleaved runs: (sliced, full, none) median step times, each the
+/// median over `reps` runs, and every run's figures.
+fn overhead(dir: &Path, size: &str, reps: usize) -> ([f64; 3], Vec<[f64; 3]>) {
+    let mut runs = Vec::new();
+    for _ in 0..reps {
+        runs.push([
+            step_time(dir, size, "1", "on"),
+            step_time(dir, size, "1", "off"),
+            step_time(dir, size, "1000000", "on"),
+        ]);
     }
-    (out[0], out[1])
+    let col = |i: usize| median(runs.iter().map(|r| r[i]).collect());
+    ([col(0), col(1), col(2)], runs)
+}
+
+/// One worker-reboot recovery from a SIGKILL of rank 1 during step `k`:
+/// seconds to the first step after the kill, to step `k` again, and the
+/// steps redone.
+fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize) {
+    let log = dir.join(format!("ha-{k}-{slices}.jsonl"));
+    let mut c = launch(2, true, dir, slices, &train_args("10m", k + 2, &log, &[]));
+    wait_step(&log, Duration::from_secs(300), |e| {
+        e["step"].as_u64() == Some(k - 1)
+    })
+    .expect("reach K-1");
+    let t_kill = kill_rank1(&c);
+    let back = wait_step(&log, Duration::from_secs(300), |e| {
+        e["step"].as_u64() >= Some(k) && e["unix_s"].as_f64() > Some(t_kill)
+    })
+    .expect("step K again");
+    assert!(c.wait().unwrap().success(), "worker reboot run failed");
+    let redone = steps(&log)
+        .iter()
+        .filter(|e| e["unix_s"].as_f64() > Some(t_kill) && e["step"].as_u64() < Some(k))
+        .count();
+    let first_s = steps(&log)
+        .iter()
+        .filter_map(|e| e["unix_s"].as_f64())
+        .find(|t| *t > t_kill)
+        .expect("a step after the kill")
+        - t_kill;
+    (first_s, back["unix_s"].as_f64().unwrap() - t_kill, redone)
 }
 
 fn main() {
@@ -141,54 +191,50 @@ fn main() {
         .tempdir_in("/dev/shm")
         .expect("tempdir");
     let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "10m,100m".into());
-    println!("snapshot overhead (2 ranks, global batch 16 x 32, median of steps 3-9)");
+    let reps = std::env::var("HATRAIN_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     println!(
-        "{:<6} {:>16} {:>16} {:>8}",
-        "model", "snapshot ms/step", "no snapshot", "ratio"
+        "snapshot overhead (2 ranks, global batch 16 x 32; per run the median of steps 3-9, then the median of {reps} interleaved runs)"
+    );
+    println!(
+        "{:<6} {:>12} {:>12} {:>12} {:>13} {:>11}",
+        "model", "sliced ms", "full ms", "none ms", "sliced÷none", "full÷none"
     );
     for size in sizes.split(',') {
-        let (with, without) = overhead(dir.path(), size);
+        let ([sliced, full, none], runs) = overhead(dir.path(), size, reps);
         println!(
-            "{size:<6} {:>16.1} {:>16.1} {:>8.3}",
-            with * 1e3,
-            without * 1e3,
-            with / without
+            "{size:<6} {:>12.1} {:>12.1} {:>12.1} {:>13.3} {:>11.3}",
+            sliced * 1e3,
+            full * 1e3,
+            none * 1e3,
+            sliced / none,
+            full / none
         );
+        for r in runs {
+            println!(
+                "       run: sliced {:.1} ms, full {:.1} ms, none {:.1} ms",
+                r[0] * 1e3,
+                r[1] * 1e3,
+                r[2] * 1e3
+            );
+        }
     }
 
     println!(
         "\nrecovery from SIGKILL of rank 1 during step K (10m model, 2 ranks, disk save every 10 steps)"
     );
     println!(
-        "{:>3} {:>16} {:>14} {:>8} {:>14} {:>8}",
-        "K", "hatrain 1st s", "hatrain K s", "redone", "baseline K s", "redone"
+        "{:>3} {:>12} {:>12} {:>12} {:>8} {:>14} {:>8}",
+        "K", "sliced 1st s", "full 1st s", "sliced K s", "redone", "baseline K s", "redone"
     );
-    let (mut first, mut ours, mut base) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut first, mut first_full, mut ours, mut base) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for k in [13u64, 16, 19] {
-        // hatrain: worker reboot.
-        let log = dir.path().join(format!("ha-{k}.jsonl"));
-        let mut c = launch(2, true, dir.path(), &train_args("10m", k + 2, &log, &[]));
-        wait_step(&log, Duration::from_secs(300), |e| {
-            e["step"].as_u64() == Some(k - 1)
-        })
-        .expect("reach K-1");
-        let t_kill = kill_rank1(&c);
-        let back = wait_step(&log, Duration::from_secs(300), |e| {
-            e["step"].as_u64() >= Some(k) && e["unix_s"].as_f64() > Some(t_kill)
-        })
-        .expect("step K again");
-        assert!(c.wait().unwrap().success(), "worker reboot run failed");
-        let redone = steps(&log)
-            .iter()
-            .filter(|e| e["unix_s"].as_f64() > Some(t_kill) && e["step"].as_u64() < Some(k))
-            .count();
-        let ha_s = back["unix_s"].as_f64().unwrap() - t_kill;
-        let first_s = steps(&log)
-            .iter()
-            .filter_map(|e| e["unix_s"].as_f64())
-            .find(|t| *t > t_kill)
-            .expect("a step after the kill")
-            - t_kill;
+        // hatrain: worker reboot, sliced snapshots and full ones.
+        let (first_s, ha_s, redone) = ha_recovery(dir.path(), k, "on");
+        let (full_s, _, _) = ha_recovery(dir.path(), k, "off");
 
         // Baseline: stop, relaunch from the disk checkpoint, redo.
         let log = dir.path().join(format!("base-{k}.jsonl"));
@@ -198,6 +244,7 @@ fn main() {
             2,
             false,
             dir.path(),
+            "on",
             &train_args(
                 "10m",
                 k + 2,
@@ -215,6 +262,7 @@ fn main() {
             2,
             false,
             dir.path(),
+            "on",
             &train_args(
                 "10m",
                 k + 2,
@@ -232,14 +280,23 @@ fn main() {
             .filter(|e| e["unix_s"].as_f64() > Some(t_kill) && e["step"].as_u64() < Some(k))
             .count();
         let base_s = back["unix_s"].as_f64().unwrap() - t_kill;
-        println!("{k:>3} {first_s:>16.3} {ha_s:>14.3} {redone:>8} {base_s:>14.3} {base_redone:>8}");
+        println!(
+            "{k:>3} {first_s:>12.3} {full_s:>12.3} {ha_s:>12.3} {redone:>8} {base_s:>14.3} {base_redone:>8}"
+        );
         first.push(first_s);
+        first_full.push(full_s);
         ours.push(ha_s);
         base.push(base_s);
     }
-    let (f, o, b) = (median(first), median(ours), median(base));
+    let (f, ff, o, b) = (
+        median(first),
+        median(first_full),
+        median(ours),
+        median(base),
+    );
     println!(
-        "median: hatrain {f:.3} s to the first step after recovery, {o:.3} s to step K; baseline {b:.3} s to step K"
+        "median: hatrain {f:.3} s to the first step after recovery ({ff:.3} s with full snapshots: sliced ÷ full {:.3}), {o:.3} s to step K; baseline {b:.3} s to step K",
+        f / ff
     );
     println!(
         "ratios to the baseline: first step {:.3}, step K {:.3}",

@@ -104,7 +104,10 @@ fn sigterm_writes_a_last_words_checkpoint_that_resumes_exactly() {
         stderr.contains(&format!("last-words checkpoint of iteration {it} written")),
         "{stderr}"
     );
-    assert!((15..ITERS).contains(&it), "iteration {it}");
+    // Step 15 was logged; its snapshot may still have been copying (the
+    // copy overlaps the next step), so the newest sealed step is 14 or
+    // later.
+    assert!((14..ITERS).contains(&it), "iteration {it}");
     assert!(job_pids(&job).is_empty());
     assert!(!shm.join(&job).exists(), "shared memory left behind");
     resume_matches(d.path(), &ckpt, it, &reference);
