@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn train_args(iters: u64, seed: u64, log: &Path) -> Vec<String> {
     let mut a = tiny_args(iters);
@@ -553,23 +553,11 @@ fn a_worker_out_of_memory_is_named_restarted_once_then_the_job_stops_with_its_la
         .env("RUST_LOG", "info");
     let mut guard = Job::spawn(cmd, &job);
     let socket = shm.join(&job).join("agent.sock");
-    let mut seen = None;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while seen.is_none() && Instant::now() < deadline {
-        if let Ok(o) = Command::new(agentctl())
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--json", "faults"])
-            .output()
-            && o.status.success()
-        {
-            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-            seen = v["faults"]
-                .as_array()
-                .and_then(|f| f.iter().find(|f| f["kind"] == "oom").cloned());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let seen = poll_agentctl(&socket, "faults", Duration::from_secs(120), |v| {
+        v["faults"]
+            .as_array()
+            .and_then(|f| f.iter().find(|f| f["kind"] == "oom").cloned())
+    });
     let out = guard.wait_output(Duration::from_secs(120));
     let said = text(&out);
     let fault = seen.unwrap_or_else(|| panic!("agentctl faults never showed an OOM kill: {said}"));

@@ -279,8 +279,20 @@ fn bad_ha_configuration_is_refused_at_start() {
 
 /// `launch` of the tiny model on 4 ranks with worker reboot.
 fn reboot_launch(job: &str, shm: &std::path::Path, log: &std::path::Path, plan: &str) -> Command {
+    reboot_launch_with(job, shm, log, plan, &[])
+}
+
+/// [`reboot_launch`] with more agent flags.
+fn reboot_launch_with(
+    job: &str,
+    shm: &std::path::Path,
+    log: &std::path::Path,
+    plan: &str,
+    flags: &[&str],
+) -> Command {
     let mut cmd = Command::new(agent());
     cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
+        .args(flags)
         .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
         .args(["--enable-high-availability", "--enable-worker-reboot"])
         .args(["--pause-timeout-secs", "20"])
@@ -418,4 +430,67 @@ fn a_rebuild_that_keeps_failing_is_retried_then_the_job_dumps_and_names_the_rank
     assert!((8..=9).contains(&it), "{it}");
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     assert!(job_pids(&job).is_empty());
+}
+
+#[test]
+fn full_and_sliced_snapshots_both_recover_two_ranks_killed_at_once_bit_identically() {
+    let d = tempfile::tempdir().unwrap();
+    let want = reference_of_4(d.path());
+    let mut bytes = Vec::new();
+    for slices in ["off", "on"] {
+        let (shm, log) = (
+            d.path().join(format!("shm-{slices}")),
+            d.path().join(format!("run-{slices}.jsonl")),
+        );
+        let job = job_id("slices");
+        // Two ranks die at step 20: one inside the update, one halfway
+        // through its snapshot copy.
+        let cmd = reboot_launch_with(
+            &job,
+            &shm,
+            &log,
+            "1:20:update:kill;3:20:commit:kill",
+            &["--snapshot-slices", slices],
+        );
+        let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(120));
+        assert_success(&out, &format!("--snapshot-slices {slices}"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("snapshot store created") && l.contains("rank=0"))
+            .expect("rank 0's store");
+        assert!(
+            line.contains(&format!("sliced={}", slices == "on")),
+            "{line}"
+        );
+        bytes.push(
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix("bytes="))
+                .and_then(|b| b.parse::<u64>().ok())
+                .expect("bytes="),
+        );
+        assert_eq!(
+            final_checksum(&read_log(&log)),
+            want,
+            "--snapshot-slices {slices}: final parameters differ"
+        );
+        assert!(job_pids(&job).is_empty());
+    }
+    // 4 ranks: the parameters are held once across the group, a quarter
+    // on each rank; the moments are each rank's own already.
+    let params = hatrain_trainer::model::Model::new(
+        "tiny"
+            .parse::<hatrain_trainer::config::ModelSize>()
+            .unwrap()
+            .config(),
+    )
+    .numel() as u64
+        * 4;
+    assert_eq!(
+        bytes[0] - bytes[1],
+        params / 4 * 3,
+        "sliced {} bytes against full {}",
+        bytes[1],
+        bytes[0]
+    );
 }

@@ -398,23 +398,12 @@ fn with_the_switches_on_an_unregistered_script_is_warned_about_once_and_complete
     ];
     let mut guard = Job::spawn(hatrain(&args, d.path()), &job);
     let socket = shm.join(&job).join("agent.sock");
-    let mut seen = None;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while seen.is_none() && Instant::now() < deadline {
-        if let Ok(o) = Command::new(agentctl())
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--json", "workers"])
-            .output()
-            && o.status.success()
-        {
-            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-            if v["workers"].as_array().is_some_and(|w| w.len() == 2) {
-                seen = Some(v);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let seen = poll_agentctl(&socket, "workers", Duration::from_secs(120), |v| {
+        v["workers"]
+            .as_array()
+            .is_some_and(|w| w.len() == 2)
+            .then(|| v.clone())
+    });
     let out = guard.wait_output(Duration::from_secs(300));
     assert_success(&out, "the unprotected job");
     let said = text(&out);

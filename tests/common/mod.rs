@@ -308,3 +308,29 @@ pub fn proc_state(pid: i32) -> Option<char> {
 pub fn final_losses(log: &[serde_json::Value]) -> std::collections::BTreeMap<u64, f64> {
     losses(log).into_iter().collect()
 }
+
+/// Asks the agent at `socket` `agentctl --json VERB` every 50 ms until
+/// `pick` finds what it wants in the reply, or `limit` passes.
+pub fn poll_agentctl<T>(
+    socket: &Path,
+    verb: &str,
+    limit: Duration,
+    mut pick: impl FnMut(&serde_json::Value) -> Option<T>,
+) -> Option<T> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(o) = Command::new(agentctl())
+            .arg("--socket")
+            .arg(socket)
+            .args(["--json", verb])
+            .output()
+            && o.status.success()
+            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&o.stdout)
+            && let Some(t) = pick(&v)
+        {
+            return Some(t);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}

@@ -229,15 +229,29 @@ impl Machine {
                 }
             }
             ExitDecision::Stop { .. } | ExitDecision::Wait | ExitDecision::Finished => {
-                self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
-                self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
-                let outcome = match status {
-                    Some(status) => Outcome::WorkerFailed { rank, status },
-                    None => Outcome::RecoveryFailed,
-                };
-                self.stop_with(now, outcome);
+                self.failure_stops(now, rank, kind, detail, reason, status);
             }
         }
+    }
+
+    /// A failure of `rank` ends the job, for `reason` (with its last words
+    /// when the dump mode is on).
+    fn failure_stops(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        kind: FaultKind,
+        detail: String,
+        reason: String,
+        status: Option<ExitStatus>,
+    ) {
+        self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
+        self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
+        let outcome = match status {
+            Some(status) => Outcome::WorkerFailed { rank, status },
+            None => Outcome::RecoveryFailed,
+        };
+        self.stop_with(now, outcome);
     }
 
     pub(super) fn uce(&mut self, now: Duration, rank: usize, part: &str, offset: u64) {
@@ -344,13 +358,7 @@ impl Machine {
                 "rank {rank} {what}; {why}, and the group was restarted {} time(s), the --max-restarts limit of {limit}: stopping the job",
                 self.group_restarts
             );
-            self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
-            self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
-            let outcome = match status {
-                Some(status) => Outcome::WorkerFailed { rank, status },
-                None => Outcome::RecoveryFailed,
-            };
-            self.stop_with(now, outcome);
+            self.failure_stops(now, rank, kind, detail, reason, status);
             return;
         }
         self.group_restarts += 1;
