@@ -505,25 +505,7 @@ impl Persister {
                 }
             }
         }
-        if let Some(prev) = self.last_started.filter(|p| *p < step)
-            && self.interval > 0
-        {
-            let passed: Vec<u64> = (prev / self.interval + 1..)
-                .map(|k| k * self.interval)
-                .take_while(|s| *s < step)
-                .collect();
-            if !passed.is_empty() {
-                tracing::warn!(
-                    skipped = ?passed,
-                    writing = step,
-                    last_save_s = self.last_saved.map(|(_, t)| t),
-                    "save steps came faster than checkpoints could be written (a disk slower than the save interval): skipping to the newest held step"
-                );
-                self.skipped.extend(&passed);
-                let extra = self.skipped.len().saturating_sub(SKIPPED_KEPT);
-                self.skipped.drain(..extra);
-            }
-        }
+        self.note_skipped(step);
         let bytes = checkpoint_bytes(&sources.iter().map(|s| s.borrow()).collect::<Vec<_>>());
         let (dir, write) = (self.dir.clone(), Arc::clone(&self.write));
         let spawned = std::thread::Builder::new()
@@ -585,6 +567,35 @@ impl Persister {
         result
     }
 
+    /// Says which save steps between the last write started and `step`
+    /// (which is about to be written) were never written: the disk was
+    /// slower than the save interval, and their holds were replaced or
+    /// refused while a write ran.
+    fn note_skipped(&mut self, step: u64) {
+        let Some(prev) = self.last_started.filter(|p| *p < step) else {
+            return;
+        };
+        if self.interval == 0 {
+            return;
+        }
+        let passed: Vec<u64> = (prev / self.interval + 1..)
+            .map(|k| k * self.interval)
+            .take_while(|s| *s < step)
+            .collect();
+        if passed.is_empty() {
+            return;
+        }
+        tracing::warn!(
+            skipped = ?passed,
+            writing = step,
+            last_save_s = self.last_saved.map(|(_, t)| t),
+            "save steps came faster than checkpoints could be written (a disk slower than the save interval): skipping to the newest held step"
+        );
+        self.skipped.extend(&passed);
+        let extra = self.skipped.len().saturating_sub(SKIPPED_KEPT);
+        self.skipped.drain(..extra);
+    }
+
     fn write_final(
         &mut self,
         sources: &[OwnedSource],
@@ -617,6 +628,8 @@ impl Persister {
         let newer = self.last_saved().is_none_or(|s| s < step)
             && (step == last || on_disk.is_none_or(|t| t < step));
         if newer {
+            self.note_skipped(step);
+            self.last_started = Some(step);
             let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
             let t0 = Instant::now();
             match (self.write)(&borrowed, step, &self.dir) {
@@ -1020,6 +1033,26 @@ mod tests {
             x.store.page().set_step(8);
         }
         (r, out, p)
+    }
+
+    #[test]
+    fn save_steps_never_written_before_the_final_one_are_said_skipped() {
+        // Step 2's write was the last one started; the holds of 4 and 6
+        // were refused while it ran; the job ends at 8.
+        let r = ranks(2);
+        let out = tempfile::tempdir().unwrap();
+        let mut p = Persister::new(out.path().to_path_buf(), 2, 2, true);
+        p.last_started = Some(2);
+        seal(&r, 7);
+        seal(&r, 8);
+        for x in &r.sources {
+            x.store.page().set_step(8);
+        }
+        assert_eq!(
+            p.finish(&r.sources).unwrap(),
+            Some((8, out.path().to_path_buf()))
+        );
+        assert_eq!(p.report().skipped, vec![4, 6]);
     }
 
     #[test]
