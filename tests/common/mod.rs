@@ -250,9 +250,13 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// The JSON lines of a trainer's log. A log read while the trainer runs
+/// may end in a line still being written: only complete lines (ended by a
+/// newline) are read, and each must be JSON.
 pub fn read_log(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
         .lines()
         .map(|l| serde_json::from_str(l).expect("log line is JSON"))
         .collect()
