@@ -1,14 +1,16 @@
 //! Out-of-memory kills: whether the kernel's OOM killer ended a worker.
 //!
 //! A worker that dies of a SIGKILL the agent did not send may have been
-//! chosen by the OOM killer. Two witnesses are asked, in order:
+//! chosen by the OOM killer. Two witnesses:
 //!
-//! 1. the worker's memory cgroup, which counts the kills it suffered:
-//!    `oom_kill N` in `memory.events` (cgroup v2) or `memory.oom_control`
-//!    (cgroup v1). A count that rose since the worker started (or since the
-//!    last kill blamed on that cgroup) is an OOM kill;
-//! 2. the kernel's log (`/dev/kmsg`, readable by root): a record
-//!    `Killed process PID (` written after the worker started.
+//! 1. the kernel's log (`/dev/kmsg`, readable by root): a record
+//!    `Killed process PID (` written after the worker started. It names
+//!    the process, so it is believed whenever it can be read;
+//! 2. otherwise the worker's memory cgroup, which counts the kills it
+//!    suffered: `oom_kill N` in `memory.events` (cgroup v2) or
+//!    `memory.oom_control` (cgroup v1). A count that rose since the worker
+//!    started (or since the last kill measured in that cgroup) is an OOM
+//!    kill; it cannot tell two workers of one cgroup apart.
 //!
 //! The cgroup is read from `/proc/PID/cgroup` when the worker starts (it
 //! inherits the agent's, unless something moves it), and found through
@@ -199,21 +201,25 @@ impl OomWatch {
     }
 
     /// Whether `rank`'s process `pid`, which died of SIGKILL, was killed by
-    /// the OOM killer.
+    /// the OOM killer. The kernel's log names the very process, so it is
+    /// asked where it can be read; the cgroup's count, which cannot tell
+    /// two workers of one cgroup apart, only where it cannot.
     pub fn killed(&mut self, rank: usize, pid: i32) -> bool {
         let Some(w) = self.ranks.get(&rank).filter(|w| w.pid == pid).cloned() else {
             return false;
         };
-        if let Some(c) = &w.counter
-            && let Some(now) = c.kills()
-        {
-            let before = self.seen.insert(c.clone(), now).unwrap_or(now);
-            if now > before {
-                tracing::debug!(rank, pid, counter = %c.path().display(), before, now, "the memory cgroup counted an OOM kill");
-                return true;
-            }
+        // The count is taken in any case, so that a later kill is measured
+        // from here.
+        let counted = w.counter.as_ref().is_some_and(|c| {
+            c.kills().is_some_and(|now| {
+                let before = self.seen.insert(c.clone(), now).unwrap_or(now);
+                now > before
+            })
+        });
+        match read_kmsg() {
+            Some(log) => kmsg_names(&log, pid, w.started_us),
+            None => counted,
         }
-        read_kmsg().is_some_and(|log| kmsg_names(&log, pid, w.started_us))
     }
 }
 
