@@ -19,23 +19,6 @@ fn train_args(iters: u64, seed: u64, log: &Path) -> Vec<String> {
     a
 }
 
-/// `launch` with worker reboot on, 2 ranks, `extra` flags before `--`.
-fn ha_launch(extra: &[&str], train: &[String]) -> Command {
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nproc-per-node", "2"])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .args(extra)
-        .arg("--")
-        .arg(trainer())
-        .args(train)
-        .env_remove("RAYON_NUM_THREADS")
-        .env_remove("HATRAIN_JOB_ID")
-        .env_remove("SLURM_JOB_ID")
-        .env("RUST_LOG", "info");
-    c
-}
-
 fn text(out: &Output) -> String {
     format!(
         "{}{}",
@@ -65,7 +48,7 @@ fn a_second_launch_of_a_running_job_is_refused_and_the_first_is_untouched() {
         "fault-free run",
     );
     let job = job_id("first");
-    let mut first = ha_launch(
+    let mut first = reboot_pair(
         &["--job-id", &job, "--shm-root", shm.to_str().unwrap()],
         &train_args(40, 1, &log),
     );
@@ -88,7 +71,7 @@ fn a_second_launch_of_a_running_job_is_refused_and_the_first_is_untouched() {
     };
     let second_tag = job_id("second");
     let out = Job::spawn(
-        ha_launch(
+        reboot_pair(
             &["--job-id", &job, "--shm-root", shm.to_str().unwrap()],
             &train_args(40, 1, &d.path().join("b.jsonl")),
         ),
@@ -161,7 +144,7 @@ fn two_launches_with_default_settings_run_side_by_side() {
     let solo = |seed: u64| {
         let log = d.path().join(format!("solo{seed}.jsonl"));
         let tag = job_id("solo");
-        let mut c = ha_launch(&[], &train_args(30, seed, &log));
+        let mut c = reboot_pair(&[], &train_args(30, seed, &log));
         c.env("HATRAIN_FAULT_PLAN", nap);
         assert_success(
             &Job::spawn(c, &tag).wait_output(Duration::from_secs(120)),
@@ -176,7 +159,7 @@ fn two_launches_with_default_settings_run_side_by_side() {
     let tags = [job_id("side-a"), job_id("side-b")];
     let mut guards: Vec<Job> = (0..2)
         .map(|i| {
-            let mut c = ha_launch(&[], &train_args(30, i as u64 + 1, &logs[i]));
+            let mut c = reboot_pair(&[], &train_args(30, i as u64 + 1, &logs[i]));
             c.env("HATRAIN_FAULT_PLAN", nap);
             Job::spawn(c, &tags[i])
         })
@@ -245,7 +228,7 @@ fn a_stale_folder_of_a_killed_agent_is_cleaned_and_the_new_job_runs() {
         "--shm-root",
         shm.to_str().unwrap(),
     ];
-    let mut guard = Job::spawn(ha_launch(&flags, &train_args(100_000, 1, &log)), &job);
+    let mut guard = Job::spawn(reboot_pair(&flags, &train_args(100_000, 1, &log)), &job);
     assert!(
         wait_until(Duration::from_secs(60), || losses(&read_log(&log)).len()
             >= 3),
@@ -267,7 +250,7 @@ fn a_stale_folder_of_a_killed_agent_is_cleaned_and_the_new_job_runs() {
     std::fs::write(folder.join("notes.txt"), b"a user's file").unwrap();
 
     let log2 = d.path().join("b.jsonl");
-    let out = Job::spawn(ha_launch(&flags, &train_args(20, 1, &log2)), &job)
+    let out = Job::spawn(reboot_pair(&flags, &train_args(20, 1, &log2)), &job)
         .wait_output(Duration::from_secs(120));
     assert_success(&out, "the job in the stale folder");
     let said = text(&out);
@@ -535,22 +518,24 @@ fn a_worker_out_of_memory_is_named_restarted_once_then_the_job_stops_with_its_la
     // 14 in its second; the second naps first, so agentctl can be asked
     // about the first kill meanwhile.
     let plan = "1:6:forward:alloc1024:0;1:10:forward:sleep2000:1;1:14:forward:alloc1024:1";
+    let mut inner = reboot_pair(
+        &["--job-id", &job, "--shm-root", shm.to_str().unwrap()],
+        &train,
+    );
+    inner.env("HATRAIN_FAULT_PLAN", plan);
+    // The agent (and so its workers) runs inside the cgroup.
     let mut cmd = Command::new("sh");
     cmd.arg("-c")
         .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
         .arg(&cg.dir)
-        .arg(agent())
-        .args(["launch", "--nproc-per-node", "2", "--job-id", &job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .arg("--shm-root")
-        .arg(&shm)
-        .arg("--")
-        .arg(trainer())
-        .args(&train)
-        .env("HATRAIN_FAULT_PLAN", plan)
-        .env_remove("RAYON_NUM_THREADS")
-        .env("RUST_LOG", "info");
+        .arg(inner.get_program())
+        .args(inner.get_args());
+    for (k, v) in inner.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
     let mut guard = Job::spawn(cmd, &job);
     let socket = shm.join(&job).join("agent.sock");
     let seen = poll_agentctl(&socket, "faults", Duration::from_secs(120), |v| {

@@ -58,9 +58,11 @@ const SCRUB: [&str; 5] = [
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 ];
 
-fn torchrun(args: &[&str], dir: &Path) -> Command {
-    let mut c = Command::new(venv_bin().join("torchrun"));
-    c.args(["--nproc-per-node", "2"])
+/// A launcher of 2 workers running `args` in `dir`, in the same
+/// environment for both launchers.
+fn launcher(program: PathBuf, first: &[&str], args: &[&str], dir: &Path) -> Command {
+    let mut c = Command::new(program);
+    c.args(first)
         .args(args)
         .current_dir(dir)
         .env("PATH", path_with_venv())
@@ -71,17 +73,18 @@ fn torchrun(args: &[&str], dir: &Path) -> Command {
     c
 }
 
+fn torchrun(args: &[&str], dir: &Path) -> Command {
+    launcher(
+        venv_bin().join("torchrun"),
+        &["--nproc-per-node", "2"],
+        args,
+        dir,
+    )
+}
+
 fn hatrain(args: &[&str], dir: &Path) -> Command {
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nproc-per-node", "2", "--stop-grace-secs", "3"])
-        .args(args)
-        .current_dir(dir)
-        .env("PATH", path_with_venv())
-        .env("RUST_LOG", "info");
-    for k in SCRUB {
-        c.env_remove(k);
-    }
-    c
+    let first = ["launch", "--nproc-per-node", "2", "--stop-grace-secs", "3"];
+    launcher(agent(), &first, args, dir)
 }
 
 fn run(cmd: Command, tag: &str) -> Output {
@@ -549,7 +552,6 @@ fn signal_writes_last_words(sig: i32, name: &str) {
     };
     assert_success(&run_launch(2, "ref", &with_log(60, &ref_log)), "reference");
     let job = job_id(name);
-    let mut cmd = Command::new(agent());
     let mut train = with_log(60, &log);
     train.extend(s(&[
         "--save",
@@ -557,17 +559,12 @@ fn signal_writes_last_words(sig: i32, name: &str) {
         "--save-interval",
         "1000",
     ]));
-    cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .arg("--shm-root")
-        .arg(&shm)
-        .arg("--")
-        .arg(trainer())
-        .args(&train)
-        // Rank 0 naps at step 25: the signal and the dump fall in it.
-        .env("HATRAIN_FAULT_PLAN", "0:25:forward:sleep3000")
-        .env("RUST_LOG", "info");
+    let mut cmd = reboot_pair(
+        &["--job-id", &job, "--shm-root", shm.to_str().unwrap()],
+        &train,
+    );
+    // Rank 0 naps at step 25: the signal and the dump fall in it.
+    cmd.env("HATRAIN_FAULT_PLAN", "0:25:forward:sleep3000");
     let mut guard = Job::spawn(cmd, &job);
     assert!(
         wait_until(Duration::from_secs(60), || losses(&read_log(&log)).len()

@@ -203,14 +203,9 @@ pub fn resolve_job_id(
         })?;
         return Ok((id, JobIdSource::Launcher("SLURM_JOB_ID")));
     }
-    let mut bits = [0u8; 4];
-    getrandom::fill(&mut bits)
+    let tag = crate::random_tag()
         .map_err(|e| LaunchError::Config(format!("cannot make a job id: {e}")))?;
-    let id = format!(
-        "hatrain-{}-{:08x}",
-        std::process::id(),
-        u32::from_le_bytes(bits)
-    );
+    let id = format!("hatrain-{}-{tag}", std::process::id());
     Ok((
         JobId::new(&id).expect("a made id is a name"),
         JobIdSource::Made,
@@ -514,7 +509,7 @@ mod tests {
     #[test]
     fn worker_environment_is_torchrun_compatible() {
         let store: SocketAddr = "127.0.0.1:29501".parse().unwrap();
-        let specs = cfg().worker_specs("10.0.0.1", 29500, store, Path::new("/run/x"), |_| None);
+        let specs = cfg().worker_specs("127.0.0.2", 29500, store, Path::new("/run/x"), |_| None);
         assert_eq!(specs.len(), 3);
         let get = |s: &WorkerSpec, k: &str| {
             s.env
@@ -533,7 +528,7 @@ mod tests {
             ("ROLE_RANK", "5"),
             ("ROLE_WORLD_SIZE", "6"),
             ("ROLE_NAME", "default"),
-            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_ADDR", "127.0.0.2"),
             ("MASTER_PORT", "29500"),
             ("TORCHELASTIC_RESTART_COUNT", "0"),
             ("TORCHELASTIC_MAX_RESTARTS", "0"),

@@ -28,6 +28,14 @@ pub mod reaper;
 pub mod recovery;
 pub mod supervisor;
 
+/// Eight random hex digits, to make a name unique on the host (job ids,
+/// run folders).
+pub fn random_tag() -> std::io::Result<String> {
+    let mut bits = [0u8; 4];
+    getrandom::fill(&mut bits).map_err(std::io::Error::other)?;
+    Ok(format!("{:08x}", u32::from_le_bytes(bits)))
+}
+
 /// An error and its sources, joined with ": ".
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();

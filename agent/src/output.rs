@@ -250,11 +250,10 @@ impl RunDir {
             None => std::env::temp_dir(),
         };
         for _ in 0..16 {
-            let mut bits = [0u8; 4];
-            getrandom::fill(&mut bits).map_err(io::Error::other)?;
+            let tag = crate::random_tag()?;
             let name = match log_dir {
-                Some(_) => format!("{job}_{:08x}", u32::from_le_bytes(bits)),
-                None => format!("hatrain-{job}-{:08x}", u32::from_le_bytes(bits)),
+                Some(_) => format!("{job}_{tag}"),
+                None => format!("hatrain-{job}-{tag}"),
             };
             let path = base.join(name);
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {

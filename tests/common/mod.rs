@@ -70,6 +70,25 @@ pub fn launch_cmd(nproc: usize, job: &str, train: &[String]) -> Command {
     c
 }
 
+/// `launch` of the reference trainer with worker reboot on, 2 ranks,
+/// `extra` flags before `--`; the environment's job id and thread counts
+/// are left out, so the test's own choices hold.
+pub fn reboot_pair(extra: &[&str], train: &[String]) -> Command {
+    let mut c = Command::new(agent());
+    c.args(["launch", "--nproc-per-node", "2"])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--enable-high-availability", "--enable-worker-reboot"])
+        .args(extra)
+        .arg("--")
+        .arg(trainer())
+        .args(train)
+        .env_remove("RAYON_NUM_THREADS")
+        .env_remove("HATRAIN_JOB_ID")
+        .env_remove("SLURM_JOB_ID")
+        .env("RUST_LOG", "info");
+    c
+}
+
 /// Runs a launch to completion (bounded) and returns its output.
 pub fn run_launch(nproc: usize, name: &str, train: &[String]) -> Output {
     let job = job_id(name);

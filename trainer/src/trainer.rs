@@ -15,15 +15,19 @@
 //! The training state is [`TrainState`]: the flat parameters, this rank's two
 //! moment shards, the step, the sampler RNG and the data position.
 
+mod args;
+mod disk;
+
+pub use args::TrainArgs;
+
 use crate::checkpoint::{self as ck, SaveTo};
 use crate::collective::{CollectiveError, Communicator};
-use crate::config::{ModelConfig, ModelSize};
+use crate::config::ModelConfig;
 use crate::data::{MarkovChain, SplitMix64};
 use crate::dist::{Dist, DistEnv};
 use crate::faults::{ENV_FAULT_PLAN, FaultPlan, PlanError, Point};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
-use clap::Parser;
 use hatrain_shared::checkpoint::{self, CheckpointError};
 use hatrain_shared::shard::shard_range;
 use hatrain_shared::shm::Directive;
@@ -44,131 +48,6 @@ const STREAM_SAMPLER: u64 = 0x5A3B;
 
 /// How long building a communicator may take before the rank gives up.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(120);
-
-#[derive(Debug, Clone, Parser, serde::Serialize)]
-#[command(
-    name = "hatrain-train",
-    about = "Reference trainer: a small language model on a synthetic token stream, \
-             data-parallel with a ZeRO-1 sharded AdamW. Ranks come from RANK/WORLD_SIZE."
-)]
-pub struct TrainArgs {
-    /// Named model size: tiny, small, 10m or 100m.
-    #[arg(long, default_value = "small", value_parser = parse_size)]
-    #[serde(skip)]
-    pub model_size: ModelSize,
-    /// Override: vocabulary size.
-    #[arg(long)]
-    pub vocab: Option<usize>,
-    /// Override: tokens of context the model sees.
-    #[arg(long)]
-    pub context: Option<usize>,
-    /// Override: embedding width.
-    #[arg(long)]
-    pub d_embed: Option<usize>,
-    /// Override: model width.
-    #[arg(long)]
-    pub d_model: Option<usize>,
-    /// Override: hidden width of the MLP blocks.
-    #[arg(long)]
-    pub d_ff: Option<usize>,
-    /// Override: number of MLP blocks.
-    #[arg(long)]
-    pub layers: Option<usize>,
-
-    /// Train until this many steps are complete.
-    #[arg(long, default_value_t = 200)]
-    pub train_iters: u64,
-    /// Sequences per step, over all ranks (must divide by the world size).
-    #[arg(long, default_value_t = 32)]
-    pub global_batch: usize,
-    /// Predicted tokens per sequence.
-    #[arg(long, default_value_t = 32)]
-    pub seq_len: usize,
-    #[arg(long, default_value_t = 3e-3)]
-    pub lr: f32,
-    #[arg(long, default_value_t = 10)]
-    pub warmup: u64,
-    #[arg(long, default_value_t = 0.01)]
-    pub weight_decay: f32,
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f32,
-    #[arg(long, default_value_t = 0.95)]
-    pub beta2: f32,
-    #[arg(long, default_value_t = 1e-8)]
-    pub eps: f32,
-    /// Seed of the model initialisation, the data chain and the sampler.
-    #[arg(long, default_value_t = 1234)]
-    pub seed: u64,
-    /// Successors per state of the data's Markov chain.
-    #[arg(long, default_value_t = 4)]
-    pub branching: usize,
-
-    /// Save checkpoints into this directory.
-    #[arg(long)]
-    pub save: Option<PathBuf>,
-    /// Save every N steps (and at the end) when --save is given.
-    #[arg(long, default_value_t = 0)]
-    pub save_interval: u64,
-    /// Resume from the newest checkpoint in this directory.
-    #[arg(long)]
-    pub load: Option<PathBuf>,
-    /// Load only the weights: start at step 0 with fresh optimizer and RNG.
-    #[arg(long)]
-    pub finetune: bool,
-    /// Do not load the optimizer moments.
-    #[arg(long)]
-    pub no_load_optim: bool,
-    /// Do not load the sampler RNG state.
-    #[arg(long)]
-    pub no_load_rng: bool,
-
-    /// Append machine-readable JSON lines here (rank 0 only).
-    #[arg(long)]
-    pub log_jsonl: Option<PathBuf>,
-    /// Print a progress line every N steps (rank 0 only).
-    #[arg(long, default_value_t = 10)]
-    pub log_interval: u64,
-    /// Snapshot the state into shared memory every N steps (with an agent).
-    #[arg(long, default_value_t = 1)]
-    pub snapshot_interval: u64,
-    /// Compute threads per rank (sets RAYON_NUM_THREADS; default: the
-    /// environment's value, else all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-}
-
-fn parse_size(s: &str) -> Result<ModelSize, crate::config::ConfigError> {
-    s.parse()
-}
-
-impl TrainArgs {
-    pub fn model_config(&self) -> ModelConfig {
-        let mut c = self.model_size.config();
-        let over = |slot: &mut usize, v: Option<usize>| {
-            if let Some(v) = v {
-                *slot = v;
-            }
-        };
-        over(&mut c.vocab, self.vocab);
-        over(&mut c.context, self.context);
-        over(&mut c.d_embed, self.d_embed);
-        over(&mut c.d_model, self.d_model);
-        over(&mut c.d_ff, self.d_ff);
-        over(&mut c.layers, self.layers);
-        c
-    }
-
-    fn optimizer(&self) -> AdamW {
-        AdamW {
-            lr: self.lr,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-            warmup: self.warmup,
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -790,111 +669,6 @@ impl Trainer<'_> {
             }
         }
     }
-
-    fn load(&mut self, dir: &Path, comm: &mut Communicator) -> Result<u64, TrainError> {
-        let args = self.args;
-        let lead = self.rank == 0;
-        let iteration = checkpoint::read_tracker(dir).map_err(TrainError::Load)?;
-        let with_moments = !args.finetune && !args.no_load_optim;
-        let loaded = ck::load_shard(dir, iteration, &self.cfg, self.shard.clone(), with_moments)
-            .map_err(TrainError::Load)?;
-        {
-            let mut params = write(&self.state.params);
-            params[self.shard.clone()].copy_from_slice(&loaded.params);
-            comm.all_gather(&mut params)?;
-        }
-        let warn = |what: &str| {
-            if lead {
-                eprintln!(
-                    "warning: {what}; this resume is NOT exact: the run will differ from an uninterrupted one"
-                );
-            }
-        };
-        if args.finetune {
-            warn(
-                "--finetune loads only the weights and starts at step 0 with fresh optimizer state and RNG",
-            );
-            return Ok(iteration);
-        }
-        let s = &mut self.state.scalars;
-        s.step = loaded.iteration;
-        s.data_position = loaded.data_position;
-        match loaded.moments {
-            Some((m, v)) => {
-                write(&self.state.exp_avg).copy_from_slice(&m);
-                write(&self.state.exp_avg_sq).copy_from_slice(&v);
-            }
-            None => warn("--no-load-optim starts AdamW's moments from zero"),
-        }
-        if args.no_load_rng {
-            warn("--no-load-rng restarts the data sampler's RNG from the seed");
-        } else {
-            s.rng = SplitMix64::new(loaded.rng_state);
-        }
-        if lead {
-            println!(
-                "resumed from {} at iteration {iteration} (saved by {} rank(s))",
-                dir.display(),
-                loaded.saved_world_size
-            );
-        }
-        Ok(iteration)
-    }
-
-    fn save(&mut self, dir: &Path, comm: &mut Communicator) -> Result<PathBuf, TrainError> {
-        let (rank, world) = (self.rank, self.world);
-        let iteration = self.state.scalars.step;
-        // Rank 0 prepares the directory; the others wait for it.
-        let prepared = if rank == 0 {
-            checkpoint::begin_save(dir, iteration).map(|_| ())
-        } else {
-            Ok(())
-        };
-        agree(comm, iteration, prepared)?;
-        let tmp = checkpoint::tmp_iter_dir(dir, iteration);
-        let written = {
-            let (p, m, v) = (
-                read(&self.state.params),
-                read(&self.state.exp_avg),
-                read(&self.state.exp_avg_sq),
-            );
-            let meta = self.state.scalars.encode();
-            let parts: [&[u8]; 4] = [
-                &meta,
-                bytemuck::cast_slice(&p),
-                bytemuck::cast_slice(&m),
-                bytemuck::cast_slice(&v),
-            ];
-            let views = parts.map(hatrain_shared::statemap::PartView::whole);
-            checkpoint::write_rank(&tmp, &self.map, rank, iteration, &views)
-        };
-        agree(comm, iteration, written)?;
-        // Rank 0 publishes; everyone learns whether it worked.
-        let committed = if rank == 0 {
-            checkpoint::commit_save(dir, iteration, world).map(|_| ())
-        } else {
-            Ok(())
-        };
-        agree(comm, iteration, committed)?;
-        Ok(checkpoint::iter_dir(dir, iteration))
-    }
-}
-
-/// One phase of a collective save: every rank learns every rank's outcome.
-/// Returns this rank's own error, or names the ranks that failed elsewhere.
-fn agree(
-    comm: &mut Communicator,
-    iteration: u64,
-    mine: Result<(), CheckpointError>,
-) -> Result<(), TrainError> {
-    let status = comm.all_gather_f64(if mine.is_ok() { 1.0 } else { 0.0 })?;
-    mine.map_err(|source| TrainError::Save { iteration, source })?;
-    let ranks: Vec<usize> = (0..status.len()).filter(|&r| status[r] != 1.0).collect();
-    if ranks.is_empty() {
-        Ok(())
-    } else {
-        Err(TrainError::SaveElsewhere { iteration, ranks })
-    }
 }
 
 /// Exit codes of `hatrain-train`.
@@ -971,6 +745,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> Result<DistEnv, TrainError> {

@@ -194,13 +194,18 @@ impl Sim {
 
     /// Crashes `rank` now (as SIGKILL from outside would).
     fn crash(&mut self, rank: usize) {
+        self.killed_by(rank, ExitCause::Status);
+    }
+
+    /// `rank` dies of SIGKILL now, for `cause` as far as the agent can tell.
+    fn killed_by(&mut self, rank: usize, cause: ExitCause) {
         self.ranks[rank].alive = false;
         let views = self.views();
         self.feed(Event::Tick(views));
         self.feed(Event::Exited {
             rank,
             status: ExitStatus::Signaled(9),
-            cause: ExitCause::Status,
+            cause,
         });
     }
 
@@ -667,25 +672,11 @@ fn a_rebuild_that_keeps_failing_is_retried_under_new_epochs_then_stops_naming_th
     );
 }
 
-impl Sim {
-    /// The OOM killer takes `rank` now.
-    fn oom(&mut self, rank: usize) {
-        self.ranks[rank].alive = false;
-        let views = self.views();
-        self.feed(Event::Tick(views));
-        self.feed(Event::Exited {
-            rank,
-            status: ExitStatus::Signaled(9),
-            cause: ExitCause::OutOfMemory,
-        });
-    }
-}
-
 #[test]
 fn an_oom_kill_is_restarted_once_then_the_job_writes_its_last_words_and_stops() {
     let mut sim = Sim::new(3);
     sim.run(6);
-    sim.oom(2);
+    sim.killed_by(2, ExitCause::OutOfMemory);
     sim.run_until("recovery", 200, |s| !s.m.recovering());
     let f = &sim.m.faults()[0];
     assert_eq!(f.kind, FaultKind::Oom);
@@ -695,7 +686,7 @@ fn an_oom_kill_is_restarted_once_then_the_job_writes_its_last_words_and_stops() 
     );
     sim.run(4);
     // Another rank this time: the limit is the job's, not the rank's.
-    sim.oom(0);
+    sim.killed_by(0, ExitCause::OutOfMemory);
     sim.run_until("the end", 300, |s| s.outcome.is_some());
     assert_eq!(
         sim.outcome,
