@@ -13,6 +13,7 @@
 //! - [`ha`]: the high-availability switches;
 //! - [`ident`]: job ids, which are names and never paths;
 //! - [`joblock`]: the lock that claims a job's folder, and who holds it;
+//! - [`peer`]: authenticated frames between agents (peer replicas);
 //! - [`trust`]: whether a folder or file may be used (owner, mode, kind).
 //!
 //! Nothing here decides *when* anything happens; that is the agent's and the
@@ -25,6 +26,7 @@ pub mod frame;
 pub mod ha;
 pub mod ident;
 pub mod joblock;
+pub mod peer;
 pub mod rendezvous;
 pub mod shard;
 pub mod shm;

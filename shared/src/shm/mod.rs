@@ -55,7 +55,7 @@ pub use directive::Directive;
 pub use fault::{FaultFlags, Injection, UceSite};
 pub use hold::{Hold, HoldRefused};
 pub use page::{CommitStats, ControlPage, Phase};
-pub use slot::{HeaderWord, SLOT_MAGIC, SlotInfo};
+pub use slot::{HeaderWord, Receiving, SLOT_MAGIC, SlotInfo};
 
 use mapping::Mapping;
 use std::fs::OpenOptions;
@@ -357,6 +357,56 @@ mod tests {
         s.write_slot(slot, 3, step, 0, &[data], &mut |_, _| true)
             .unwrap();
         slot
+    }
+
+    #[test]
+    fn a_snapshot_received_in_pieces_seals_identical_to_its_source_and_a_flipped_bit_never_seals() {
+        let d = tempfile::tempdir().unwrap();
+        let src = store(d.path(), 10_000);
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let slot = seal(&src, 12, &data);
+        let info = src.verify(slot).unwrap();
+        let replica_path = d.path().join("replica_00003.shm");
+        let dst = Store::create(&replica_path, 3, src.geometry(), 7, 9).unwrap();
+        let receive = |flip: Option<usize>| {
+            let slot = dst.writable_slot().unwrap();
+            let mut r = dst.receive(slot, info.len).unwrap();
+            for piece in data.chunks(4096) {
+                let mut piece = piece.to_vec();
+                if let Some(at) = flip.filter(|&at| {
+                    r.received() as usize <= at && at < r.received() as usize + piece.len()
+                }) {
+                    piece[at - r.received() as usize] ^= 1;
+                }
+                r.write(&dst, &piece).unwrap();
+            }
+            assert!(r.write(&dst, &[0]).is_err(), "past the end");
+            r.seal(
+                &dst,
+                3,
+                12,
+                info.epoch,
+                info.sealed_at_unix_ns,
+                info.checksum,
+            )
+        };
+        let e = receive(Some(5000)).unwrap_err().to_string();
+        assert!(e.contains("corrupted on the way"), "{e}");
+        assert!(
+            dst.verified_steps().0.is_empty(),
+            "a corrupt replica is never sealed"
+        );
+        let sealed = receive(None).unwrap();
+        assert_eq!(dst.verify(sealed.slot).unwrap().checksum, info.checksum);
+        let mut back = vec![0u8; data.len()];
+        dst.read_slot(sealed.slot, &mut [&mut back]).unwrap();
+        assert_eq!(back, data);
+        // Short of bytes: not sealed.
+        let slot = dst.writable_slot().unwrap();
+        let mut r = dst.receive(slot, info.len).unwrap();
+        r.write(&dst, &data[..100]).unwrap();
+        assert!(r.seal(&dst, 3, 13, 0, 0, info.checksum).is_err());
+        assert_eq!(dst.verified_steps().0, vec![12]);
     }
 
     #[test]

@@ -257,19 +257,7 @@ impl Store {
         if slot >= self.geometry.slots {
             return Err(self.bad(slot, format!("only {} slots", self.geometry.slots)));
         }
-        let h = self.header(slot);
-        // Open: seq odd, state writing, before any data byte changes.
-        let seq = h.seq.load(Ordering::Acquire);
-        let open = if seq.is_multiple_of(2) {
-            seq + 1
-        } else {
-            seq + 2
-        };
-        h.seq.store(open, Ordering::Relaxed);
-        h.state.store(STATE_WRITING, Ordering::Relaxed);
-        h.version.store(VERSION_WORD, Ordering::Relaxed);
-        h.magic.store(SLOT_MAGIC, Ordering::Relaxed);
-        fence(Ordering::Release);
+        let open = self.open_slot(slot);
 
         // SAFETY: this slot is not the newest sealed one and we are the only
         // writer; readers see seq odd and ignore its bytes.
@@ -299,13 +287,63 @@ impl Store {
             sealed_at_unix_ns: now_unix_ns(),
         };
         info.checksum = self.sum_header(&mut hasher, &info);
+        self.seal_slot(slot, open, &info);
+        Ok(info)
+    }
+
+    /// Opens `slot` to receive a snapshot of `len` bytes that arrives in
+    /// pieces (a peer's replica): the slot is torn until
+    /// [`Receiving::seal`] succeeds. The same rules as [`Store::write_slot`]
+    /// hold: one writer, and a slot [`Store::writable_slot`] returned.
+    pub fn receive(&self, slot: usize, len: u64) -> Result<Receiving, ShmError> {
+        if slot >= self.geometry.slots {
+            return Err(self.bad(slot, format!("only {} slots", self.geometry.slots)));
+        }
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|l| *l <= self.geometry.capacity)
+            .ok_or(ShmError::TooLarge {
+                path: self.path.clone(),
+                len: usize::try_from(len).unwrap_or(usize::MAX),
+                capacity: self.geometry.capacity,
+            })?;
+        let open = self.open_slot(slot);
+        Ok(Receiving {
+            slot,
+            open,
+            at: 0,
+            len,
+            hasher: XxHash3_64::new(),
+        })
+    }
+
+    /// Makes `slot`'s seq odd and its state writing, before any data byte
+    /// changes; returns the odd seq.
+    fn open_slot(&self, slot: usize) -> u64 {
+        let h = self.header(slot);
+        let seq = h.seq.load(Ordering::Acquire);
+        let open = if seq.is_multiple_of(2) {
+            seq + 1
+        } else {
+            seq + 2
+        };
+        h.seq.store(open, Ordering::Relaxed);
+        h.state.store(STATE_WRITING, Ordering::Relaxed);
+        h.version.store(VERSION_WORD, Ordering::Relaxed);
+        h.magic.store(SLOT_MAGIC, Ordering::Relaxed);
+        fence(Ordering::Release);
+        open
+    }
+
+    /// Stores the header of a slot whose data is in place, and seals it.
+    fn seal_slot(&self, slot: usize, open: u64, info: &SlotInfo) {
         // INVARIANT: the copy's streaming stores are ordered before the
         // seal that publishes them.
         super::copy::fence();
-        // Seal: header fields, then state and an even seq, released.
-        h.rank.store(rank, Ordering::Relaxed);
-        h.step.store(step, Ordering::Relaxed);
-        h.epoch.store(epoch, Ordering::Relaxed);
+        let h = self.header(slot);
+        h.rank.store(info.rank, Ordering::Relaxed);
+        h.step.store(info.step, Ordering::Relaxed);
+        h.epoch.store(info.epoch, Ordering::Relaxed);
         h.len.store(info.len, Ordering::Relaxed);
         h.job.store(self.page().job_hash(), Ordering::Relaxed);
         h.layout.store(self.page().layout_hash(), Ordering::Relaxed);
@@ -313,7 +351,6 @@ impl Store {
         h.checksum.store(info.checksum, Ordering::Relaxed);
         h.state.store(STATE_SEALED, Ordering::Relaxed);
         h.seq.store(open + 1, Ordering::Release);
-        Ok(info)
     }
 
     /// Copies a verified slot's bytes into `out` (which must be exactly the
@@ -473,6 +510,104 @@ impl Store {
                 "sealed by another job or for another state layout".into(),
             ));
         }
+        Ok(info)
+    }
+}
+
+/// A snapshot being received into a slot, in order ([`Store::receive`]).
+pub struct Receiving {
+    slot: usize,
+    open: u64,
+    at: usize,
+    len: usize,
+    hasher: XxHash3_64,
+}
+
+impl std::fmt::Debug for Receiving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receiving")
+            .field("slot", &self.slot)
+            .field("at", &self.at)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Receiving {
+    /// Bytes received so far.
+    pub fn received(&self) -> u64 {
+        self.at as u64
+    }
+
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+
+    /// Copies the next piece into the slot and hashes it.
+    pub fn write(&mut self, store: &Store, piece: &[u8]) -> Result<(), ShmError> {
+        if piece.len() > self.len - self.at {
+            return Err(store.bad(
+                self.slot,
+                format!(
+                    "{} more bytes after {} of {}",
+                    piece.len(),
+                    self.at,
+                    self.len
+                ),
+            ));
+        }
+        // SAFETY: in bounds (checked above and in `receive`); the slot is
+        // open (seq odd), so readers ignore its bytes, and the caller is its
+        // only writer.
+        let dst = unsafe {
+            store
+                .map
+                .bytes_mut(store.data_offset(self.slot) + self.at, piece.len())
+        };
+        super::copy::copy(dst, piece);
+        self.hasher.write(piece);
+        self.at += piece.len();
+        Ok(())
+    }
+
+    /// Seals the slot as rank `rank`'s snapshot `step` if every byte came
+    /// and they hash, with the header words, to `checksum` (the one its
+    /// owner sealed it with); else the slot stays torn. The store must be
+    /// made with the owner's job and layout hashes.
+    pub fn seal(
+        mut self,
+        store: &Store,
+        rank: u64,
+        step: u64,
+        epoch: u64,
+        sealed_at_unix_ns: u64,
+        checksum: u64,
+    ) -> Result<SlotInfo, ShmError> {
+        if self.at != self.len {
+            return Err(store.bad(
+                self.slot,
+                format!("{} of {} bytes arrived", self.at, self.len),
+            ));
+        }
+        let info = SlotInfo {
+            slot: self.slot,
+            rank,
+            step,
+            epoch,
+            len: self.len as u64,
+            checksum,
+            sealed_at_unix_ns,
+        };
+        let sum = store.sum_header(&mut self.hasher, &info);
+        if sum != checksum {
+            return Err(store.bad(
+                self.slot,
+                format!(
+                    "checksum mismatch (received {sum:016x}, sealed with {checksum:016x}): corrupted on the way"
+                ),
+            ));
+        }
+        store.seal_slot(self.slot, self.open, &info);
         Ok(info)
     }
 }

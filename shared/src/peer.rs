@@ -1,0 +1,755 @@
+//! Frames between agents, one per ZeroMQ message: the peer-replica stream
+//! (and, later, the controller's traffic).
+//!
+//! ```text
+//!  0      4      6      8    9      16       24       32       40       44     48
+//!  +------+------+------+----+------+--------+--------+--------+--------+------+-----------+------+
+//!  |magic |major |minor |kind| zero | host   | epoch  | seq    | len    | zero | payload   | tag  |
+//!  |"HTPR"| u16  | u16  | u8 | 7 B  | u64    | u64    | u64    | u32    | 4 B  | len bytes | 32 B |
+//!  +------+------+------+----+------+--------+--------+--------+--------+------+-----------+------+
+//!  every integer little-endian; `host` is the sender's node rank
+//!
+//!  tag = BLAKE3-keyed(secret, "hatrain-peer-v1" | direction | session | bytes 0..48+len)
+//! ```
+//!
+//! A connection is a session. The side that connects (the *initiator*)
+//! sends [`Kind::Hello`] with a fresh nonce, tagged under an all-zero
+//! session (anyone holding the job's secret may open one); the side that
+//! accepts answers [`Kind::Welcome`] with a nonce of its own, and from then
+//! on every frame in both directions is tagged under the two nonces and its
+//! direction, with sequence numbers counting each direction's frames from 0.
+//! So a frame that is forged, altered in any byte, replayed on another
+//! connection, reflected back, or replayed or reordered on its own
+//! connection fails: the first three fail their tag, the last two their
+//! sequence number. A replayed hello only opens a session whose frames the
+//! replayer cannot tag. Comparison is constant-time (BLAKE3's `Hash`).
+//!
+//! A reader checks, in order: the size bounds, the magic, the version
+//! (`major == ours && minor <= ours`), the kind, the length, then the tag,
+//! then the sequence number, then the payload's own layout
+//! ([`ChunkHeader::parse`] and the like). Nothing here panics on arbitrary
+//! bytes.
+//!
+//! Chunk payload (the bytes of one snapshot slot, from `offset`):
+//!
+//! ```text
+//!  0 rank  8 step  16 epoch of the snapshot  24 total length  32 offset
+//! 40 slot capacity  48 layout hash  56 job hash  64 sealed at (unix ns)
+//! 72 slot checksum  80 data (length: the frame's len - 80)
+//! ```
+
+use crate::auth::{KEY_LEN, NONCE_LEN, Secret, TAG_LEN};
+
+pub const MAGIC: [u8; 4] = *b"HTPR";
+pub const VERSION: (u16, u16) = (1, 0);
+/// Bytes of the fixed header.
+pub const HEADER_LEN: usize = 48;
+/// Bytes of a chunk's own header, before its data.
+pub const CHUNK_HEADER_LEN: usize = 80;
+/// The largest chunk of snapshot data a frame carries.
+pub const MAX_CHUNK: usize = 8 << 20;
+/// The largest payload a frame may carry.
+pub const MAX_PAYLOAD: usize = CHUNK_HEADER_LEN + MAX_CHUNK;
+const DOMAIN: &str = "hatrain-peer-v1";
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Initiator → acceptor: its nonce (16 bytes).
+    Hello = 1,
+    /// Acceptor → initiator: the initiator's nonce, its own, and the
+    /// chunks the initiator may send before it is granted more (u32).
+    Welcome = 2,
+    /// Initiator → acceptor: a piece of a sealed snapshot.
+    Chunk = 3,
+    /// Acceptor → initiator: this many more chunks may be sent (u32).
+    Credit = 4,
+    /// Acceptor → initiator: a snapshot arrived whole, verified and sealed
+    /// (rank u64, step u64).
+    Stored = 5,
+    /// Acceptor → initiator: a snapshot was dropped (rank u64, step u64,
+    /// then a UTF-8 reason).
+    Dropped = 6,
+}
+
+impl Kind {
+    fn from_byte(b: u8) -> Option<Self> {
+        Some(match b {
+            1 => Self::Hello,
+            2 => Self::Welcome,
+            3 => Self::Chunk,
+            4 => Self::Credit,
+            5 => Self::Stored,
+            6 => Self::Dropped,
+            _ => return None,
+        })
+    }
+}
+
+/// Which side of a session a frame comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Connected (sends the hello, the chunks).
+    Initiator,
+    /// Accepted (sends the welcome, credits and receipts).
+    Acceptor,
+}
+
+impl Role {
+    fn direction(self) -> &'static [u8] {
+        match self {
+            Self::Initiator => b"i2a",
+            Self::Acceptor => b"a2i",
+        }
+    }
+
+    fn other(self) -> Self {
+        match self {
+            Self::Initiator => Self::Acceptor,
+            Self::Acceptor => Self::Initiator,
+        }
+    }
+}
+
+/// Why a frame was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    #[error("peer frame of {len} bytes is shorter than a header and tag")]
+    Short { len: usize },
+    #[error("peer frame payload of {len} bytes exceeds the limit of {MAX_PAYLOAD} bytes")]
+    TooLarge { len: u64 },
+    #[error("peer frame: bad magic {found:02x?}, expected {MAGIC:02x?}")]
+    BadMagic { found: [u8; 4] },
+    #[error("peer frame: unsupported version {major}.{minor}, this build speaks {}.{}", VERSION.0, VERSION.1)]
+    Version { major: u16, minor: u16 },
+    #[error("peer frame: unknown kind {0}")]
+    UnknownKind(u8),
+    #[error("peer frame: header says {said} payload bytes, {came} came")]
+    Length { said: u64, came: usize },
+    #[error(
+        "peer frame {kind:?} (seq {seq}) fails its tag: forged, altered or from another session"
+    )]
+    BadTag { kind: Kind, seq: u64 },
+    #[error(
+        "peer frame {kind:?} has sequence number {seq}, {expected} expected: replayed or reordered"
+    )]
+    Replayed { kind: Kind, seq: u64, expected: u64 },
+    #[error("peer frame: expected {expected:?}, {came:?} came")]
+    Unexpected { expected: Kind, came: Kind },
+    #[error("peer frame {kind:?}: {detail}")]
+    Payload { kind: Kind, detail: String },
+}
+
+impl PeerError {
+    /// How a refusal is counted.
+    pub fn class(&self) -> Rejection {
+        match self {
+            Self::BadTag { .. } => Rejection::Forged,
+            Self::Replayed { .. } => Rejection::Replayed,
+            _ => Rejection::Malformed,
+        }
+    }
+}
+
+/// Counted classes of refused frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// Not a frame of this protocol, or a payload that breaks its layout.
+    Malformed,
+    /// A tag that does not verify: forged, altered, or of another session.
+    Forged,
+    /// A valid tag with a sequence number already used or out of order.
+    Replayed,
+}
+
+/// A frame whose header was checked; its tag not yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frame<'a> {
+    pub kind: Kind,
+    /// The sender's node rank.
+    pub host: u64,
+    pub epoch: u64,
+    pub seq: u64,
+    pub payload: &'a [u8],
+    /// Bytes 0..48+len: what the tag covers.
+    signed: &'a [u8],
+    tag: &'a [u8],
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// Checks a frame's header and length (not its tag).
+pub fn decode(wire: &[u8]) -> Result<Frame<'_>, PeerError> {
+    if wire.len() < HEADER_LEN + TAG_LEN {
+        return Err(PeerError::Short { len: wire.len() });
+    }
+    let len = u32_at(wire, 40) as u64;
+    if len > MAX_PAYLOAD as u64 {
+        return Err(PeerError::TooLarge { len });
+    }
+    let found: [u8; 4] = [wire[0], wire[1], wire[2], wire[3]];
+    if found != MAGIC {
+        return Err(PeerError::BadMagic { found });
+    }
+    let (major, minor) = (u16_at(wire, 4), u16_at(wire, 6));
+    if major != VERSION.0 || minor > VERSION.1 {
+        return Err(PeerError::Version { major, minor });
+    }
+    let kind = Kind::from_byte(wire[8]).ok_or(PeerError::UnknownKind(wire[8]))?;
+    let came = wire.len() - HEADER_LEN - TAG_LEN;
+    if len != came as u64 {
+        return Err(PeerError::Length { said: len, came });
+    }
+    let end = HEADER_LEN + came;
+    Ok(Frame {
+        kind,
+        host: u64_at(wire, 16),
+        epoch: u64_at(wire, 24),
+        seq: u64_at(wire, 32),
+        payload: &wire[HEADER_LEN..end],
+        signed: &wire[..end],
+        tag: &wire[end..],
+    })
+}
+
+/// Encodes a frame from payload pieces and tags it.
+/// The header fields a sender chooses.
+#[derive(Debug, Clone, Copy)]
+struct Head {
+    kind: Kind,
+    host: u64,
+    epoch: u64,
+    seq: u64,
+}
+
+fn encode(
+    secret: &Secret,
+    role: Role,
+    session: &[u8; KEY_LEN],
+    head: Head,
+    parts: &[&[u8]],
+) -> Vec<u8> {
+    let Head {
+        kind,
+        host,
+        epoch,
+        seq,
+    } = head;
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    assert!(len <= MAX_PAYLOAD, "a peer payload of {len} bytes");
+    let mut out = Vec::with_capacity(HEADER_LEN + len + TAG_LEN);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.0.to_le_bytes());
+    out.extend_from_slice(&VERSION.1.to_le_bytes());
+    out.push(kind as u8);
+    out.extend_from_slice(&[0; 7]);
+    out.extend_from_slice(&host.to_le_bytes());
+    out.extend_from_slice(&epoch.to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+    let tag = secret.tag(DOMAIN, &[role.direction(), session, &out]);
+    out.extend_from_slice(tag.as_bytes());
+    out
+}
+
+fn verify(
+    secret: &Secret,
+    role: Role,
+    session: &[u8; KEY_LEN],
+    f: &Frame<'_>,
+) -> Result<(), PeerError> {
+    if secret.verify(DOMAIN, &[role.direction(), session, f.signed], f.tag) {
+        Ok(())
+    } else {
+        Err(PeerError::BadTag {
+            kind: f.kind,
+            seq: f.seq,
+        })
+    }
+}
+
+const NO_SESSION: [u8; KEY_LEN] = [0; KEY_LEN];
+
+/// An initiator that sent its hello and waits for the welcome.
+#[derive(Debug)]
+pub struct Pending {
+    secret: Secret,
+    host: u64,
+    nonce: [u8; NONCE_LEN],
+}
+
+/// One end of an authenticated session.
+#[derive(Debug)]
+pub struct Session {
+    secret: Secret,
+    role: Role,
+    key: [u8; KEY_LEN],
+    host: u64,
+    /// The peer's node rank, from its first frame.
+    pub peer: u64,
+    /// The epoch this end stamps on what it sends.
+    pub epoch: u64,
+    sent: u64,
+    received: u64,
+}
+
+/// What a welcome grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcome {
+    pub credit: u32,
+}
+
+impl Pending {
+    /// Opens a session as node `host`: the hello to send, and the pending
+    /// end. `nonce` must be fresh ([`crate::auth::random`]).
+    pub fn hello(secret: Secret, host: u64, nonce: [u8; NONCE_LEN]) -> (Self, Vec<u8>) {
+        let wire = encode(
+            &secret,
+            Role::Initiator,
+            &NO_SESSION,
+            Head {
+                kind: Kind::Hello,
+                host,
+                epoch: 0,
+                seq: 0,
+            },
+            &[&nonce],
+        );
+        (
+            Self {
+                secret,
+                host,
+                nonce,
+            },
+            wire,
+        )
+    }
+
+    /// Checks the acceptor's welcome; the session is open.
+    pub fn welcomed(self, wire: &[u8]) -> Result<(Session, Welcome), PeerError> {
+        let f = decode(wire)?;
+        if f.kind != Kind::Welcome {
+            return Err(PeerError::Unexpected {
+                expected: Kind::Welcome,
+                came: f.kind,
+            });
+        }
+        if f.payload.len() != 2 * NONCE_LEN + 4 || f.payload[..NONCE_LEN] != self.nonce {
+            // A welcome to another hello: it cannot be this session's.
+            return Err(PeerError::BadTag {
+                kind: f.kind,
+                seq: f.seq,
+            });
+        }
+        let key = session_key(&self.nonce, &f.payload[NONCE_LEN..2 * NONCE_LEN]);
+        verify(&self.secret, Role::Acceptor, &key, &f)?;
+        if f.seq != 0 {
+            return Err(PeerError::Replayed {
+                kind: f.kind,
+                seq: f.seq,
+                expected: 0,
+            });
+        }
+        let credit = u32_at(f.payload, 2 * NONCE_LEN);
+        Ok((
+            Session {
+                secret: self.secret,
+                role: Role::Initiator,
+                key,
+                host: self.host,
+                peer: f.host,
+                epoch: f.epoch,
+                sent: 0,
+                received: 1,
+            },
+            Welcome { credit },
+        ))
+    }
+}
+
+fn session_key(initiator: &[u8], acceptor: &[u8]) -> [u8; KEY_LEN] {
+    let mut k = [0u8; KEY_LEN];
+    k[..NONCE_LEN].copy_from_slice(initiator);
+    k[NONCE_LEN..].copy_from_slice(acceptor);
+    k
+}
+
+impl Session {
+    /// Accepts a hello as node `host`: the session and the welcome to send
+    /// back, granting `credit` chunks. `nonce` must be fresh.
+    pub fn accept(
+        secret: Secret,
+        host: u64,
+        epoch: u64,
+        hello: &[u8],
+        nonce: [u8; NONCE_LEN],
+        credit: u32,
+    ) -> Result<(Self, Vec<u8>), PeerError> {
+        let f = decode(hello)?;
+        if f.kind != Kind::Hello {
+            return Err(PeerError::Unexpected {
+                expected: Kind::Hello,
+                came: f.kind,
+            });
+        }
+        verify(&secret, Role::Initiator, &NO_SESSION, &f)?;
+        if f.payload.len() != NONCE_LEN {
+            return Err(PeerError::Payload {
+                kind: f.kind,
+                detail: format!("{} bytes, a nonce has {NONCE_LEN}", f.payload.len()),
+            });
+        }
+        let key = session_key(f.payload, &nonce);
+        let wire = encode(
+            &secret,
+            Role::Acceptor,
+            &key,
+            Head {
+                kind: Kind::Welcome,
+                host,
+                epoch,
+                seq: 0,
+            },
+            &[f.payload, &nonce, &credit.to_le_bytes()],
+        );
+        Ok((
+            Self {
+                secret,
+                role: Role::Acceptor,
+                key,
+                host,
+                peer: f.host,
+                epoch,
+                sent: 1,
+                received: 0,
+            },
+            wire,
+        ))
+    }
+
+    /// Encodes and tags the next frame of this end.
+    pub fn seal(&mut self, kind: Kind, parts: &[&[u8]]) -> Vec<u8> {
+        let wire = encode(
+            &self.secret,
+            self.role,
+            &self.key,
+            Head {
+                kind,
+                host: self.host,
+                epoch: self.epoch,
+                seq: self.sent,
+            },
+            parts,
+        );
+        self.sent += 1;
+        wire
+    }
+
+    /// Checks a received frame of this session: header, tag, then its
+    /// sequence number. A refused frame changes nothing.
+    pub fn open<'a>(&mut self, wire: &'a [u8]) -> Result<Frame<'a>, PeerError> {
+        let f = decode(wire)?;
+        verify(&self.secret, self.role.other(), &self.key, &f)?;
+        if f.seq != self.received {
+            return Err(PeerError::Replayed {
+                kind: f.kind,
+                seq: f.seq,
+                expected: self.received,
+            });
+        }
+        self.received += 1;
+        Ok(f)
+    }
+}
+
+/// The header of a chunk: which snapshot it belongs to, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkHeader {
+    pub rank: u64,
+    pub step: u64,
+    /// The epoch the snapshot was taken under.
+    pub epoch: u64,
+    /// The snapshot's length in bytes.
+    pub total: u64,
+    pub offset: u64,
+    /// The data bytes of a slot of the sender's store.
+    pub capacity: u64,
+    pub layout_hash: u64,
+    pub job_hash: u64,
+    pub sealed_at_unix_ns: u64,
+    /// The slot's checksum (`crate::shm`): the receiver seals only when
+    /// what arrived hashes to it.
+    pub checksum: u64,
+}
+
+impl ChunkHeader {
+    pub fn encode(&self) -> [u8; CHUNK_HEADER_LEN] {
+        let mut b = [0u8; CHUNK_HEADER_LEN];
+        for (i, w) in [
+            self.rank,
+            self.step,
+            self.epoch,
+            self.total,
+            self.offset,
+            self.capacity,
+            self.layout_hash,
+            self.job_hash,
+            self.sealed_at_unix_ns,
+            self.checksum,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            b[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+
+    /// The header and data of a chunk's payload, checked for consistency:
+    /// the data lies inside the snapshot, which fits its slot.
+    pub fn parse(payload: &[u8]) -> Result<(Self, &[u8]), PeerError> {
+        let bad = |detail: String| PeerError::Payload {
+            kind: Kind::Chunk,
+            detail,
+        };
+        if payload.len() < CHUNK_HEADER_LEN {
+            return Err(bad(format!(
+                "{} bytes, shorter than a chunk header",
+                payload.len()
+            )));
+        }
+        let w = |i: usize| u64_at(payload, i * 8);
+        let h = Self {
+            rank: w(0),
+            step: w(1),
+            epoch: w(2),
+            total: w(3),
+            offset: w(4),
+            capacity: w(5),
+            layout_hash: w(6),
+            job_hash: w(7),
+            sealed_at_unix_ns: w(8),
+            checksum: w(9),
+        };
+        let data = &payload[CHUNK_HEADER_LEN..];
+        let end = h.offset.checked_add(data.len() as u64);
+        if end.is_none_or(|e| e > h.total) {
+            return Err(bad(format!(
+                "{} bytes at offset {} run past the snapshot's {} bytes",
+                data.len(),
+                h.offset,
+                h.total
+            )));
+        }
+        if h.total > h.capacity {
+            return Err(bad(format!(
+                "a snapshot of {} bytes does not fit slots of {} bytes",
+                h.total, h.capacity
+            )));
+        }
+        if data.is_empty() && h.total != 0 {
+            return Err(bad("a chunk without data".into()));
+        }
+        Ok((h, data))
+    }
+}
+
+/// A receipt's payload: rank and step (and, for a drop, the reason).
+pub fn receipt(rank: u64, step: u64) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&rank.to_le_bytes());
+    b[8..].copy_from_slice(&step.to_le_bytes());
+    b
+}
+
+/// Parses a [`Kind::Stored`] or [`Kind::Dropped`] payload: rank, step and
+/// the reason (empty for a store).
+pub fn parse_receipt(kind: Kind, payload: &[u8]) -> Result<(u64, u64, String), PeerError> {
+    if payload.len() < 16 || (kind == Kind::Stored && payload.len() != 16) {
+        return Err(PeerError::Payload {
+            kind,
+            detail: format!("{} bytes for a receipt", payload.len()),
+        });
+    }
+    let reason = String::from_utf8_lossy(&payload[16..]).into_owned();
+    Ok((u64_at(payload, 0), u64_at(payload, 8), reason))
+}
+
+/// Parses a [`Kind::Credit`] payload.
+pub fn parse_credit(payload: &[u8]) -> Result<u32, PeerError> {
+    if payload.len() != 4 {
+        return Err(PeerError::Payload {
+            kind: Kind::Credit,
+            detail: format!("{} bytes for a credit", payload.len()),
+        });
+    }
+    Ok(u32_at(payload, 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn secret(b: u8) -> Secret {
+        Secret::from_bytes([b; KEY_LEN])
+    }
+
+    /// An open pair of sessions: (initiator, acceptor).
+    fn pair() -> (Session, Session) {
+        pair_with(1)
+    }
+
+    /// A pair whose sessions draw nonces `n` and `n + 1`.
+    fn pair_with(n: u8) -> (Session, Session) {
+        let (pending, hello) = Pending::hello(secret(7), 1, [n; NONCE_LEN]);
+        let (acc, welcome) =
+            Session::accept(secret(7), 2, 5, &hello, [n + 1; NONCE_LEN], 8).unwrap();
+        let (ini, w) = pending.welcomed(&welcome).unwrap();
+        assert_eq!(w.credit, 8);
+        assert_eq!((ini.peer, acc.peer, ini.epoch), (2, 1, 5));
+        (ini, acc)
+    }
+
+    fn chunk() -> ChunkHeader {
+        ChunkHeader {
+            rank: 3,
+            step: 40,
+            epoch: 1,
+            total: 10,
+            offset: 4,
+            capacity: 4096,
+            layout_hash: 9,
+            job_hash: 8,
+            sealed_at_unix_ns: 7,
+            checksum: 6,
+        }
+    }
+
+    #[test]
+    fn a_chunk_goes_through_and_its_receipt_comes_back() {
+        let (mut ini, mut acc) = pair();
+        let data = [5u8; 6];
+        let wire = ini.seal(Kind::Chunk, &[&chunk().encode(), &data]);
+        let f = acc.open(&wire).unwrap();
+        assert_eq!(f.kind, Kind::Chunk);
+        let (h, d) = ChunkHeader::parse(f.payload).unwrap();
+        assert_eq!((h, d), (chunk(), &data[..]));
+        let back = acc.seal(Kind::Stored, &[&receipt(3, 40)]);
+        let f = ini.open(&back).unwrap();
+        assert_eq!(
+            parse_receipt(f.kind, f.payload).unwrap(),
+            (3, 40, String::new())
+        );
+    }
+
+    #[test]
+    fn replayed_reflected_and_foreign_frames_are_refused_and_change_nothing() {
+        let (mut ini, mut acc) = pair();
+        let first = ini.seal(Kind::Credit, &[&1u32.to_le_bytes()]);
+        acc.open(&first).unwrap();
+        // Replayed on its own session.
+        assert_eq!(acc.open(&first).unwrap_err().class(), Rejection::Replayed);
+        // Reflected back to its sender.
+        assert_eq!(ini.open(&first).unwrap_err().class(), Rejection::Forged);
+        // Replayed into another session of the same job.
+        let (_, mut acc2) = pair_with(3);
+        assert_eq!(acc2.open(&first).unwrap_err().class(), Rejection::Forged);
+        // Forged without the secret.
+        let (p, hello) = Pending::hello(secret(9), 1, [3; NONCE_LEN]);
+        drop(p);
+        assert!(matches!(
+            Session::accept(secret(7), 2, 0, &hello, [4; NONCE_LEN], 1),
+            Err(PeerError::BadTag { .. })
+        ));
+        // The session still takes the next genuine frame.
+        let next = ini.seal(Kind::Credit, &[&2u32.to_le_bytes()]);
+        assert_eq!(parse_credit(acc.open(&next).unwrap().payload).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_welcome_to_another_hello_is_refused() {
+        let (p1, _) = Pending::hello(secret(7), 1, [1; NONCE_LEN]);
+        let (_, hello2) = Pending::hello(secret(7), 1, [6; NONCE_LEN]);
+        let (_, welcome2) = Session::accept(secret(7), 2, 0, &hello2, [2; NONCE_LEN], 8).unwrap();
+        assert!(p1.welcomed(&welcome2).is_err());
+    }
+
+    #[test]
+    fn chunk_layouts_that_lie_are_refused() {
+        let mut h = chunk();
+        h.offset = u64::MAX;
+        let p = [&h.encode()[..], &[1u8; 3]].concat();
+        assert!(ChunkHeader::parse(&p).is_err());
+        let mut h = chunk();
+        h.total = 5000;
+        let p = [&h.encode()[..], &[1u8; 3]].concat();
+        assert!(ChunkHeader::parse(&p).is_err());
+        assert!(ChunkHeader::parse(&chunk().encode()).is_err(), "no data");
+    }
+
+    proptest! {
+        #[test]
+        fn every_bit_flip_is_refused(byte in 0usize..(HEADER_LEN + CHUNK_HEADER_LEN + 6 + TAG_LEN), bit in 0u8..8) {
+            let (mut ini, mut acc) = pair();
+            let mut wire = ini.seal(Kind::Chunk, &[&chunk().encode(), &[5u8; 6]]);
+            wire[byte] ^= 1 << bit;
+            prop_assert!(acc.open(&wire).is_err());
+        }
+
+        #[test]
+        fn decoders_never_panic_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let (mut ini, mut acc) = pair();
+            let _ = decode(&bytes);
+            let _ = acc.open(&bytes);
+            let _ = ini.open(&bytes);
+            let _ = ChunkHeader::parse(&bytes);
+            let _ = parse_credit(&bytes);
+            let _ = parse_receipt(Kind::Stored, &bytes);
+            let _ = parse_receipt(Kind::Dropped, &bytes);
+            let _ = Session::accept(secret(7), 2, 0, &bytes, [2; NONCE_LEN], 1);
+            let (p, _) = Pending::hello(secret(7), 1, [1; NONCE_LEN]);
+            let _ = p.welcomed(&bytes);
+        }
+
+        #[test]
+        fn arbitrary_bytes_behind_a_valid_header_never_panic(kind in 0u8..10, body in proptest::collection::vec(any::<u8>(), 0..300)) {
+            // A header that passes the first checks, so the later ones run.
+            let mut wire = Vec::new();
+            wire.extend_from_slice(&MAGIC);
+            wire.extend_from_slice(&VERSION.0.to_le_bytes());
+            wire.extend_from_slice(&VERSION.1.to_le_bytes());
+            wire.push(kind);
+            wire.extend_from_slice(&[0; 31]);
+            wire.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            wire.extend_from_slice(&[0; 4]);
+            wire.extend_from_slice(&body);
+            wire.extend_from_slice(&[0; TAG_LEN]);
+            let (_, mut acc) = pair();
+            if let Ok(f) = decode(&wire) {
+                let _ = ChunkHeader::parse(f.payload);
+                let _ = parse_receipt(f.kind, f.payload);
+            }
+            prop_assert!(acc.open(&wire).is_err(), "an untagged frame is never accepted");
+        }
+    }
+}
