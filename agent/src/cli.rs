@@ -173,4 +173,16 @@ pub struct HaArgs {
     /// protected.
     #[arg(long, default_value_t = 60.0)]
     pub register_timeout_secs: f64,
+    /// With several nodes: other hosts that hold a copy of this host's
+    /// snapshots in their memory (0: none).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// This host's failure domain (a rack, a power feed): replicas never go
+    /// to a host with the same label.
+    #[arg(long)]
+    pub failure_domain: Option<String>,
+    /// The address this host's agent takes peer replicas on (default: the
+    /// local address of the route to --master-addr).
+    #[arg(long)]
+    pub local_addr: Option<std::net::IpAddr>,
 }

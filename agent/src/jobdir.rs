@@ -36,10 +36,11 @@ pub const SECRET: &str = "secret";
 fn is_ours(name: &str) -> bool {
     name == SOCKET
         || name == SECRET
-        || name
-            .strip_prefix("rank_")
-            .and_then(|r| r.strip_suffix(".shm"))
-            .is_some_and(|n| n.len() == 5 && n.bytes().all(|b| b.is_ascii_digit()))
+        || ["rank_", "replica_"].iter().any(|prefix| {
+            name.strip_prefix(prefix)
+                .and_then(|r| r.strip_suffix(".shm"))
+                .is_some_and(|n| n.len() == 5 && n.bytes().all(|b| b.is_ascii_digit()))
+        })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -331,10 +332,21 @@ mod tests {
 
     #[test]
     fn own_files_only() {
-        for ours in ["agent.sock", "rank_00003.shm", "secret"] {
+        for ours in [
+            "agent.sock",
+            "rank_00003.shm",
+            "replica_00007.shm",
+            "secret",
+        ] {
             assert!(is_ours(ours), "{ours}");
         }
-        for theirs in ["rank_3.shm", "data", "rank_00003.shm.bak", "../x"] {
+        for theirs in [
+            "rank_3.shm",
+            "data",
+            "rank_00003.shm.bak",
+            "replica_x.shm",
+            "../x",
+        ] {
             assert!(!is_ours(theirs), "{theirs}");
         }
     }

@@ -80,6 +80,13 @@ pub struct HaSettings {
     pub register_timeout: Duration,
     /// Snapshots hold each rank's slice of the replicated parts only.
     pub slices: bool,
+    /// Hosts that hold a copy of this host's snapshots (several nodes).
+    pub replicas: usize,
+    /// This host's failure-domain label.
+    pub failure_domain: Option<String>,
+    /// The address peers send replicas to (default: the route to the
+    /// master address).
+    pub local_addr: Option<std::net::IpAddr>,
 }
 
 /// Where the workers' output goes (torchrun's `--log-dir`, `--redirects`,
@@ -104,6 +111,9 @@ impl Default for HaSettings {
             trainer_saves: false,
             register_timeout: Duration::from_secs(60),
             slices: true,
+            replicas: 1,
+            failure_domain: None,
+            local_addr: None,
         }
     }
 }
@@ -159,6 +169,8 @@ pub enum LaunchError {
     JobDir(#[from] crate::jobdir::JobDirError),
     #[error("the job's secret")]
     Secret(#[from] hatrain_shared::auth::AuthError),
+    #[error(transparent)]
+    Replicator(#[from] crate::replicator::ReplicatorError),
     #[error("{path}")]
     Io {
         path: PathBuf,
@@ -274,6 +286,12 @@ impl LaunchConfig {
                     .into(),
             );
         }
+        if self.nnodes > 1 && self.ha.replicas >= self.nnodes {
+            return bad(format!(
+                "--replicas {} needs more hosts than --nnodes {}: a replica never stays on its own host",
+                self.ha.replicas, self.nnodes
+            ));
+        }
         if !(2..=hatrain_shared::shm::MAX_SLOTS).contains(&self.ha.slots) {
             return bad(format!(
                 "--snapshot-slots {} must be between 2 and {}",
@@ -282,6 +300,13 @@ impl LaunchConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Whether this host streams its snapshots to peers and holds theirs:
+    /// on several nodes, with any high-availability mode and `--replicas`
+    /// above 0.
+    pub fn replicates(&self) -> bool {
+        self.nnodes > 1 && self.ha.replicas > 0 && self.ha.modes.any()
     }
 
     pub fn world_size(&self) -> usize {

@@ -26,6 +26,7 @@ pub mod output;
 pub mod persister;
 pub mod reaper;
 pub mod recovery;
+pub mod replicator;
 pub mod supervisor;
 
 /// Eight random hex digits, to make a name unique on the host (job ids,

@@ -231,6 +231,9 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         trainer_saves: h.trainer_saves,
         register_timeout: seconds("--register-timeout-secs", h.register_timeout_secs)?,
         slices: h.snapshot_slices == "on",
+        replicas: h.replicas,
+        failure_domain: h.failure_domain.clone(),
+        local_addr: h.local_addr,
     };
     if a.standalone && a.nnodes != 1 {
         return Err(LaunchError::Config(format!(

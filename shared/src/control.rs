@@ -203,6 +203,68 @@ pub struct StatusReport {
     /// The agent-side checkpoint writer, when it saves for the trainer.
     #[serde(default)]
     pub persist: Option<PersistReport>,
+    /// Peer replicas: what this agent streams and what it holds.
+    #[serde(default)]
+    pub replicas: Option<ReplicaReport>,
+}
+
+/// Peer replicas, as one agent sees them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaReport {
+    /// Where this agent takes replicas from its peers (`tcp://ADDR:PORT`).
+    pub listen: String,
+    /// The streams of this host's snapshots to other hosts.
+    pub streams: Vec<StreamReport>,
+    /// The replicas this agent holds of other hosts' ranks.
+    pub held: Vec<HeldReport>,
+    /// Peer frames refused: not of the protocol, failing their tag, or
+    /// replayed.
+    pub rejected_malformed: u64,
+    pub rejected_forged: u64,
+    pub rejected_replayed: u64,
+}
+
+/// One stream of this host's snapshots to a peer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamReport {
+    pub node: u64,
+    pub endpoint: String,
+    /// The peer welcomed this agent (its session is open).
+    pub connected: bool,
+    pub bytes_sent: u64,
+    pub chunks_sent: u64,
+    pub ranks: Vec<RankReplicaReport>,
+}
+
+/// How far a peer's replica of one rank is behind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankReplicaReport {
+    pub rank: u64,
+    /// The newest snapshot sealed here.
+    pub local_step: Option<u64>,
+    /// The newest snapshot the peer stored.
+    pub replica_step: Option<u64>,
+    /// Steps and bytes the peer lacks of the newest snapshot.
+    pub lag_steps: Option<u64>,
+    pub lag_bytes: u64,
+    /// Snapshots given up (rewritten while sent, or dropped by the peer).
+    pub abandoned: u64,
+}
+
+/// A replica this agent holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeldReport {
+    pub rank: u64,
+    pub from_node: u64,
+    /// Sealed steps, newest first.
+    pub steps: Vec<u64>,
+    pub stored: u64,
+    pub dropped: u64,
+    pub path: PathBuf,
 }
 
 /// What the agent-side persister has done.

@@ -464,6 +464,12 @@ impl Session {
         wire
     }
 
+    /// Takes back the last frame [`Session::seal`] made, which was never
+    /// sent: the next frame gets its sequence number.
+    pub fn rewind(&mut self) {
+        self.sent = self.sent.saturating_sub(1);
+    }
+
     /// Checks a received frame of this session: header, tag, then its
     /// sequence number. A refused frame changes nothing.
     pub fn open<'a>(&mut self, wire: &'a [u8]) -> Result<Frame<'a>, PeerError> {
@@ -675,8 +681,7 @@ mod tests {
         let (_, mut acc2) = pair_with(3);
         assert_eq!(acc2.open(&first).unwrap_err().class(), Rejection::Forged);
         // Forged without the secret.
-        let (p, hello) = Pending::hello(secret(9), 1, [3; NONCE_LEN]);
-        drop(p);
+        let (_, hello) = Pending::hello(secret(9), 1, [3; NONCE_LEN]);
         assert!(matches!(
             Session::accept(secret(7), 2, 0, &hello, [4; NONCE_LEN], 1),
             Err(PeerError::BadTag { .. })

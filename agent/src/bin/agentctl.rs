@@ -3,7 +3,9 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use hatrain_shared::control::{FaultRecord, InjectKind, Request, Response, WorkerReport};
+use hatrain_shared::control::{
+    FaultRecord, InjectKind, ReplicaReport, Request, Response, WorkerReport,
+};
 use hatrain_shared::ident::JobId;
 use hatrain_shared::joblock;
 use std::path::{Path, PathBuf};
@@ -212,6 +214,9 @@ fn run(cli: Cli) -> Result<()> {
                         .map_or(String::new(), |e| format!(" | LAST SAVE FAILED: {e}")),
                 );
             }
+            if let Some(r) = &s.replicas {
+                print_replicas(r);
+            }
             print_workers(&s.workers);
             print_faults(&s.faults);
         }
@@ -230,6 +235,41 @@ fn run(cli: Cli) -> Result<()> {
         other => bail!("unexpected reply: {other:?}"),
     }
     Ok(())
+}
+
+fn print_replicas(r: &ReplicaReport) {
+    println!(
+        "peer replicas: taken on {} | frames refused: {} malformed, {} forged or altered, {} replayed",
+        r.listen, r.rejected_malformed, r.rejected_forged, r.rejected_replayed
+    );
+    for s in &r.streams {
+        println!(
+            "  to node {} at {}{} | {} MiB in {} chunks",
+            s.node,
+            s.endpoint,
+            if s.connected { "" } else { " (not connected)" },
+            s.bytes_sent >> 20,
+            s.chunks_sent
+        );
+        for k in &s.ranks {
+            let step = |s: Option<u64>| s.map_or("-".to_string(), |s| s.to_string());
+            println!(
+                "    rank {:>5}: local step {} | replica step {} | lag {} step(s), {} bytes | {} abandoned",
+                k.rank,
+                step(k.local_step),
+                step(k.replica_step),
+                step(k.lag_steps),
+                k.lag_bytes,
+                k.abandoned
+            );
+        }
+    }
+    for h in &r.held {
+        println!(
+            "  holding rank {} of node {}: steps {:?} | {} stored, {} dropped",
+            h.rank, h.from_node, h.steps, h.stored, h.dropped
+        );
+    }
 }
 
 fn print_workers(w: &[WorkerReport]) {

@@ -17,9 +17,12 @@
 //!
 //! - [`observe`]: control pages into [`RankView`]s and fault reports;
 //! - [`requests`]: the control socket's requests (registration, status,
-//!   injection).
+//!   injection);
+//! - [`replicas`]: joining the peer-replica streams of a job of several
+//!   nodes.
 
 mod observe;
+mod replicas;
 mod requests;
 
 use crate::control::{self, ControlMsg};
@@ -31,6 +34,7 @@ use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
+use crate::replicator::Replicator;
 use crate::supervisor::Supervisor;
 use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
@@ -151,6 +155,9 @@ struct Driver<'a> {
     /// A group restart the machine asked for, carried out between events
     /// (it waits for the workers to stop).
     group_restart: Option<u32>,
+    /// Peer replicas (several nodes): this host's snapshots streamed out,
+    /// other hosts' held.
+    replicator: Option<Arc<Replicator>>,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -205,6 +212,11 @@ async fn run_with(
     } else {
         let port = cfg.store_port().expect("validated: set with several nodes");
         (None, crate::launch::resolve(&cfg.master_addr, port)?)
+    };
+    let replicator = if cfg.replicates() {
+        Some(replicas::start(cfg, &secret, dir.path(), store_addr)?)
+    } else {
+        None
     };
     let master_port = match cfg.master_port {
         Some(p) => p,
@@ -282,6 +294,7 @@ async fn run_with(
         store,
         oom: OomWatch::default(),
         group_restart: None,
+        replicator,
     };
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
@@ -353,6 +366,10 @@ async fn run_with(
             .map(|m| (rank, m)),
         _ => None,
     };
+    if let Some(r) = d.replicator.take() {
+        // Its replica stores go before the job folder does.
+        r.stop();
+    }
     reaper_stop.cancel();
     ctl_stop.cancel();
     for w in d.dump_waiters.drain(..) {

@@ -266,7 +266,11 @@ impl Driver<'_> {
             match created {
                 Ok(s) => {
                     tracing::info!(rank, pid, bytes = total, sliced, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
-                    self.stores.insert(rank, Arc::new(s));
+                    let s = Arc::new(s);
+                    if let Some(r) = &self.replicator {
+                        r.add_rank(rank, Arc::clone(&s));
+                    }
+                    self.stores.insert(rank, s);
                 }
                 Err(e) => {
                     // Whatever the creation made is gone already.
@@ -350,6 +354,7 @@ impl Driver<'_> {
                 .as_ref()
                 .filter(|p| p.periodic())
                 .map(Persister::report),
+            replicas: self.replicator.as_ref().map(|r| r.report()),
         }
     }
 

@@ -402,6 +402,43 @@ impl Store {
         }
     }
 
+    /// Runs `f` over bytes `offset..offset + len` of the sealed slot that
+    /// `info` describes, without verifying the whole slot (a peer verifies
+    /// what it receives), then checks the slot was not rewritten meanwhile:
+    /// if it was, whatever `f` made of the bytes is refused with an error.
+    pub fn with_range<R>(
+        &self,
+        info: &SlotInfo,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, ShmError> {
+        let slot = info.slot;
+        if self.slot_info(slot).as_ref() != Some(info) {
+            return Err(self.bad(slot, "no longer holds that snapshot".into()));
+        }
+        let end = offset.checked_add(len).filter(|e| *e <= info.len);
+        let Some(end) = end.filter(|e| *e <= self.geometry.capacity as u64) else {
+            return Err(self.bad(
+                slot,
+                format!("bytes {offset}+{len} outside its {} bytes", info.len),
+            ));
+        };
+        // SAFETY: in bounds (checked above); a writer that reuses the slot
+        // first makes seq odd, which the check below sees.
+        let bytes = unsafe {
+            self.map.bytes(
+                self.data_offset(slot) + offset as usize,
+                (end - offset) as usize,
+            )
+        };
+        let out = f(bytes);
+        if self.slot_info(slot).as_ref() != Some(info) {
+            return Err(self.bad(slot, "rewritten while read".into()));
+        }
+        Ok(out)
+    }
+
     /// Flips one bit of a slot's data (fault-injection tests: simulates
     /// memory corruption).
     pub fn corrupt_slot_byte(&self, slot: usize, offset: usize) {

@@ -1,0 +1,517 @@
+//! The receiving side of the replica streams: the sessions of the peers
+//! that send to this agent, and the replica stores their snapshots land in.
+//!
+//! It takes one message at a time with the identity of the connection it
+//! came on ([`Inbox::handle`]) and returns the frames to send back; the
+//! sockets are the caller's. Its only I/O is the replica stores: one file
+//! per remote rank, `replica_NNNNN.shm` in the job folder, in the format of
+//! a local snapshot store (same slots, same seal, same verification), made
+//! with the owner's job and layout hashes so a sealed replica slot is
+//! byte-identical to the owner's, header included.
+//!
+//! - A frame is checked before anything else happens: header, tag,
+//!   sequence number ([`hatrain_shared::peer`]). A refused one is counted
+//!   by class and changes nothing; its connection gets no answer.
+//! - A chunk is written in place in order; the slot is sealed only when
+//!   the whole snapshot arrived and hashes to its owner's checksum. A chunk
+//!   at offset 0 starts a newer snapshot and abandons an unfinished one
+//!   (its slot stays torn); a chunk that continues nothing is ignored.
+//! - Every chunk taken, whatever became of it, returns one credit.
+//! - A peer may send only the ranks this agent holds replicas of.
+
+use hatrain_shared::auth::{NONCE_LEN, Secret};
+use hatrain_shared::peer::{self, ChunkHeader, Kind, PeerError, Rejection, Session};
+use hatrain_shared::shm::{Geometry, Receiving, Store};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+
+/// Sessions kept at most; the oldest goes when one more opens.
+pub const MAX_SESSIONS: usize = 64;
+
+/// Refused frames, by class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rejected {
+    pub malformed: u64,
+    pub forged: u64,
+    pub replayed: u64,
+}
+
+impl Rejected {
+    fn count(&mut self, e: &PeerError) {
+        match e.class() {
+            Rejection::Malformed => self.malformed += 1,
+            Rejection::Forged => self.forged += 1,
+            Rejection::Replayed => self.replayed += 1,
+        }
+    }
+}
+
+/// A remote rank's replica store.
+#[derive(Debug)]
+struct Holding {
+    from: u64,
+    store: Store,
+    incoming: Option<(ChunkHeader, Receiving)>,
+    stored: u64,
+    dropped: u64,
+}
+
+/// What this agent holds of one remote rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub rank: u64,
+    /// The node that sent it.
+    pub from: u64,
+    /// Sealed steps, newest first (headers only: verified when used).
+    pub steps: Vec<u64>,
+    pub stored: u64,
+    pub dropped: u64,
+    pub path: PathBuf,
+}
+
+/// The receiving side.
+pub struct Inbox {
+    secret: Secret,
+    host: u64,
+    dir: PathBuf,
+    slots: usize,
+    credit: u32,
+    allowed: Box<dyn Fn(u64, u64) -> bool + Send>,
+    sessions: HashMap<Vec<u8>, Session>,
+    order: VecDeque<Vec<u8>>,
+    stores: BTreeMap<u64, Holding>,
+    pub rejected: Rejected,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox")
+            .field("host", &self.host)
+            .field("dir", &self.dir)
+            .field("sessions", &self.sessions.len())
+            .field("stores", &self.stores.len())
+            .field("rejected", &self.rejected)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Path of the replica store of `rank` under `dir`.
+pub fn replica_path(dir: &Path, rank: u64) -> PathBuf {
+    dir.join(format!("replica_{rank:05}.shm"))
+}
+
+impl Inbox {
+    /// An inbox of node `host` keeping `slots` slots per remote rank in
+    /// `dir`, granting each session `credit` chunks in flight; `allowed(node,
+    /// rank)` says whose ranks it holds.
+    pub fn new(
+        secret: Secret,
+        host: u64,
+        dir: PathBuf,
+        slots: usize,
+        credit: u32,
+        allowed: impl Fn(u64, u64) -> bool + Send + 'static,
+    ) -> Self {
+        Self {
+            secret,
+            host,
+            dir,
+            slots,
+            credit,
+            allowed: Box::new(allowed),
+            sessions: HashMap::new(),
+            order: VecDeque::new(),
+            stores: BTreeMap::new(),
+            rejected: Rejected::default(),
+        }
+    }
+
+    /// Handles one message that came on connection `peer`; returns what to
+    /// send back on it.
+    pub fn handle(
+        &mut self,
+        peer: &[u8],
+        wire: &[u8],
+        nonce: impl FnOnce() -> [u8; NONCE_LEN],
+    ) -> Vec<Vec<u8>> {
+        let Some(session) = self.sessions.get_mut(peer) else {
+            return self.hello(peer, wire, nonce);
+        };
+        let f = match session.open(wire) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!(error = %e, "peer frame refused");
+                self.rejected.count(&e);
+                return Vec::new();
+            }
+        };
+        let from = session.peer;
+        match f.kind {
+            Kind::Chunk => {
+                let receipt = self.chunk(from, f.payload);
+                let session = self.sessions.get_mut(peer).expect("looked up above");
+                let mut out = vec![session.seal(Kind::Credit, &[&1u32.to_le_bytes()])];
+                if let Some((kind, rank, step, reason)) = receipt {
+                    out.push(session.seal(kind, &[&peer::receipt(rank, step), reason.as_bytes()]));
+                }
+                out
+            }
+            other => {
+                self.rejected.count(&PeerError::Payload {
+                    kind: other,
+                    detail: "not a frame a sender sends".into(),
+                });
+                Vec::new()
+            }
+        }
+    }
+
+    fn hello(
+        &mut self,
+        peer: &[u8],
+        wire: &[u8],
+        nonce: impl FnOnce() -> [u8; NONCE_LEN],
+    ) -> Vec<Vec<u8>> {
+        match Session::accept(
+            self.secret.clone(),
+            self.host,
+            0,
+            wire,
+            nonce(),
+            self.credit,
+        ) {
+            Ok((session, welcome)) => {
+                tracing::info!(peer = session.peer, "replica stream opened");
+                if self.order.len() >= MAX_SESSIONS
+                    && let Some(old) = self.order.pop_front()
+                {
+                    self.sessions.remove(&old);
+                }
+                self.order.push_back(peer.to_vec());
+                self.sessions.insert(peer.to_vec(), session);
+                vec![welcome]
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "peer hello refused");
+                self.rejected.count(&e);
+                Vec::new()
+            }
+        }
+    }
+
+    /// Takes one chunk from node `from`; a receipt when a snapshot was
+    /// stored or dropped.
+    fn chunk(&mut self, from: u64, payload: &[u8]) -> Option<(Kind, u64, u64, String)> {
+        let (h, data) = match ChunkHeader::parse(payload) {
+            Ok(x) => x,
+            Err(e) => {
+                self.rejected.count(&e);
+                return None;
+            }
+        };
+        let drop = |why: String| Some((Kind::Dropped, h.rank, h.step, why));
+        if !(self.allowed)(from, h.rank) {
+            return drop(format!(
+                "node {} holds no replica of rank {} from node {from}",
+                self.host, h.rank
+            ));
+        }
+        if h.offset == 0
+            && let Err(e) = self.begin(from, &h)
+        {
+            tracing::warn!(rank = h.rank, step = h.step, error = %e, "cannot hold a replica");
+            return drop(e);
+        }
+        let holding = self.stores.get_mut(&h.rank)?;
+        let continues = holding
+            .incoming
+            .as_ref()
+            .is_some_and(|(cur, r)| cur.step == h.step && r.received() == h.offset);
+        if !continues {
+            // The tail of a snapshot abandoned for a newer one.
+            return None;
+        }
+        let (cur, mut r) = holding.incoming.take().expect("checked above");
+        if let Err(e) = r.write(&holding.store, data) {
+            holding.dropped += 1;
+            return drop(e.to_string());
+        }
+        if r.received() < cur.total {
+            holding.incoming = Some((cur, r));
+            return None;
+        }
+        match r.seal(
+            &holding.store,
+            cur.rank,
+            cur.step,
+            cur.epoch,
+            cur.sealed_at_unix_ns,
+            cur.checksum,
+        ) {
+            Ok(_) => {
+                holding.stored += 1;
+                Some((Kind::Stored, cur.rank, cur.step, String::new()))
+            }
+            Err(e) => {
+                holding.dropped += 1;
+                tracing::warn!(rank = cur.rank, step = cur.step, error = %e, "replica dropped");
+                drop(e.to_string())
+            }
+        }
+    }
+
+    /// Starts receiving a snapshot: the rank's store (made, or made again
+    /// for another geometry or layout), and a writable slot in it.
+    fn begin(&mut self, from: u64, h: &ChunkHeader) -> Result<(), String> {
+        let fits = |s: &Store| {
+            s.geometry().capacity as u64 == h.capacity
+                && s.page().layout_hash() == h.layout_hash
+                && s.page().job_hash() == h.job_hash
+        };
+        if self.stores.get(&h.rank).is_some_and(|x| !fits(&x.store)) {
+            self.stores.remove(&h.rank);
+        }
+        if !self.stores.contains_key(&h.rank) {
+            let capacity = usize::try_from(h.capacity)
+                .ok()
+                .filter(|c| c.is_multiple_of(hatrain_shared::shm::PAGE) && *c > 0)
+                .ok_or_else(|| format!("impossible slot capacity {}", h.capacity))?;
+            let geometry = Geometry {
+                slots: self.slots,
+                capacity,
+            };
+            let path = replica_path(&self.dir, h.rank);
+            let store = Store::create(&path, h.rank as usize, geometry, h.layout_hash, h.job_hash)
+                .map_err(|e| e.to_string())?;
+            tracing::info!(rank = h.rank, from, path = %path.display(), bytes = geometry.file_len(), "replica store made");
+            self.stores.insert(
+                h.rank,
+                Holding {
+                    from,
+                    store,
+                    incoming: None,
+                    stored: 0,
+                    dropped: 0,
+                },
+            );
+        }
+        let holding = self.stores.get_mut(&h.rank).expect("made above");
+        holding.from = from;
+        // An unfinished older snapshot is abandoned; its slot stays torn.
+        holding.incoming = None;
+        let slot = holding
+            .store
+            .writable_slot()
+            .ok_or_else(|| "no writable slot".to_string())?;
+        let r = holding
+            .store
+            .receive(slot, h.total)
+            .map_err(|e| e.to_string())?;
+        holding.incoming = Some((*h, r));
+        Ok(())
+    }
+
+    /// What this agent holds.
+    pub fn held(&self) -> Vec<Held> {
+        self.stores
+            .iter()
+            .map(|(rank, h)| Held {
+                rank: *rank,
+                from: h.from,
+                steps: h.store.sealed().iter().map(|i| i.step).collect(),
+                stored: h.stored,
+                dropped: h.dropped,
+                path: h.store.path().to_path_buf(),
+            })
+            .collect()
+    }
+
+    /// Removes every replica store.
+    pub fn close(&mut self) {
+        for (_, h) in std::mem::take(&mut self.stores) {
+            let path = h.store.path().to_path_buf();
+            drop(h);
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a replica store");
+            }
+        }
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hatrain_shared::peer::Pending;
+
+    fn secret() -> Secret {
+        Secret::from_bytes([3; 32])
+    }
+
+    struct Source {
+        _dir: tempfile::TempDir,
+        store: Store,
+        data: Vec<u8>,
+    }
+
+    fn source(rank: usize, step: u64, len: usize) -> Source {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(
+            &hatrain_shared::shm::store_path(dir.path(), rank),
+            rank,
+            Geometry::new(2, len),
+            11,
+            22,
+        )
+        .unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ step as u8).collect();
+        let slot = store.writable_slot().unwrap();
+        store
+            .write_slot(slot, rank as u64, step, 1, &[&data], &mut |_, _| true)
+            .unwrap();
+        Source {
+            _dir: dir,
+            store,
+            data,
+        }
+    }
+
+    fn chunks(src: &Source, step: u64, size: usize) -> Vec<Vec<u8>> {
+        let info = src
+            .store
+            .sealed()
+            .into_iter()
+            .find(|i| i.step == step)
+            .unwrap();
+        src.data
+            .chunks(size)
+            .enumerate()
+            .map(|(i, d)| {
+                let h = ChunkHeader {
+                    rank: info.rank,
+                    step,
+                    epoch: info.epoch,
+                    total: info.len,
+                    offset: (i * size) as u64,
+                    capacity: src.store.geometry().capacity as u64,
+                    layout_hash: 11,
+                    job_hash: 22,
+                    sealed_at_unix_ns: info.sealed_at_unix_ns,
+                    checksum: info.checksum,
+                };
+                [&h.encode()[..], d].concat()
+            })
+            .collect()
+    }
+
+    fn open(inbox: &mut Inbox, id: &[u8], host: u64, n: u8) -> Session {
+        let (p, hello) = Pending::hello(secret(), host, [n; NONCE_LEN]);
+        let back = inbox.handle(id, &hello, || [n + 100; NONCE_LEN]);
+        p.welcomed(&back[0]).unwrap().0
+    }
+
+    #[test]
+    fn a_snapshot_sent_in_chunks_is_held_identical_and_every_kind_of_bad_frame_is_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inbox = Inbox::new(secret(), 1, dir.path().into(), 2, 4, |from, rank| {
+            from == 0 && rank < 2
+        });
+        let src = source(0, 9, 10_000);
+        let mut s = open(&mut inbox, b"a", 0, 1);
+        let frames: Vec<Vec<u8>> = chunks(&src, 9, 4096)
+            .iter()
+            .map(|c| s.seal(Kind::Chunk, &[c]))
+            .collect();
+        let mut credits = 0;
+        let mut receipts = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            for back in inbox.handle(b"a", f, || unreachable!()) {
+                let f = s.open(&back).unwrap();
+                match f.kind {
+                    Kind::Credit => credits += peer::parse_credit(f.payload).unwrap(),
+                    k => receipts.push(peer::parse_receipt(k, f.payload).unwrap()),
+                }
+            }
+            if i == 0 {
+                // Replayed, bit-flipped and forged frames between genuine ones.
+                assert!(inbox.handle(b"a", f, || unreachable!()).is_empty());
+                let mut flipped = frames[1].clone();
+                flipped[200] ^= 4;
+                assert!(inbox.handle(b"a", &flipped, || unreachable!()).is_empty());
+                let (_, hello) = Pending::hello(Secret::from_bytes([9; 32]), 0, [7; NONCE_LEN]);
+                assert!(inbox.handle(b"b", &hello, || [8; NONCE_LEN]).is_empty());
+                assert!(inbox.handle(b"c", b"garbage", || [8; NONCE_LEN]).is_empty());
+            }
+        }
+        assert_eq!(credits, 3);
+        assert_eq!(receipts, vec![(0, 9, String::new())]);
+        assert_eq!(
+            inbox.rejected,
+            Rejected {
+                malformed: 1,
+                forged: 2,
+                replayed: 1
+            }
+        );
+        let held = inbox.held();
+        assert_eq!(
+            (held[0].rank, held[0].from, &held[0].steps),
+            (0, 0, &vec![9])
+        );
+        let replica = Store::open(&replica_path(dir.path(), 0)).unwrap();
+        let info = replica.find_step(9).expect("sealed and verified");
+        let mut back = vec![0u8; src.data.len()];
+        replica.read_slot(info.slot, &mut [&mut back]).unwrap();
+        assert_eq!(back, src.data);
+        assert_eq!(info.checksum, src.store.find_step(9).unwrap().checksum);
+        inbox.close();
+        assert!(!replica_path(dir.path(), 0).exists());
+    }
+
+    #[test]
+    fn a_newer_snapshot_abandons_an_unfinished_one_and_strangers_ranks_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inbox = Inbox::new(secret(), 1, dir.path().into(), 2, 4, |from, rank| {
+            from == 0 && rank == 0
+        });
+        let mut s = open(&mut inbox, b"a", 0, 1);
+        let old = source(0, 3, 9000);
+        let new = source(0, 4, 9000);
+        let send = |inbox: &mut Inbox, s: &mut Session, c: &[u8]| -> Vec<(u64, u64, String)> {
+            let f = s.seal(Kind::Chunk, &[c]);
+            inbox
+                .handle(b"a", &f, || unreachable!())
+                .iter()
+                .filter_map(|b| {
+                    let f = s.open(b).unwrap();
+                    (f.kind != Kind::Credit)
+                        .then(|| peer::parse_receipt(f.kind, f.payload).unwrap())
+                })
+                .collect()
+        };
+        let oc = chunks(&old, 3, 4096);
+        assert!(send(&mut inbox, &mut s, &oc[0]).is_empty());
+        let nc = chunks(&new, 4, 4096);
+        assert!(send(&mut inbox, &mut s, &nc[0]).is_empty());
+        // The old snapshot's tail continues nothing.
+        assert!(send(&mut inbox, &mut s, &oc[1]).is_empty());
+        assert!(send(&mut inbox, &mut s, &nc[1]).is_empty());
+        assert_eq!(
+            send(&mut inbox, &mut s, &nc[2]),
+            vec![(0, 4, String::new())]
+        );
+        assert_eq!(inbox.held()[0].steps, vec![4]);
+        // Rank 1 is not this agent's to hold.
+        let other = source(1, 4, 100);
+        let r = send(&mut inbox, &mut s, &chunks(&other, 4, 4096)[0]);
+        assert_eq!(r.len(), 1);
+        assert!(r[0].2.contains("holds no replica of rank 1"), "{r:?}");
+    }
+}

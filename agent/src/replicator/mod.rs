@@ -1,0 +1,691 @@
+//! Peer replicas: each agent streams the sealed snapshots of its ranks to
+//! `--replicas R` other hosts over ZeroMQ, and holds theirs.
+//!
+//! ```text
+//!  host k (sender)                               host t (holder)
+//!  rank store ─ sealed slot ─► Outbox ─ DEALER ══ tcp ══► ROUTER ─► Inbox ─► replica_NNNNN.shm
+//!                               ▲  credits, receipts  ◄══════════════┘
+//! ```
+//!
+//! - [`outbox`]: what a stream sends next (newest first, credit-bounded),
+//!   with no I/O; [`inbox`]: sessions and replica stores of the holder.
+//! - This module is the thin driver: one thread per outgoing stream and one
+//!   for the listening socket, each polling its socket with a short timeout
+//!   and a stop flag. Nothing here runs on the training path: a worker's
+//!   commit never waits for a stream, and a stream reads a sealed slot in
+//!   place, checking after each chunk that the slot was not rewritten.
+//! - Every frame is authenticated ([`hatrain_shared::peer`]); chunks are
+//!   verified twice, by their tag on arrival and by the slot checksum when
+//!   the holder seals.
+//! - Placement ([`targets`]): host (k+1) mod N, then k+2, ..., never the
+//!   host itself and never one with the same `--failure-domain` label.
+
+pub mod inbox;
+pub mod outbox;
+
+use hatrain_shared::auth::{NONCE_LEN, Secret};
+use hatrain_shared::control::{HeldReport, RankReplicaReport, ReplicaReport, StreamReport};
+use hatrain_shared::peer::{self, ChunkHeader, Kind, Pending, Session};
+use hatrain_shared::shm::Store;
+use inbox::Inbox;
+use outbox::{Offer, Outbox};
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Bytes of snapshot data per chunk.
+pub const CHUNK: usize = 4 << 20;
+/// Chunks a holder lets each sender have in flight.
+pub const WINDOW: u32 = 8;
+/// How long a socket poll waits, so stop flags are seen.
+const POLL: Duration = Duration::from_millis(20);
+/// A stream whose peer says nothing for this long while it waits for
+/// credit opens a new session (the peer's agent may have restarted).
+const SILENCE: Duration = Duration::from_secs(3);
+/// How long a hello waits for its welcome before another is sent.
+const HELLO_AGAIN: Duration = Duration::from_millis(500);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicatorError {
+    #[error("cannot listen for peer replicas on {addr}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: zmq::Error,
+    },
+    #[error("cannot draw a nonce")]
+    Random(#[source] hatrain_shared::auth::AuthError),
+}
+
+/// The hosts that hold node `node`'s replicas: (k+1) mod N, (k+2) mod N,
+/// ..., skipping the node itself and any node with the same failure-domain
+/// label (`domains[i]`, where given), `replicas` of them at most. Fewer
+/// when fewer qualify.
+pub fn targets(node: usize, domains: &[Option<String>], replicas: usize) -> Vec<usize> {
+    let n = domains.len();
+    let mine = domains.get(node).cloned().flatten();
+    (1..n)
+        .map(|i| (node + i) % n)
+        .filter(|t| mine.is_none() || domains[*t] != mine)
+        .take(replicas)
+        .collect()
+}
+
+/// A local rank and its snapshot store.
+type RankStore = (u64, Arc<Store>);
+
+/// How the replicator runs.
+#[derive(Debug, Clone)]
+pub struct ReplicatorConfig {
+    pub secret: Secret,
+    /// This agent's node rank.
+    pub node: u64,
+    /// The address to listen on for peers.
+    pub bind: IpAddr,
+    /// The job folder, where replica stores go.
+    pub dir: PathBuf,
+    /// Slots per replica store.
+    pub slots: usize,
+    /// Ranks per node (rank r belongs to node r / ranks_per_node).
+    pub ranks_per_node: usize,
+    pub chunk: usize,
+    pub window: u32,
+}
+
+#[derive(Debug, Default)]
+struct StreamState {
+    node: u64,
+    endpoint: String,
+    connected: bool,
+    bytes_sent: u64,
+    chunks_sent: u64,
+    ranks: BTreeMap<u64, outbox::RankProgress>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    streams: Vec<StreamState>,
+    held: Vec<inbox::Held>,
+    rejected: inbox::Rejected,
+}
+
+/// The replicator of one agent: its listening socket, and its streams.
+pub struct Replicator {
+    cfg: ReplicatorConfig,
+    ctx: zmq::Context,
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    shared: Arc<Mutex<Shared>>,
+    /// Nodes whose ranks this agent holds.
+    sources: Arc<RwLock<HashSet<u64>>>,
+    /// The local ranks' stores, for streams started later.
+    ranks: Mutex<Vec<(u64, Arc<Store>)>>,
+    feeds: Mutex<Vec<mpsc::Sender<RankStore>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Replicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replicator")
+            .field("node", &self.cfg.node)
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+fn nonce() -> [u8; NONCE_LEN] {
+    hatrain_shared::auth::random().unwrap_or_else(|_| {
+        // The OS's random source failed once already at start-up for
+        // anything to get here; a time-based nonce still differs per
+        // session, which is what a nonce must do.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mut b = [0u8; NONCE_LEN];
+        b.copy_from_slice(&t.to_le_bytes());
+        b
+    })
+}
+
+impl Replicator {
+    /// Listens for peers on `cfg.bind` (a free port) and starts taking
+    /// replicas.
+    pub fn listen(cfg: ReplicatorConfig) -> Result<Arc<Self>, ReplicatorError> {
+        hatrain_shared::auth::random::<1>().map_err(ReplicatorError::Random)?;
+        let ctx = zmq::Context::new();
+        let addr = match cfg.bind {
+            IpAddr::V4(a) => format!("tcp://{a}:*"),
+            IpAddr::V6(a) => format!("tcp://[{a}]:*"),
+        };
+        let listen_err = |source| ReplicatorError::Listen {
+            addr: addr.clone(),
+            source,
+        };
+        let sock = ctx.socket(zmq::ROUTER).map_err(listen_err)?;
+        sock.set_linger(0).map_err(listen_err)?;
+        if cfg.bind.is_ipv6() {
+            sock.set_ipv6(true).map_err(listen_err)?;
+        }
+        // Frames of strangers are not let grow without bound.
+        sock.set_maxmsgsize((peer::HEADER_LEN + peer::MAX_PAYLOAD + 32) as i64)
+            .map_err(listen_err)?;
+        sock.bind(&addr).map_err(listen_err)?;
+        let endpoint = sock
+            .get_last_endpoint()
+            .map_err(listen_err)?
+            .unwrap_or_default();
+        let r = Arc::new(Self {
+            ctx,
+            endpoint,
+            stop: Arc::new(AtomicBool::new(false)),
+            shared: Arc::new(Mutex::new(Shared::default())),
+            sources: Arc::new(RwLock::new(HashSet::new())),
+            ranks: Mutex::new(Vec::new()),
+            feeds: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
+            cfg,
+        });
+        let sources = Arc::clone(&r.sources);
+        let per_node = r.cfg.ranks_per_node.max(1) as u64;
+        let inbox = Inbox::new(
+            r.cfg.secret.clone(),
+            r.cfg.node,
+            r.cfg.dir.clone(),
+            r.cfg.slots,
+            r.cfg.window,
+            move |from, rank| {
+                rank / per_node == from && sources.read().is_ok_and(|s| s.contains(&from))
+            },
+        );
+        let (stop, shared) = (Arc::clone(&r.stop), Arc::clone(&r.shared));
+        let t = std::thread::Builder::new()
+            .name("replica-in".into())
+            .spawn(move || hold(sock, inbox, &stop, &shared))
+            .expect("a thread starts");
+        r.threads.lock().expect("not poisoned").push(t);
+        tracing::info!(endpoint = %r.endpoint, "taking peer replicas");
+        Ok(r)
+    }
+
+    /// Where this agent takes replicas (`tcp://ADDR:PORT`).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// This agent holds the replicas of node `node`'s ranks.
+    pub fn hold_for(&self, node: u64) {
+        if let Ok(mut s) = self.sources.write() {
+            s.insert(node);
+        }
+    }
+
+    /// Starts streaming this host's snapshots to node `node` at `endpoint`.
+    pub fn stream_to(&self, node: u64, endpoint: String) {
+        let (tx, rx) = mpsc::channel();
+        for (rank, store) in self.ranks.lock().expect("not poisoned").iter() {
+            let _ = tx.send((*rank, Arc::clone(store)));
+        }
+        self.feeds.lock().expect("not poisoned").push(tx);
+        let index = {
+            let mut sh = self.shared.lock().expect("not poisoned");
+            sh.streams.push(StreamState {
+                node,
+                endpoint: endpoint.clone(),
+                ..StreamState::default()
+            });
+            sh.streams.len() - 1
+        };
+        let sock = match self.ctx.socket(zmq::DEALER) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(node, error = %e, "cannot make a socket for a replica stream");
+                return;
+            }
+        };
+        let cfg = self.cfg.clone();
+        let (stop, shared) = (Arc::clone(&self.stop), Arc::clone(&self.shared));
+        let t = std::thread::Builder::new()
+            .name(format!("replica-out-{node}"))
+            .spawn(move || {
+                if let Err(e) = send(&cfg, sock, &endpoint, rx, &stop, &shared, index) {
+                    tracing::error!(node, endpoint = %endpoint, error = %e, "replica stream stopped");
+                }
+            })
+            .expect("a thread starts");
+        self.threads.lock().expect("not poisoned").push(t);
+    }
+
+    /// A local rank's snapshot store: streamed from now on.
+    pub fn add_rank(&self, rank: usize, store: Arc<Store>) {
+        let rank = rank as u64;
+        let mut ranks = self.ranks.lock().expect("not poisoned");
+        ranks.retain(|(r, _)| *r != rank);
+        ranks.push((rank, Arc::clone(&store)));
+        for f in self.feeds.lock().expect("not poisoned").iter() {
+            let _ = f.send((rank, Arc::clone(&store)));
+        }
+    }
+
+    /// What this agent streams and holds, now.
+    pub fn report(&self) -> ReplicaReport {
+        let sh = self.shared.lock().expect("not poisoned");
+        ReplicaReport {
+            listen: self.endpoint.clone(),
+            streams: sh
+                .streams
+                .iter()
+                .map(|s| StreamReport {
+                    node: s.node,
+                    endpoint: s.endpoint.clone(),
+                    connected: s.connected,
+                    bytes_sent: s.bytes_sent,
+                    chunks_sent: s.chunks_sent,
+                    ranks: s
+                        .ranks
+                        .iter()
+                        .map(|(rank, p)| RankReplicaReport {
+                            rank: *rank,
+                            local_step: p.local_step,
+                            replica_step: p.stored_step,
+                            // None while the peer holds no snapshot yet.
+                            lag_steps: p
+                                .local_step
+                                .zip(p.stored_step)
+                                .map(|(l, s)| l.saturating_sub(s)),
+                            lag_bytes: p.lag_bytes,
+                            abandoned: p.abandoned,
+                        })
+                        .collect(),
+                })
+                .collect(),
+            held: sh
+                .held
+                .iter()
+                .map(|h| HeldReport {
+                    rank: h.rank,
+                    from_node: h.from,
+                    steps: h.steps.clone(),
+                    stored: h.stored,
+                    dropped: h.dropped,
+                    path: h.path.clone(),
+                })
+                .collect(),
+            rejected_malformed: sh.rejected.malformed,
+            rejected_forged: sh.rejected.forged,
+            rejected_replayed: sh.rejected.replayed,
+        }
+    }
+
+    /// Whether [`Replicator::stop`] was called.
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
+    /// Stops every stream and removes the replica stores.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let threads = std::mem::take(&mut *self.threads.lock().expect("not poisoned"));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Replicator {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The holder's loop: every message through the inbox, answers back.
+fn hold(sock: zmq::Socket, mut inbox: Inbox, stop: &AtomicBool, shared: &Mutex<Shared>) {
+    let mut published = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        match sock.poll(zmq::POLLIN, POLL.as_millis() as i64) {
+            Ok(n) if n > 0 => {}
+            Ok(_) => {
+                publish(&inbox, shared, &mut published, true);
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "replica socket failed");
+                break;
+            }
+        }
+        // Drain what is there, answering each message.
+        loop {
+            let parts = match sock.recv_multipart(zmq::DONTWAIT) {
+                Ok(p) => p,
+                Err(zmq::Error::EAGAIN) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "replica receive failed");
+                    break;
+                }
+            };
+            let [id, wire] = &parts[..] else {
+                inbox.rejected.malformed += 1;
+                continue;
+            };
+            for out in inbox.handle(id, wire, nonce) {
+                if let Err(e) = sock.send_multipart([&id[..], &out[..]], zmq::DONTWAIT) {
+                    tracing::debug!(error = %e, "replica answer not sent");
+                }
+            }
+        }
+        publish(&inbox, shared, &mut published, false);
+    }
+    inbox.close();
+    if let Ok(mut sh) = shared.lock() {
+        sh.held.clear();
+    }
+}
+
+fn publish(inbox: &Inbox, shared: &Mutex<Shared>, last: &mut Instant, force: bool) {
+    if !force && last.elapsed() < Duration::from_millis(50) {
+        return;
+    }
+    *last = Instant::now();
+    if let Ok(mut sh) = shared.lock() {
+        sh.held = inbox.held();
+        sh.rejected = inbox.rejected;
+    }
+}
+
+/// Sends `frame` once there is room, unless the stream is stopped first
+/// (`Ok(false)`). `Err(EAGAIN)`: the room went away again (the peer's
+/// connection dropped meanwhile).
+fn send_until(sock: &zmq::Socket, frame: Vec<u8>, stop: &AtomicBool) -> Result<bool, zmq::Error> {
+    while sock.poll(zmq::POLLOUT, POLL.as_millis() as i64)? == 0 {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+    }
+    // Without copying the frame.
+    sock.send(frame, zmq::DONTWAIT).map(|()| true)
+}
+
+/// One outgoing stream: connect, say hello, then send what the outbox
+/// says while the peer grants credit.
+fn send(
+    cfg: &ReplicatorConfig,
+    sock: zmq::Socket,
+    endpoint: &str,
+    feed: mpsc::Receiver<RankStore>,
+    stop: &AtomicBool,
+    shared: &Mutex<Shared>,
+    index: usize,
+) -> Result<(), zmq::Error> {
+    sock.set_linger(0)?;
+    sock.set_maxmsgsize((peer::HEADER_LEN + 1024) as i64)?;
+    sock.connect(endpoint)?;
+    sock.set_immediate(true)?;
+    let mut stores: BTreeMap<u64, Arc<Store>> = BTreeMap::new();
+    let mut outbox = Outbox::new(cfg.chunk as u64);
+    let mut session: Option<Session> = None;
+    let mut pending: Option<(Pending, Instant)> = None;
+    let mut heard = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        while let Ok((rank, store)) = feed.try_recv() {
+            stores.insert(rank, store);
+        }
+        if session.is_none()
+            && pending
+                .as_ref()
+                .is_none_or(|(_, at)| at.elapsed() > HELLO_AGAIN)
+        {
+            let (p, hello) = Pending::hello(cfg.secret.clone(), cfg.node, nonce());
+            match sock.send(hello, zmq::DONTWAIT) {
+                Ok(()) | Err(zmq::Error::EAGAIN) => {}
+                Err(e) => return Err(e),
+            }
+            pending = Some((p, Instant::now()));
+        }
+        let mut lost = false;
+        if let Some(s) = session.as_mut() {
+            for (rank, store) in &stores {
+                if let Some(newest) = store.sealed().into_iter().next() {
+                    outbox.offer(Offer {
+                        rank: *rank,
+                        step: newest.step,
+                        slot: newest.slot,
+                        len: newest.len,
+                    });
+                }
+            }
+            while let Some(plan) = outbox.next_chunk() {
+                let rank = plan.offer.rank;
+                // The transfer reads the slot it began with, as long as
+                // that slot still holds its step.
+                let info = stores.get(&rank).and_then(|store| {
+                    Some((
+                        store,
+                        store
+                            .slot_info(plan.offer.slot)
+                            .filter(|i| i.step == plan.offer.step)?,
+                    ))
+                });
+                let Some((store, info)) = info else {
+                    outbox.torn(rank);
+                    continue;
+                };
+                let h = ChunkHeader {
+                    rank,
+                    step: info.step,
+                    epoch: info.epoch,
+                    total: info.len,
+                    offset: plan.offset,
+                    capacity: store.geometry().capacity as u64,
+                    layout_hash: store.page().layout_hash(),
+                    job_hash: store.page().job_hash(),
+                    sealed_at_unix_ns: info.sealed_at_unix_ns,
+                    checksum: info.checksum,
+                };
+                let mut sealed = false;
+                match store.with_range(&info, plan.offset, plan.len, |bytes| {
+                    sealed = true;
+                    s.seal(Kind::Chunk, &[&h.encode(), bytes])
+                }) {
+                    Ok(frame) => match send_until(&sock, frame, stop) {
+                        Ok(true) => {}
+                        Ok(false) => return Ok(()),
+                        Err(zmq::Error::EAGAIN) => {
+                            tracing::warn!(
+                                endpoint,
+                                "the holder's connection dropped; opening a new session"
+                            );
+                            lost = true;
+                            break;
+                        }
+                        Err(e) => return Err(e),
+                    },
+                    Err(e) => {
+                        tracing::debug!(rank, error = %e, "snapshot rewritten while streamed");
+                        if sealed {
+                            // That frame is never sent: its sequence
+                            // number goes to the next one.
+                            s.rewind();
+                        }
+                        outbox.torn(rank);
+                        // Its credit was not used.
+                        outbox.credit(1);
+                    }
+                }
+            }
+        }
+        if lost {
+            session = None;
+            pending = None;
+            outbox.reset();
+        }
+        if sock.poll(zmq::POLLIN, POLL.as_millis() as i64)? > 0 {
+            while let Ok(wire) = sock.recv_bytes(zmq::DONTWAIT) {
+                heard = Instant::now();
+                if let Some((p, _)) = pending.take() {
+                    match p.welcomed(&wire) {
+                        Ok((s, w)) => {
+                            tracing::info!(node = s.peer, "replica stream open");
+                            outbox.reset();
+                            outbox.credit(w.credit);
+                            session = Some(s);
+                        }
+                        Err(e) => tracing::warn!(error = %e, "replica welcome refused"),
+                    }
+                    continue;
+                }
+                let Some(s) = session.as_mut() else { continue };
+                match s.open(&wire) {
+                    Ok(f) => match f.kind {
+                        Kind::Credit => match peer::parse_credit(f.payload) {
+                            Ok(n) => outbox.credit(n),
+                            Err(e) => tracing::warn!(error = %e, "credit refused"),
+                        },
+                        Kind::Stored | Kind::Dropped => {
+                            match peer::parse_receipt(f.kind, f.payload) {
+                                Ok((rank, step, _)) if f.kind == Kind::Stored => {
+                                    outbox.stored(rank, step)
+                                }
+                                Ok((rank, step, why)) => {
+                                    tracing::warn!(rank, step, reason = %why, "the peer dropped a replica");
+                                    outbox.dropped(rank, step);
+                                }
+                                Err(e) => tracing::warn!(error = %e, "receipt refused"),
+                            }
+                        }
+                        other => tracing::warn!(kind = ?other, "unexpected frame from a holder"),
+                    },
+                    Err(e) => tracing::warn!(error = %e, "frame from a holder refused"),
+                }
+            }
+        }
+        if session.is_some() && outbox.credit_left() == 0 && heard.elapsed() > SILENCE {
+            tracing::warn!(endpoint, "the holder went silent; opening a new session");
+            session = None;
+            pending = None;
+            heard = Instant::now();
+        }
+        if let Ok(mut sh) = shared.lock()
+            && let Some(st) = sh.streams.get_mut(index)
+        {
+            st.connected = session.is_some();
+            st.bytes_sent = outbox.bytes_sent;
+            st.chunks_sent = outbox.chunks_sent;
+            st.ranks = outbox.progress();
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hatrain_shared::shm::Geometry;
+
+    fn labels(l: &[Option<&str>]) -> Vec<Option<String>> {
+        l.iter().map(|x| x.map(String::from)).collect()
+    }
+
+    #[test]
+    fn placement_is_the_next_hosts_outside_the_failure_domain() {
+        let none = labels(&[None, None, None, None]);
+        assert_eq!(targets(0, &none, 1), vec![1]);
+        assert_eq!(targets(3, &none, 1), vec![0]);
+        assert_eq!(targets(2, &none, 2), vec![3, 0]);
+        assert_eq!(targets(1, &none, 9), vec![2, 3, 0], "never itself");
+        let racks = labels(&[Some("a"), Some("a"), Some("b"), Some("b")]);
+        assert_eq!(targets(0, &racks, 1), vec![2]);
+        assert_eq!(targets(2, &racks, 2), vec![0, 1]);
+        assert_eq!(targets(3, &racks, 1), vec![0]);
+        let one_rack = labels(&[Some("a"), Some("a")]);
+        assert!(
+            targets(0, &one_rack, 1).is_empty(),
+            "fewer when fewer qualify"
+        );
+        // An unlabelled host may hold anyone's.
+        let mixed = labels(&[Some("a"), None, Some("a")]);
+        assert_eq!(targets(0, &mixed, 2), vec![1]);
+        assert_eq!(targets(1, &mixed, 1), vec![2]);
+    }
+
+    fn cfg(node: u64, bind: &str, dir: &std::path::Path) -> ReplicatorConfig {
+        ReplicatorConfig {
+            secret: Secret::from_bytes([5; 32]),
+            node,
+            bind: bind.parse().unwrap(),
+            dir: dir.to_path_buf(),
+            slots: 2,
+            ranks_per_node: 1,
+            chunk: 64 << 10,
+            window: 4,
+        }
+    }
+
+    /// Real sockets on two loopback addresses, a real store: every
+    /// snapshot sealed is streamed, held byte-identical, and the report says
+    /// so.
+    #[test]
+    fn snapshots_stream_over_real_sockets_and_are_held_identical() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let holder = Replicator::listen(cfg(1, "127.0.0.2", b.path())).unwrap();
+        holder.hold_for(0);
+        let sender = Replicator::listen(cfg(0, "127.0.0.1", a.path())).unwrap();
+        let store = Arc::new(
+            Store::create(
+                &hatrain_shared::shm::store_path(a.path(), 0),
+                0,
+                Geometry::new(2, 300_000),
+                4,
+                6,
+            )
+            .unwrap(),
+        );
+        sender.add_rank(0, Arc::clone(&store));
+        sender.stream_to(1, holder.endpoint().to_string());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for step in 1..=5u64 {
+            let data: Vec<u8> = (0..300_000u32).map(|i| (i as u64 * step) as u8).collect();
+            let slot = store.writable_slot().unwrap();
+            store
+                .write_slot(slot, 0, step, 0, &[&data], &mut |_, _| true)
+                .unwrap();
+            loop {
+                let r = sender.report();
+                let stored = r.streams[0].ranks.first().and_then(|k| k.replica_step);
+                if stored == Some(step) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "step {step} not replicated: {r:?}"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let replica = Store::open(&inbox::replica_path(b.path(), 0)).unwrap();
+            let info = replica.find_step(step).expect("sealed and verified");
+            let mut back = vec![0u8; data.len()];
+            replica.read_slot(info.slot, &mut [&mut back]).unwrap();
+            assert_eq!(back, data, "step {step}");
+        }
+        let r = sender.report();
+        let k = &r.streams[0].ranks[0];
+        assert_eq!(
+            (k.local_step, k.lag_steps, k.lag_bytes),
+            (Some(5), Some(0), 0)
+        );
+        assert!(r.streams[0].connected);
+        let h = holder.report();
+        assert_eq!((h.held[0].rank, h.held[0].from_node), (0, 0));
+        assert_eq!(
+            h.rejected_forged + h.rejected_malformed + h.rejected_replayed,
+            0
+        );
+        holder.stop();
+        assert!(
+            !inbox::replica_path(b.path(), 0).exists(),
+            "a stopped holder leaves no replica behind"
+        );
+    }
+}
