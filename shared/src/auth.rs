@@ -138,10 +138,50 @@ impl Secret {
         h.finalize()
     }
 
+    /// A tag whose last part is fed piece by piece (so a large part is
+    /// hashed while it is still in cache): the leading `parts` whole, then
+    /// [`Tagger::last_part`] and its pieces. Equal to [`Secret::tag`] over
+    /// the same parts.
+    pub fn tagger(&self, domain: &str, parts: &[&[u8]]) -> Tagger {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(&(domain.len() as u64).to_le_bytes());
+        h.update(domain.as_bytes());
+        for p in parts {
+            h.update(&(p.len() as u64).to_le_bytes());
+            h.update(p);
+        }
+        Tagger(h)
+    }
+
     /// Whether `tag` is the tag of `parts` (constant-time comparison).
     pub fn verify(&self, domain: &str, parts: &[&[u8]], tag: &[u8]) -> bool {
         <[u8; TAG_LEN]>::try_from(tag)
             .is_ok_and(|t| self.tag(domain, parts) == blake3::Hash::from(t))
+    }
+}
+
+/// A tag being computed ([`Secret::tagger`]).
+pub struct Tagger(blake3::Hasher);
+
+impl std::fmt::Debug for Tagger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tagger(..)")
+    }
+}
+
+impl Tagger {
+    /// Begins the last part, of `len` bytes.
+    pub fn last_part(&mut self, len: u64) {
+        self.0.update(&len.to_le_bytes());
+    }
+
+    /// The next piece of the last part.
+    pub fn update(&mut self, piece: &[u8]) {
+        self.0.update(piece);
+    }
+
+    pub fn finalize(self) -> blake3::Hash {
+        self.0.finalize()
     }
 }
 

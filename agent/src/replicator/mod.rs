@@ -38,11 +38,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Bytes of snapshot data per chunk.
-pub const CHUNK: usize = 4 << 20;
+pub const CHUNK: usize = 1 << 20;
 /// Chunks a holder lets each sender have in flight.
-pub const WINDOW: u32 = 8;
+pub const WINDOW: u32 = 32;
 /// How long a socket poll waits, so stop flags are seen.
 const POLL: Duration = Duration::from_millis(20);
+/// How often an idle stream looks for a newly sealed snapshot: a short
+/// wait, so a replica starts within milliseconds of the seal (a look reads
+/// two slot headers per rank).
+const SCAN: Duration = Duration::from_millis(2);
 /// A stream whose peer says nothing for this long while it waits for
 /// credit opens a new session (the peer's agent may have restarted).
 const SILENCE: Duration = Duration::from_secs(3);
@@ -345,7 +349,7 @@ impl Drop for Replicator {
 fn hold(sock: zmq::Socket, mut inbox: Inbox, stop: &AtomicBool, shared: &Mutex<Shared>) {
     let mut published = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        match sock.poll(zmq::POLLIN, POLL.as_millis() as i64) {
+        match poll(&sock, zmq::POLLIN, POLL) {
             Ok(n) if n > 0 => {}
             Ok(_) => {
                 publish(&inbox, shared, &mut published, true);
@@ -356,22 +360,40 @@ fn hold(sock: zmq::Socket, mut inbox: Inbox, stop: &AtomicBool, shared: &Mutex<S
                 break;
             }
         }
-        // Drain what is there, answering each message.
+        // Drain what is there, answering each message. Messages are read
+        // into ZeroMQ's own buffers, not copied out.
+        let (mut id, mut wire) = (zmq::Message::new(), zmq::Message::new());
         loop {
-            let parts = match sock.recv_multipart(zmq::DONTWAIT) {
-                Ok(p) => p,
-                Err(zmq::Error::EAGAIN) => break,
+            match sock.recv(&mut id, zmq::DONTWAIT) {
+                Ok(()) => {}
+                Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "replica receive failed");
                     break;
                 }
-            };
-            let [id, wire] = &parts[..] else {
+            }
+            // A ROUTER message is the identity, then the frame.
+            if !id.get_more() || recv_rest(&sock, &mut wire).is_err() {
                 inbox.rejected.malformed += 1;
                 continue;
-            };
-            for out in inbox.handle(id, wire, nonce) {
-                if let Err(e) = sock.send_multipart([&id[..], &out[..]], zmq::DONTWAIT) {
+            }
+            if wire.get_more() {
+                // More parts than a message of the protocol has.
+                let mut rest = zmq::Message::new();
+                while recv_rest(&sock, &mut rest).is_ok() && rest.get_more() {}
+                inbox.rejected.malformed += 1;
+                continue;
+            }
+            for out in inbox.handle(&id, &wire, nonce) {
+                // A lost credit would shrink the sender's window for
+                // good: an interrupted send is sent again.
+                let sent = loop {
+                    match sock.send_multipart([&id[..], &out[..]], zmq::DONTWAIT) {
+                        Err(zmq::Error::EINTR) => continue,
+                        r => break r,
+                    }
+                };
+                if let Err(e) = sent {
                     tracing::debug!(error = %e, "replica answer not sent");
                 }
             }
@@ -395,17 +417,43 @@ fn publish(inbox: &Inbox, shared: &Mutex<Shared>, last: &mut Instant, force: boo
     }
 }
 
+/// Polls `sock` for `events` up to `wait`. A signal that interrupts the
+/// wait (the agent takes SIGCHLD on any thread) is no event, not an
+/// error.
+fn poll(sock: &zmq::Socket, events: zmq::PollEvents, wait: Duration) -> Result<i32, zmq::Error> {
+    match sock.poll(events, wait.as_millis() as i64) {
+        Err(zmq::Error::EINTR) => Ok(0),
+        r => r,
+    }
+}
+
+/// Receives the next part of a message that has begun (it is there
+/// already: ZeroMQ delivers a message's parts together), again when a
+/// signal interrupts.
+fn recv_rest(sock: &zmq::Socket, msg: &mut zmq::Message) -> Result<(), zmq::Error> {
+    loop {
+        match sock.recv(msg, 0) {
+            Err(zmq::Error::EINTR) => continue,
+            r => return r,
+        }
+    }
+}
+
 /// Sends `frame` once there is room, unless the stream is stopped first
 /// (`Ok(false)`). `Err(EAGAIN)`: the room went away again (the peer's
 /// connection dropped meanwhile).
 fn send_until(sock: &zmq::Socket, frame: Vec<u8>, stop: &AtomicBool) -> Result<bool, zmq::Error> {
-    while sock.poll(zmq::POLLOUT, POLL.as_millis() as i64)? == 0 {
+    while poll(sock, zmq::POLLOUT, POLL)? == 0 {
         if stop.load(Ordering::Relaxed) {
             return Ok(false);
         }
     }
-    // Without copying the frame.
-    sock.send(frame, zmq::DONTWAIT).map(|()| true)
+    // Without copying the frame. A signal here loses it like a dropped
+    // connection: the caller opens a new session.
+    match sock.send(frame, zmq::DONTWAIT) {
+        Err(zmq::Error::EINTR) => Err(zmq::Error::EAGAIN),
+        r => r.map(|()| true),
+    }
 }
 
 /// One outgoing stream: connect, say hello, then send what the outbox
@@ -439,7 +487,7 @@ fn send(
         {
             let (p, hello) = Pending::hello(cfg.secret.clone(), cfg.node, nonce());
             match sock.send(hello, zmq::DONTWAIT) {
-                Ok(()) | Err(zmq::Error::EAGAIN) => {}
+                Ok(()) | Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => {}
                 Err(e) => return Err(e),
             }
             pending = Some((p, Instant::now()));
@@ -521,7 +569,7 @@ fn send(
             pending = None;
             outbox.reset();
         }
-        if sock.poll(zmq::POLLIN, POLL.as_millis() as i64)? > 0 {
+        if poll(&sock, zmq::POLLIN, SCAN)? > 0 {
             while let Ok(wire) = sock.recv_bytes(zmq::DONTWAIT) {
                 heard = Instant::now();
                 if let Some((p, _)) = pending.take() {
@@ -676,7 +724,18 @@ mod tests {
             (Some(5), Some(0), 0)
         );
         assert!(r.streams[0].connected);
-        let h = holder.report();
+        // The holder publishes what it holds at its next idle moment.
+        let h = loop {
+            let h = holder.report();
+            if h.held.first().is_some_and(|x| x.steps.first() == Some(&5)) {
+                break h;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the holder does not say it holds step 5: {h:?}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
         assert_eq!((h.held[0].rank, h.held[0].from_node), (0, 0));
         assert_eq!(
             h.rejected_forged + h.rejected_malformed + h.rejected_replayed,

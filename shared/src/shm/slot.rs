@@ -601,8 +601,10 @@ impl Receiving {
                 .map
                 .bytes_mut(store.data_offset(self.slot) + self.at, piece.len())
         };
-        super::copy::copy(dst, piece);
-        self.hasher.write(piece);
+        for (d, p) in dst.chunks_mut(COPY_PIECE).zip(piece.chunks(COPY_PIECE)) {
+            super::copy::copy(d, p);
+            self.hasher.write(p);
+        }
         self.at += piece.len();
         Ok(())
     }
