@@ -11,14 +11,24 @@
 //! The two are interleaved, `ROUNDS` times each; the table gives each
 //! median, its throughput, and the ratio of replica to raw-TCP throughput.
 //! `HATRAIN_BENCH_MIB` sets the snapshot size (default 256).
+//!
+//! Then what replication costs training: two hosts (agents on 127.0.0.1
+//! and 127.0.0.2) of one rank each, the reference trainer with a snapshot
+//! every step, `--replicas 1` against `--replicas 0`, for the `10m` and
+//! `100m` models (`HATRAIN_BENCH_SIZES` narrows it). The two run
+//! interleaved `HATRAIN_BENCH_REPS` times (default 3); each run's figure is
+//! its median step time over steps 3-9, and the table gives the median
+//! over runs and the ratio on ÷ off.
 
 mod common;
-use common::{bench_mib, median};
+use common::{agent, bench_mib, median, train_args, trainer};
 use hatrain_agent::replicator::{self, Replicator, ReplicatorConfig};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::shm::{Geometry, Store};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,12 +117,106 @@ impl Pair {
         let deadline = t + Duration::from_secs(120);
         loop {
             let r = self.sender.report();
-            if r.streams[0].ranks.first().and_then(|k| k.replica_step) == Some(self.step) {
+            if r.streams
+                .first()
+                .and_then(|s| s.ranks.first())
+                .and_then(|k| k.replica_step)
+                == Some(self.step)
+            {
                 return t.elapsed().as_secs_f64();
             }
             assert!(Instant::now() < deadline, "not replicated: {r:?}");
             std::thread::sleep(Duration::from_micros(200));
         }
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Median step time (steps 3-9) of one run of `size` on two hosts of one
+/// rank each, with `replicas` peer replicas.
+fn step_time(dir: &Path, size: &str, replicas: usize) -> f64 {
+    let secret = dir.join("secret");
+    if !secret.exists() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&secret)
+            .unwrap();
+        f.write_all("3c".repeat(32).as_bytes()).unwrap();
+    }
+    let log = dir.join(format!("steps-{size}-{replicas}.jsonl"));
+    let _ = std::fs::remove_file(&log);
+    let (master, rdzv) = (free_port(), free_port());
+    let job = format!("bench-replica-{}", std::process::id());
+    let mut hosts: Vec<_> = ["127.0.0.1", "127.0.0.2"]
+        .iter()
+        .enumerate()
+        .map(|(k, addr)| {
+            Command::new(agent())
+                .args(["launch", "--nnodes", "2", "--nproc-per-node", "1"])
+                .args(["--node-rank", &k.to_string(), "--job-id", &job])
+                .args(["--master-addr", "127.0.0.1"])
+                .args(["--master-port", &master.to_string()])
+                .args(["--rdzv-port", &rdzv.to_string()])
+                .args(["--local-addr", addr, "--replicas", &replicas.to_string()])
+                .args(["--enable-high-availability", "--stop-grace-secs", "2"])
+                .arg("--secret-file")
+                .arg(&secret)
+                .arg("--shm-root")
+                .arg(dir.join(format!("host{k}")))
+                .arg("--")
+                .arg(trainer())
+                .args(train_args(size, 9, &log, &[]))
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start hatrain-agent")
+        })
+        .collect();
+    for h in &mut hosts {
+        assert!(h.wait().unwrap().success(), "a host failed");
+    }
+    let t: Vec<f64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "step" && e["step"].as_u64() > Some(2))
+        .map(|e| e["step_time_s"].as_f64().unwrap())
+        .collect();
+    median(t)
+}
+
+fn training_overhead() {
+    let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "10m,100m".into());
+    let reps: usize = std::env::var("HATRAIN_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let dir = tempfile::tempdir().unwrap();
+    println!();
+    println!("step time, 2 hosts x 1 rank, median over {reps} interleaved runs of steps 3-9");
+    println!(
+        "{:<8} {:>14} {:>14} {:>10}",
+        "model", "replicas 1 s", "replicas 0 s", "on / off"
+    );
+    for size in sizes.split(',') {
+        let (mut on, mut off) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            on.push(step_time(dir.path(), size, 1));
+            off.push(step_time(dir.path(), size, 0));
+        }
+        eprintln!("{size}: runs on {on:?} off {off:?}");
+        let (a, b) = (median(on), median(off));
+        println!("{size:<8} {a:>14.4} {b:>14.4} {:>10.3}", a / b);
     }
 }
 
@@ -150,4 +254,6 @@ fn main() {
         h.rejected_forged + h.rejected_malformed + h.rejected_replayed,
         0
     );
+    drop(pair);
+    training_overhead();
 }

@@ -14,6 +14,8 @@
 //!   and a stop flag. Nothing here runs on the training path: a worker's
 //!   commit never waits for a stream, and a stream reads a sealed slot in
 //!   place, checking after each chunk that the slot was not rewritten.
+//!   Every thread of the replicator, ZeroMQ's included, uses only idle CPU
+//!   time ([`lower_priority`]).
 //! - Every frame is authenticated ([`hatrain_shared::peer`]); chunks are
 //!   verified twice, by their tag on arrival and by the slot checksum when
 //!   the holder seals.
@@ -130,6 +132,8 @@ pub struct Replicator {
     ranks: Mutex<Vec<(u64, Arc<Store>)>>,
     feeds: Mutex<Vec<mpsc::Sender<RankStore>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The last report made, for when the figures are being updated.
+    last_report: Mutex<Option<ReplicaReport>>,
 }
 
 impl std::fmt::Debug for Replicator {
@@ -160,28 +164,42 @@ impl Replicator {
     /// replicas.
     pub fn listen(cfg: ReplicatorConfig) -> Result<Arc<Self>, ReplicatorError> {
         hatrain_shared::auth::random::<1>().map_err(ReplicatorError::Random)?;
-        let ctx = zmq::Context::new();
         let addr = match cfg.bind {
             IpAddr::V4(a) => format!("tcp://{a}:*"),
             IpAddr::V6(a) => format!("tcp://[{a}]:*"),
         };
-        let listen_err = |source| ReplicatorError::Listen {
-            addr: addr.clone(),
-            source,
-        };
-        let sock = ctx.socket(zmq::ROUTER).map_err(listen_err)?;
-        sock.set_linger(0).map_err(listen_err)?;
-        if cfg.bind.is_ipv6() {
-            sock.set_ipv6(true).map_err(listen_err)?;
-        }
-        // Frames of strangers are not let grow without bound.
-        sock.set_maxmsgsize((peer::HEADER_LEN + peer::MAX_PAYLOAD + 32) as i64)
-            .map_err(listen_err)?;
-        sock.bind(&addr).map_err(listen_err)?;
-        let endpoint = sock
-            .get_last_endpoint()
-            .map_err(listen_err)?
-            .unwrap_or_default();
+        let ipv6 = cfg.bind.is_ipv6();
+        // ZeroMQ starts its I/O thread with the first socket, and a thread
+        // inherits its creator's scheduling policy: so the first socket is
+        // made on a thread of the lowest priority.
+        let made = std::thread::Builder::new()
+            .name("replica-start".into())
+            .spawn(move || -> Result<_, ReplicatorError> {
+                lower_priority();
+                let ctx = zmq::Context::new();
+                let listen_err = |source| ReplicatorError::Listen {
+                    addr: addr.clone(),
+                    source,
+                };
+                let sock = ctx.socket(zmq::ROUTER).map_err(listen_err)?;
+                sock.set_linger(0).map_err(listen_err)?;
+                if ipv6 {
+                    sock.set_ipv6(true).map_err(listen_err)?;
+                }
+                // Frames of strangers are not let grow without bound.
+                sock.set_maxmsgsize((peer::HEADER_LEN + peer::MAX_PAYLOAD + 32) as i64)
+                    .map_err(listen_err)?;
+                sock.bind(&addr).map_err(listen_err)?;
+                let endpoint = sock
+                    .get_last_endpoint()
+                    .map_err(listen_err)?
+                    .unwrap_or_default();
+                Ok((ctx, sock, endpoint))
+            })
+            .expect("a thread starts")
+            .join()
+            .expect("making a socket does not panic");
+        let (ctx, sock, endpoint) = made?;
         let r = Arc::new(Self {
             ctx,
             endpoint,
@@ -191,6 +209,7 @@ impl Replicator {
             ranks: Mutex::new(Vec::new()),
             feeds: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
+            last_report: Mutex::new(None),
             cfg,
         });
         let sources = Arc::clone(&r.sources);
@@ -208,7 +227,10 @@ impl Replicator {
         let (stop, shared) = (Arc::clone(&r.stop), Arc::clone(&r.shared));
         let t = std::thread::Builder::new()
             .name("replica-in".into())
-            .spawn(move || hold(sock, inbox, &stop, &shared))
+            .spawn(move || {
+                lower_priority();
+                hold(sock, inbox, &stop, &shared)
+            })
             .expect("a thread starts");
         r.threads.lock().expect("not poisoned").push(t);
         tracing::info!(endpoint = %r.endpoint, "taking peer replicas");
@@ -255,6 +277,7 @@ impl Replicator {
         let t = std::thread::Builder::new()
             .name(format!("replica-out-{node}"))
             .spawn(move || {
+                lower_priority();
                 if let Err(e) = send(&cfg, sock, &endpoint, rx, &stop, &shared, index) {
                     tracing::error!(node, endpoint = %endpoint, error = %e, "replica stream stopped");
                 }
@@ -274,9 +297,29 @@ impl Replicator {
         }
     }
 
-    /// What this agent streams and holds, now.
+    /// What this agent streams and holds, now; the last report again if a
+    /// replica thread holds the figures at this instant (the caller never
+    /// waits for one: see [`lower_priority`]).
     pub fn report(&self) -> ReplicaReport {
-        let sh = self.shared.lock().expect("not poisoned");
+        let mut last = self.last_report.lock().expect("not poisoned");
+        match self.shared.try_lock() {
+            Ok(sh) => {
+                let r = self.report_of(&sh);
+                *last = Some(r.clone());
+                r
+            }
+            Err(_) => last.clone().unwrap_or_else(|| ReplicaReport {
+                listen: self.endpoint.clone(),
+                streams: Vec::new(),
+                held: Vec::new(),
+                rejected_malformed: 0,
+                rejected_forged: 0,
+                rejected_replayed: 0,
+            }),
+        }
+    }
+
+    fn report_of(&self, sh: &Shared) -> ReplicaReport {
         ReplicaReport {
             listen: self.endpoint.clone(),
             streams: sh
@@ -342,6 +385,33 @@ impl Replicator {
 impl Drop for Replicator {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Makes the calling thread use only CPU time nothing else wants
+/// (`SCHED_IDLE`, sched(7)): a replica stream takes the cores training
+/// leaves idle (while ranks wait in collectives, or on hosts whose cores
+/// feed accelerators) and never competes with a step for a busy one. When
+/// it falls behind, newer snapshots replace older ones ([`outbox`]), and
+/// `agentctl status` shows the lag. Where the policy is refused, nice 19.
+///
+/// INVARIANT: such a thread may be left without CPU for a while, so the
+/// agent's event loop never waits on a lock one of them holds
+/// ([`Replicator::report`] does not wait).
+fn lower_priority() {
+    let tid = nix::unistd::gettid().as_raw();
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: plain system calls with integer arguments and a pointer to a
+    // live sched_param. On Linux the policy and the nice value are per
+    // thread: a thread id as `pid` changes that thread alone
+    // (sched_setscheduler(2); setpriority(2), NOTES).
+    let idle = unsafe { libc::sched_setscheduler(tid, libc::SCHED_IDLE, &param) } == 0;
+    if !idle {
+        // SAFETY: as above.
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19) };
+        if rc != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), "replica thread keeps its priority");
+        }
     }
 }
 
@@ -701,7 +771,11 @@ mod tests {
                 .unwrap();
             loop {
                 let r = sender.report();
-                let stored = r.streams[0].ranks.first().and_then(|k| k.replica_step);
+                let stored = r
+                    .streams
+                    .first()
+                    .and_then(|s| s.ranks.first())
+                    .and_then(|k| k.replica_step);
                 if stored == Some(step) {
                     break;
                 }
