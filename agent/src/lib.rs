@@ -10,6 +10,9 @@
 //!   its pure policies (restarts, the hang watchdog, s\*);
 //! - [`control`]: the control socket for workers and `agentctl`;
 //! - [`persister`]: checkpoints written from the snapshots;
+//! - [`replicator`]: peer replicas, streamed to and held for other hosts;
+//! - [`coordinator`]: membership, liveness and leadership of a job's
+//!   agents (the embedded, agent-to-agent backend);
 //! - [`gpu`]: GPU memory errors as a fault source;
 //! - [`oom`]: whether the kernel's OOM killer ended a worker;
 //! - [`output`]: the workers' output, as torchrun forwards and logs it;
@@ -17,6 +20,7 @@
 
 pub mod cli;
 pub mod control;
+pub mod coordinator;
 pub mod gpu;
 pub mod job;
 pub mod jobdir;
