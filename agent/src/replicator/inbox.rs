@@ -515,3 +515,38 @@ mod tests {
         assert!(r[0].2.contains("holds no replica of rank 1"), "{r:?}");
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use hatrain_shared::peer::Pending;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Arbitrary bytes, as a stranger's first message or inside an open
+        /// session (tagged, so they reach the chunk decoder), never panic,
+        /// never seal anything, and never go unanswered by a count.
+        #[test]
+        fn arbitrary_frames_never_panic_nor_seal(
+            strangers in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 1..8),
+            payloads in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 1..8),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let secret = Secret::from_bytes([3; 32]);
+            let mut inbox = Inbox::new(secret.clone(), 1, dir.path().into(), 2, 4, |_, _| true);
+            for s in &strangers {
+                prop_assert!(inbox.handle(b"x", s, || [1; NONCE_LEN]).is_empty());
+            }
+            let (p, hello) = Pending::hello(secret, 0, [2; NONCE_LEN]);
+            let back = inbox.handle(b"a", &hello, || [3; NONCE_LEN]);
+            let (mut s, _) = p.welcomed(&back[0]).unwrap();
+            for body in &payloads {
+                let f = s.seal(Kind::Chunk, &[body]);
+                let _ = inbox.handle(b"a", &f, || [4; NONCE_LEN]);
+            }
+            prop_assert!(inbox.held().iter().all(|h| h.steps.is_empty()), "nothing sealed");
+            let r = inbox.rejected;
+            prop_assert!(r.malformed + r.forged + r.replayed >= strangers.len() as u64);
+        }
+    }
+}
