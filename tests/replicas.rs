@@ -1,9 +1,14 @@
-//! Peer replicas between real agents: two hosts, each an agent with its own
-//! shared-memory root on its own loopback address (127.0.0.1 and
-//! 127.0.0.2), one rank each. Each holds the other's snapshots in its own
-//! shared memory, byte-identical to the owner's; a stranger's frames sent
-//! to a holder are refused and counted; training ends bit-identical to the
-//! same world size on one host; nothing is left in either root.
+//! Agents of several hosts, each with its own shared-memory root on its own
+//! loopback address (127.0.0.x), one rank each.
+//!
+//! - Two hosts: each holds the other's snapshots in its own shared memory,
+//!   byte-identical to the owner's; a stranger's frames sent to a holder
+//!   are refused and counted; training ends bit-identical to the same
+//!   world size on one host; nothing is left in either root.
+//! - Three hosts: they agree on one controller; when one host vanishes
+//!   (agent and worker SIGKILLed, shared memory deleted), the others hear
+//!   it go and stop, naming the lost host's ranks and the replica of them
+//!   that survives; nothing is left in their roots.
 
 mod common;
 use common::*;
@@ -211,6 +216,133 @@ fn two_hosts_hold_each_others_snapshots_identically_and_refuse_a_strangers_frame
             left.is_empty(),
             "left behind in {}: {left:?}",
             h.shm.display()
+        );
+    }
+}
+
+/// `node` with its own test tag, so that one host's processes can be killed
+/// alone.
+fn host_job(cmd: Command, job: &str, k: usize) -> Job {
+    Job::spawn(cmd, &format!("{job}-h{k}"))
+}
+
+/// Three hosts of one rank each; the third vanishes (its agent and worker
+/// SIGKILLed, its shared memory deleted) while the job runs. The others
+/// hear it go, stop, and say which host and ranks were lost and what of
+/// their state this host still holds; nothing claims to recover them.
+#[test]
+fn a_lost_host_is_named_with_the_replica_that_survives_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let addrs = ["127.0.0.1", "127.0.0.2", "127.0.0.3"];
+    let shm: Vec<PathBuf> = (0..3)
+        .map(|k| tmp.path().join(format!("host{k}")))
+        .collect();
+    let job = job_id("hostloss");
+    let ports = (free_port(), free_port());
+    let log = tmp.path().join("run.jsonl");
+    // A global batch that three ranks share.
+    let mut train = tiny_args(200);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let mut agents: Vec<Job> = (0..3)
+        .map(|k| {
+            let mut c = Command::new(agent());
+            c.args(["launch", "--nnodes", "3", "--nproc-per-node", "1"])
+                .args(["--node-rank", &k.to_string(), "--job-id", &job])
+                .args(["--master-addr", "127.0.0.1"])
+                .args(["--master-port", &ports.0.to_string()])
+                .args(["--rdzv-port", &ports.1.to_string()])
+                .args(["--local-addr", addrs[k]])
+                .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+                .arg("--enable-high-availability")
+                .arg("--secret-file")
+                .arg(&secret)
+                .arg("--shm-root")
+                .arg(&shm[k])
+                .arg("--")
+                .arg(trainer())
+                .args(&train)
+                .arg("--log-jsonl")
+                .arg(&log)
+                // Rank 0 naps at step 30: the job stands still meanwhile.
+                .env("HATRAIN_FAULT_PLAN", "0:30:forward:sleep60000")
+                .env_remove("SLURM_JOB_ID")
+                .env("RUST_LOG", "info");
+            host_job(c, &job, k)
+        })
+        .collect();
+    let socket = |k: usize| shm[k].join(&job).join("agent.sock");
+    // Node 0 hears everyone and holds rank 2's replica ((2 + 1) mod 3).
+    let ready = poll_agentctl(&socket(0), "status", Duration::from_secs(120), |v| {
+        let s = &v["status"];
+        let held = s["replicas"]["held"].as_array()?;
+        (s["membership"]["live"] == serde_json::json!([0, 1, 2])
+            && held
+                .iter()
+                .any(|h| h["rank"] == 2 && h["steps"].as_array().is_some_and(|st| !st.is_empty())))
+        .then_some(())
+    });
+    assert!(
+        ready.is_some(),
+        "node 0 never heard all three hosts with rank 2's replica"
+    );
+    // All three follow one controller, and only it acts.
+    let agreed = (0..100).find_map(|_| {
+        let m: Vec<serde_json::Value> = (0..3)
+            .map(|k| {
+                poll_agentctl(&socket(k), "status", Duration::from_secs(10), |v| {
+                    Some(v["status"]["membership"].clone())
+                })
+                .unwrap_or_default()
+            })
+            .collect();
+        let leader = m[0]["follows"].as_u64()?;
+        let one = m.iter().all(|x| x["follows"] == leader)
+            && m.iter().filter(|x| x["acting"] == true).count() == 1
+            && m[leader as usize]["acting"] == true;
+        if !one {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        one.then_some(leader)
+    });
+    assert!(
+        agreed.is_some(),
+        "the three hosts do not agree on one controller"
+    );
+
+    // Host 2 vanishes.
+    kill_job(&format!("{job}-h2"));
+    let _ = agents[2].wait_output(Duration::from_secs(30));
+    std::fs::remove_dir_all(&shm[2]).unwrap();
+
+    let out0 = agents[0].wait_output(Duration::from_secs(60));
+    let err0 = String::from_utf8_lossy(&out0.stderr);
+    assert_eq!(
+        code(&out0.status),
+        Some(3),
+        "node 0 stops: recovery failed\n{err0}"
+    );
+    assert!(
+        err0.contains("a host of the job was lost: ranks [2]")
+            && err0.contains("this host holds the replica of rank 2 up to step"),
+        "node 0 names the lost host and the replica it holds:\n{err0}"
+    );
+    let out1 = agents[1].wait_output(Duration::from_secs(60));
+    let err1 = String::from_utf8_lossy(&out1.stderr);
+    assert!(!out1.status.success(), "node 1 cannot go on\n{err1}");
+    assert!(
+        err1.contains("a host of the job was lost: ranks [2]"),
+        "node 1 names the lost host:\n{err1}"
+    );
+    for root in &shm[..2] {
+        let left: Vec<_> = std::fs::read_dir(root)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(
+            left.is_empty(),
+            "left behind in {}: {left:?}",
+            root.display()
         );
     }
 }

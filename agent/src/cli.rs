@@ -181,8 +181,12 @@ pub struct HaArgs {
     /// to a host with the same label.
     #[arg(long)]
     pub failure_domain: Option<String>,
-    /// The address this host's agent takes peer replicas on (default: the
-    /// local address of the route to --master-addr).
+    /// With several nodes: declare another host lost after this many
+    /// seconds without its heartbeat (at once when its connection drops).
+    #[arg(long, default_value_t = 3.0)]
+    pub host_timeout_secs: f64,
+    /// The address this host's agent takes heartbeats and peer replicas on
+    /// (default: the local address of the route to --master-addr).
     #[arg(long)]
     pub local_addr: Option<std::net::IpAddr>,
 }

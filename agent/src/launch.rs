@@ -84,6 +84,8 @@ pub struct HaSettings {
     pub replicas: usize,
     /// This host's failure-domain label.
     pub failure_domain: Option<String>,
+    /// Another host is lost after this long without a heartbeat.
+    pub host_timeout: Duration,
     /// The address peers send replicas to (default: the route to the
     /// master address).
     pub local_addr: Option<std::net::IpAddr>,
@@ -113,6 +115,7 @@ impl Default for HaSettings {
             slices: true,
             replicas: 1,
             failure_domain: None,
+            host_timeout: Duration::from_secs(3),
             local_addr: None,
         }
     }
@@ -171,6 +174,8 @@ pub enum LaunchError {
     Secret(#[from] hatrain_shared::auth::AuthError),
     #[error(transparent)]
     Replicator(#[from] crate::replicator::ReplicatorError),
+    #[error(transparent)]
+    Membership(#[from] crate::coordinator::wire::MembershipError),
     #[error("{path}")]
     Io {
         path: PathBuf,
@@ -285,6 +290,12 @@ impl LaunchConfig {
                  which this agent does not have yet: use --nnodes 1"
                     .into(),
             );
+        }
+        if self.ha.host_timeout < Duration::from_millis(300) {
+            return bad(format!(
+                "--host-timeout-secs {} is shorter than a heartbeat can be trusted to arrive in (0.3 s at least)",
+                self.ha.host_timeout.as_secs_f64()
+            ));
         }
         if self.nnodes > 1 && self.ha.replicas >= self.nnodes {
             return bad(format!(

@@ -70,6 +70,9 @@ fn run(command: Command) -> Result<ExitCode> {
                         report.group_restarts
                     ));
                 }
+                for lost in &report.lost_hosts {
+                    say(format_args!("hatrain-agent: a host of the job was lost: {lost}"));
+                }
                 if let Some((rank, why)) = &report.root_cause {
                     say(format_args!(
                         "hatrain-agent: root cause (rank {rank}'s error file): {why}"
@@ -232,6 +235,7 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         register_timeout: seconds("--register-timeout-secs", h.register_timeout_secs)?,
         slices: h.snapshot_slices == "on",
         replicas: h.replicas,
+        host_timeout: seconds("--host-timeout-secs", h.host_timeout_secs)?,
         failure_domain: h.failure_domain.clone(),
         local_addr: h.local_addr,
     };

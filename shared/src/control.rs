@@ -206,6 +206,29 @@ pub struct StatusReport {
     /// Peer replicas: what this agent streams and what it holds.
     #[serde(default)]
     pub replicas: Option<ReplicaReport>,
+    /// The job's agents as this one hears them (several nodes).
+    #[serde(default)]
+    pub membership: Option<MembershipReport>,
+}
+
+/// The job's agents, as one agent hears them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MembershipReport {
+    /// Where this agent takes heartbeats.
+    pub listen: String,
+    /// Nodes heard within the host timeout (this one included).
+    pub live: Vec<u64>,
+    /// Nodes heard once and not any more.
+    pub lost: Vec<u64>,
+    /// Nodes not heard yet.
+    pub starting: Vec<u64>,
+    /// The node this agent follows as the job's controller.
+    pub follows: Option<u64>,
+    /// This agent may act as the controller (it hears a strict majority
+    /// that follows it).
+    pub acting: bool,
+    pub term: u64,
 }
 
 /// Peer replicas, as one agent sees them.
@@ -307,6 +330,9 @@ pub enum FaultKind {
     /// A rank's snapshot store could not be made on the host (no room in
     /// the shm root, or no resources).
     Store,
+    /// Another host of the job is gone: no heartbeat within the host
+    /// timeout, or its connection dropped.
+    HostLost,
 }
 
 impl std::fmt::Display for FaultKind {
@@ -320,6 +346,7 @@ impl std::fmt::Display for FaultKind {
             Self::Rebuild => "rebuild",
             Self::Oom => "out of memory",
             Self::Store => "no store",
+            Self::HostLost => "host lost",
         })
     }
 }

@@ -73,6 +73,8 @@ pub enum Kind {
     /// Acceptor → initiator: a snapshot was dropped (rank u64, step u64,
     /// then a UTF-8 reason).
     Dropped = 6,
+    /// Initiator → acceptor: membership ([`Beat`]).
+    Heartbeat = 7,
 }
 
 impl Kind {
@@ -84,6 +86,7 @@ impl Kind {
             4 => Self::Credit,
             5 => Self::Stored,
             6 => Self::Dropped,
+            7 => Self::Heartbeat,
             _ => return None,
         })
     }
@@ -589,6 +592,57 @@ impl ChunkHeader {
     }
 }
 
+/// A heartbeat's payload: what the embedded coordinator says every other
+/// agent. `u64::MAX` stands for "none" in `follows` and `echo_ns`.
+///
+/// ```text
+///  0 stamp (ns, the sender's clock)  8 follows  16 echo (ns)  24 term
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Beat {
+    pub stamp_ns: u64,
+    pub follows: Option<u64>,
+    pub echo_ns: Option<u64>,
+    pub term: u64,
+}
+
+impl Beat {
+    pub const LEN: usize = 32;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        let none = u64::MAX;
+        for (i, w) in [
+            self.stamp_ns,
+            self.follows.unwrap_or(none),
+            self.echo_ns.unwrap_or(none),
+            self.term,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            b[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+
+    pub fn parse(payload: &[u8]) -> Result<Self, PeerError> {
+        if payload.len() != Self::LEN {
+            return Err(PeerError::Payload {
+                kind: Kind::Heartbeat,
+                detail: format!("{} bytes, a heartbeat has {}", payload.len(), Self::LEN),
+            });
+        }
+        let some = |w: u64| (w != u64::MAX).then_some(w);
+        Ok(Self {
+            stamp_ns: u64_at(payload, 0),
+            follows: some(u64_at(payload, 8)),
+            echo_ns: some(u64_at(payload, 16)),
+            term: u64_at(payload, 24),
+        })
+    }
+}
+
 /// A receipt's payload: rank and step (and, for a drop, the reason).
 pub fn receipt(rank: u64, step: u64) -> [u8; 16] {
     let mut b = [0u8; 16];
@@ -713,6 +767,27 @@ mod tests {
     }
 
     #[test]
+    fn a_heartbeat_round_trips() {
+        for b in [
+            Beat {
+                stamp_ns: 5,
+                follows: Some(2),
+                echo_ns: Some(9),
+                term: 3,
+            },
+            Beat {
+                stamp_ns: 0,
+                follows: None,
+                echo_ns: None,
+                term: 0,
+            },
+        ] {
+            assert_eq!(Beat::parse(&b.encode()).unwrap(), b);
+        }
+        assert!(Beat::parse(&[0; 31]).is_err());
+    }
+
+    #[test]
     fn a_welcome_to_another_hello_is_refused() {
         let (p1, _) = Pending::hello(secret(7), 1, [1; NONCE_LEN]);
         let (_, hello2) = Pending::hello(secret(7), 1, [6; NONCE_LEN]);
@@ -750,6 +825,7 @@ mod tests {
             let _ = ini.open(&bytes);
             let _ = ChunkHeader::parse(&bytes);
             let _ = parse_credit(&bytes);
+            let _ = Beat::parse(&bytes);
             let _ = parse_receipt(Kind::Stored, &bytes);
             let _ = parse_receipt(Kind::Dropped, &bytes);
             let _ = Session::accept(secret(7), 2, 0, &bytes, [2; NONCE_LEN], 1);
@@ -774,6 +850,7 @@ mod tests {
             if let Ok(f) = decode(&wire) {
                 let _ = ChunkHeader::parse(f.payload);
                 let _ = parse_receipt(f.kind, f.payload);
+                let _ = Beat::parse(f.payload);
             }
             prop_assert!(acc.open(&wire).is_err(), "an untagged frame is never accepted");
         }

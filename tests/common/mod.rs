@@ -230,7 +230,7 @@ pub fn job_pids(job: &str) -> Vec<i32> {
     out
 }
 
-fn kill_job(job: &str) {
+pub fn kill_job(job: &str) {
     for pid in job_pids(job) {
         kill(pid, libc::SIGKILL);
     }

@@ -214,6 +214,19 @@ fn run(cli: Cli) -> Result<()> {
                         .map_or(String::new(), |e| format!(" | LAST SAVE FAILED: {e}")),
                 );
             }
+            if let Some(m) = &s.membership {
+                println!(
+                    "hosts: live {:?} | lost {:?} | starting {:?} | controller {}{} (term {}) | heartbeats on {}",
+                    m.live,
+                    m.lost,
+                    m.starting,
+                    m.follows
+                        .map_or("none yet".to_string(), |n| format!("node {n}")),
+                    if m.acting { ", this agent" } else { "" },
+                    m.term,
+                    m.listen
+                );
+            }
             if let Some(r) = &s.replicas {
                 print_replicas(r);
             }

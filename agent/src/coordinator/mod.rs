@@ -38,6 +38,8 @@
 //! declared lost has already passed its lease and follows the successor at
 //! once.
 
+pub mod wire;
+
 use std::time::Duration;
 
 /// What agents say to each other, every `heartbeat` interval.
@@ -107,12 +109,19 @@ impl EmbeddedConfig {
     /// Defaults for `nodes` agents: host timeout 3 s, lease 2 s, margin
     /// 0.5 s.
     pub fn new(nodes: u64, node: u64) -> Self {
+        Self::with_timeout(nodes, node, Duration::from_secs(3))
+    }
+
+    /// A host timeout of `host_timeout`, a lease of two thirds of it, and a
+    /// margin of a quarter of the lease.
+    pub fn with_timeout(nodes: u64, node: u64, host_timeout: Duration) -> Self {
+        let lease = host_timeout * 2 / 3;
         Self {
             nodes,
             node,
-            host_timeout: Duration::from_secs(3),
-            lease: Duration::from_secs(2),
-            margin: Duration::from_millis(500),
+            host_timeout,
+            lease,
+            margin: lease / 4,
         }
     }
 }

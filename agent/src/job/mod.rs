@@ -18,11 +18,11 @@
 //! - [`observe`]: control pages into [`RankView`]s and fault reports;
 //! - [`requests`]: the control socket's requests (registration, status,
 //!   injection);
-//! - [`replicas`]: joining the peer-replica streams of a job of several
-//!   nodes.
+//! - [`peers`]: joining the other agents of a job of several nodes
+//!   (heartbeats, peer replicas).
 
 mod observe;
-mod replicas;
+mod peers;
 mod requests;
 
 use crate::control::{self, ControlMsg};
@@ -34,7 +34,6 @@ use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
-use crate::replicator::Replicator;
 use crate::supervisor::Supervisor;
 use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
@@ -66,6 +65,8 @@ pub struct JobReport {
     /// What the failed worker's error file says ended it (its rank and
     /// message), when it wrote one.
     pub root_cause: Option<(usize, String)>,
+    /// Other hosts of the job that were lost, in words.
+    pub lost_hosts: Vec<String>,
 }
 
 /// Tick period while the job runs, and while a recovery or dump is in
@@ -155,9 +156,11 @@ struct Driver<'a> {
     /// A group restart the machine asked for, carried out between events
     /// (it waits for the workers to stop).
     group_restart: Option<u32>,
-    /// Peer replicas (several nodes): this host's snapshots streamed out,
-    /// other hosts' held.
-    replicator: Option<Arc<Replicator>>,
+    /// The other agents of a job of several nodes: heartbeats, and peer
+    /// replicas (this host's snapshots streamed out, other hosts' held).
+    peers: Option<peers::Peers>,
+    /// Hosts already reported lost.
+    lost: Vec<u64>,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -213,8 +216,8 @@ async fn run_with(
         let port = cfg.store_port().expect("validated: set with several nodes");
         (None, crate::launch::resolve(&cfg.master_addr, port)?)
     };
-    let replicator = if cfg.replicates() {
-        Some(replicas::start(cfg, &secret, dir.path(), store_addr)?)
+    let peers = if cfg.nnodes > 1 && cfg.ha.modes.any() {
+        Some(peers::start(cfg, &secret, dir.path(), store_addr)?)
     } else {
         None
     };
@@ -294,7 +297,8 @@ async fn run_with(
         store,
         oom: OomWatch::default(),
         group_restart: None,
-        replicator,
+        peers,
+        lost: Vec::new(),
     };
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
@@ -357,6 +361,28 @@ async fn run_with(
         None => None,
     };
     sup.stop_all().await;
+    let mut lost_hosts: Vec<String> = d
+        .machine
+        .faults()
+        .iter()
+        .filter(|f| f.kind == hatrain_shared::control::FaultKind::HostLost)
+        .map(|f| format!("ranks {:?}: {}", f.ranks, f.detail))
+        .collect();
+    if outcome != Outcome::Succeeded && d.peers.is_some() && lost_hosts.is_empty() {
+        // A host that dies takes its peers' collectives down at once, often
+        // before its heartbeats are missed: wait out the host timeout, so
+        // the summary names the host rather than only the rank that failed
+        // here.
+        let deadline = Instant::now() + cfg.ha.host_timeout + Duration::from_millis(500);
+        while lost_hosts.is_empty() && Instant::now() < deadline {
+            for e in d.take_lost_hosts() {
+                if let Event::HostLost { ranks, detail, .. } = e {
+                    lost_hosts.push(format!("ranks {ranks:?}: {detail}"));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     let root_cause = match outcome {
         Outcome::WorkerFailed { rank, .. } => sup
             .ranks()
@@ -366,9 +392,9 @@ async fn run_with(
             .map(|m| (rank, m)),
         _ => None,
     };
-    if let Some(r) = d.replicator.take() {
+    if let Some(p) = d.peers.take() {
         // Its replica stores go before the job folder does.
-        r.stop();
+        p.stop();
     }
     reaper_stop.cancel();
     ctl_stop.cancel();
@@ -385,6 +411,7 @@ async fn run_with(
         persist: d.persister.as_ref().map(Persister::report),
         group_restarts: d.machine.group_restarts(),
         root_cause,
+        lost_hosts,
     })
 }
 
@@ -590,8 +617,54 @@ impl Driver<'_> {
         for e in self.take_rebuild_failures(sup) {
             self.feed(sup, e);
         }
+        for e in self.take_lost_hosts() {
+            self.feed(sup, e);
+        }
         let views = self.views(sup);
         self.feed(sup, Event::Tick(views));
+    }
+
+    /// Hosts that joined and are not heard any more, each reported once,
+    /// with what this host holds of their ranks' state.
+    fn take_lost_hosts(&mut self) -> Vec<Event> {
+        let Some(p) = &self.peers else {
+            return Vec::new();
+        };
+        let seen = p.membership.seen();
+        let held = p.replicator.as_ref().map(|r| r.report().held);
+        let per_node = self.cfg.nproc_per_node;
+        let mut out = Vec::new();
+        for node in seen.lost() {
+            if self.lost.contains(&node) {
+                continue;
+            }
+            self.lost.push(node);
+            let ranks: Vec<usize> =
+                (node as usize * per_node..(node as usize + 1) * per_node).collect();
+            let replicas: Vec<String> = held
+                .iter()
+                .flatten()
+                .filter(|h| h.from_node == node)
+                .map(|h| match h.steps.first() {
+                    Some(s) => format!("rank {} up to step {s}", h.rank),
+                    None => format!("rank {} (no complete snapshot yet)", h.rank),
+                })
+                .collect();
+            let detail = format!(
+                "no heartbeat from host {node} within --host-timeout-secs, or its connection dropped; {}",
+                if replicas.is_empty() {
+                    "this host holds no replica of its ranks".to_string()
+                } else {
+                    format!("this host holds the replica of {}", replicas.join(", "))
+                }
+            );
+            out.push(Event::HostLost {
+                node,
+                ranks,
+                detail,
+            });
+        }
+        out
     }
 
     /// A GPU memory error: its rank is asked to treat it as a UCE in its

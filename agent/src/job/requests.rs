@@ -8,7 +8,7 @@ use crate::persister::Persister;
 use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{
-    InjectKind, Request, Response, SnapshotReport, StatusReport, WorkerReport,
+    InjectKind, MembershipReport, Request, Response, SnapshotReport, StatusReport, WorkerReport,
 };
 use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
 use hatrain_shared::statemap::StateMap;
@@ -267,7 +267,7 @@ impl Driver<'_> {
                 Ok(s) => {
                     tracing::info!(rank, pid, bytes = total, sliced, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
                     let s = Arc::new(s);
-                    if let Some(r) = &self.replicator {
+                    if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
                         r.add_rank(rank, Arc::clone(&s));
                     }
                     self.stores.insert(rank, s);
@@ -354,7 +354,30 @@ impl Driver<'_> {
                 .as_ref()
                 .filter(|p| p.periodic())
                 .map(Persister::report),
-            replicas: self.replicator.as_ref().map(|r| r.report()),
+            replicas: self
+                .peers
+                .as_ref()
+                .and_then(|p| p.replicator.as_ref())
+                .map(|r| r.report()),
+            membership: self.peers.as_ref().map(|p| {
+                let seen = p.membership.seen();
+                let lost = seen.lost();
+                MembershipReport {
+                    listen: p.membership.endpoint().to_string(),
+                    starting: seen
+                        .view
+                        .lost
+                        .iter()
+                        .copied()
+                        .filter(|n| !lost.contains(n))
+                        .collect(),
+                    live: seen.view.live,
+                    lost,
+                    follows: seen.view.follows,
+                    acting: seen.view.acting,
+                    term: seen.view.term,
+                }
+            }),
         }
     }
 

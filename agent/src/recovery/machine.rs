@@ -204,6 +204,11 @@ impl Machine {
             }
             Event::Collected { epoch, steps } => self.collected(now, epoch, steps),
             Event::Written { epoch, result } => self.written(now, epoch, result),
+            Event::HostLost {
+                node,
+                ranks,
+                detail,
+            } => self.host_lost(now, node, ranks, detail),
             Event::DumpRequested => self.dump_requested(now),
             Event::Shutdown => self.shutdown(now),
         }

@@ -124,6 +124,12 @@ pub enum Event {
         epoch: u64,
         result: Result<Written, String>,
     },
+    /// Another host of the job is gone, with its `ranks`.
+    HostLost {
+        node: u64,
+        ranks: Vec<usize>,
+        detail: String,
+    },
     /// `agentctl dump`: a last-words checkpoint now, then carry on.
     DumpRequested,
     /// The agent is asked to stop (SIGTERM).

@@ -448,6 +448,44 @@ impl Machine {
         self.finish(Outcome::Unfit);
     }
 
+    /// Another host is gone with its ranks. Their state lives on in their
+    /// peer replicas, but bringing them back (on a standby, or by shrinking
+    /// the group) is the job controller's work, which this version does not
+    /// have: the job stops, saying so. No last-words checkpoint is written
+    /// from this host alone: it could not hold every rank.
+    pub(super) fn host_lost(
+        &mut self,
+        now: Duration,
+        node: u64,
+        ranks: Vec<usize>,
+        detail: String,
+    ) {
+        if matches!(self.state, State::Done(_)) {
+            return;
+        }
+        let first = ranks.first().copied().unwrap_or(0);
+        let reason = format!(
+            "host {node} holds ranks {ranks:?}: recovering them needs the job controller, which this version does not have"
+        );
+        self.out.notes.push(Note {
+            level: Level::Error,
+            rank: None,
+            detail: Some(detail.clone()),
+            reason: Some(reason.clone()),
+            text: format!("host {node} lost"),
+        });
+        let f = self.record_fault(
+            now,
+            first,
+            FaultKind::HostLost,
+            detail,
+            "stop the job".into(),
+            reason,
+        );
+        self.faults[f].ranks = ranks;
+        self.finish(Outcome::RecoveryFailed);
+    }
+
     pub(super) fn spawn_failed(&mut self, now: Duration, rank: usize, error: &str) {
         let why = format!("cannot restart rank {rank}: {error}");
         self.note(Level::Error, Some(rank), why.clone());

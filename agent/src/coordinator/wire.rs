@@ -1,0 +1,425 @@
+//! The embedded coordinator's driver: heartbeats between the job's agents
+//! over ZeroMQ, in authenticated frames ([`hatrain_shared::peer`]).
+//!
+//! One thread owns every socket: a ROUTER that takes the other agents'
+//! heartbeats, and one DEALER per other agent that carries this agent's.
+//! Each DEALER is watched by a socket monitor, so a connection that drops
+//! (the peer's process died, its host went away) is reported to the
+//! coordinator at once ([`Observed::Dropped`]) instead of after the host
+//! timeout. Unlike the replica streams, this thread runs at normal
+//! priority: a heartbeat that waits for an idle core would declare a busy
+//! host lost.
+
+use super::{Coordinator, Embedded, EmbeddedConfig, Heartbeat, Observed, View};
+use hatrain_shared::auth::{NONCE_LEN, Secret};
+use hatrain_shared::peer::{Beat, Kind, Pending, Session};
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Heartbeat period.
+pub const BEAT: Duration = Duration::from_millis(500);
+/// Sessions the ROUTER keeps at most (other agents, and strangers' tries).
+const MAX_SESSIONS: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    #[error("cannot listen for heartbeats on {addr}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: zmq::Error,
+    },
+}
+
+/// How the membership runs.
+#[derive(Debug, Clone)]
+pub struct MembershipConfig {
+    pub secret: Secret,
+    pub coordinator: EmbeddedConfig,
+    pub bind: IpAddr,
+}
+
+/// Membership, as last seen by the driver's thread.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub view: View,
+    /// Nodes heard at least once: a node never heard is starting, not
+    /// lost.
+    pub joined: Vec<u64>,
+}
+
+impl Seen {
+    /// Nodes that joined and are not heard now.
+    pub fn lost(&self) -> Vec<u64> {
+        self.view
+            .lost
+            .iter()
+            .copied()
+            .filter(|n| self.joined.contains(n))
+            .collect()
+    }
+}
+
+/// The heartbeats of one agent.
+pub struct Membership {
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Seen>>,
+    peers: Mutex<mpsc::Sender<(u64, String)>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Membership")
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+fn nonce() -> [u8; NONCE_LEN] {
+    hatrain_shared::auth::random().unwrap_or_else(|_| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let mut b = [0u8; NONCE_LEN];
+        b.copy_from_slice(&t.to_le_bytes());
+        b
+    })
+}
+
+fn ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX - 1)
+}
+
+impl Membership {
+    /// Listens on `cfg.bind` (a free port) and starts heartbeating the peers
+    /// [`Membership::connect`] names.
+    pub fn start(cfg: MembershipConfig) -> Result<Arc<Self>, MembershipError> {
+        let addr = match cfg.bind {
+            IpAddr::V4(a) => format!("tcp://{a}:*"),
+            IpAddr::V6(a) => format!("tcp://[{a}]:*"),
+        };
+        let err = |source| MembershipError::Listen {
+            addr: addr.clone(),
+            source,
+        };
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).map_err(err)?;
+        router.set_linger(0).map_err(err)?;
+        router.set_ipv6(cfg.bind.is_ipv6()).map_err(err)?;
+        router.set_maxmsgsize(4096).map_err(err)?;
+        router.bind(&addr).map_err(err)?;
+        let endpoint = router.get_last_endpoint().map_err(err)?.unwrap_or_default();
+        let node = cfg.coordinator.node;
+        let mut coordinator = Embedded::new(cfg.coordinator);
+        let start = Instant::now();
+        let seen = Arc::new(Mutex::new(Seen {
+            view: coordinator.view(Duration::ZERO),
+            joined: vec![node],
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let driver = Driver {
+            ctx,
+            secret: cfg.secret,
+            node,
+            router,
+            sessions: HashMap::new(),
+            order: Vec::new(),
+            peers: Vec::new(),
+            coordinator,
+            start,
+            joined: vec![node],
+        };
+        let (s, st) = (Arc::clone(&seen), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("membership".into())
+            .spawn(move || driver.run(rx, &st, &s))
+            .expect("a thread starts");
+        tracing::info!(endpoint = %endpoint, "heartbeats listening");
+        Ok(Arc::new(Self {
+            endpoint,
+            stop,
+            seen,
+            peers: Mutex::new(tx),
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// Where this agent takes heartbeats.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Heartbeats node `node` at `endpoint` from now on.
+    pub fn connect(&self, node: u64, endpoint: String) {
+        let _ = self
+            .peers
+            .lock()
+            .expect("not poisoned")
+            .send((node, endpoint));
+    }
+
+    /// Membership as last seen.
+    pub fn seen(&self) -> Seen {
+        self.seen.lock().expect("not poisoned").clone()
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.lock().expect("not poisoned").take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One outgoing heartbeat connection.
+struct Peer {
+    node: u64,
+    sock: zmq::Socket,
+    monitor: zmq::Socket,
+    pending: Option<(Pending, Instant)>,
+    session: Option<Session>,
+}
+
+struct Driver {
+    ctx: zmq::Context,
+    secret: Secret,
+    node: u64,
+    router: zmq::Socket,
+    sessions: HashMap<Vec<u8>, Session>,
+    order: Vec<Vec<u8>>,
+    peers: Vec<Peer>,
+    coordinator: Embedded,
+    start: Instant,
+    joined: Vec<u64>,
+}
+
+impl Driver {
+    fn now(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    fn add_peer(&mut self, node: u64, endpoint: &str) -> Result<(), zmq::Error> {
+        let sock = self.ctx.socket(zmq::DEALER)?;
+        sock.set_linger(0)?;
+        sock.set_immediate(true)?;
+        sock.set_maxmsgsize(4096)?;
+        let mon = format!("inproc://membership-{node}");
+        sock.monitor(&mon, zmq::SocketEvent::DISCONNECTED as i32)?;
+        let monitor = self.ctx.socket(zmq::PAIR)?;
+        monitor.connect(&mon)?;
+        sock.connect(endpoint)?;
+        self.peers.push(Peer {
+            node,
+            sock,
+            monitor,
+            pending: None,
+            session: None,
+        });
+        Ok(())
+    }
+
+    fn run(mut self, peers: mpsc::Receiver<(u64, String)>, stop: &AtomicBool, seen: &Mutex<Seen>) {
+        let mut next_beat = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            while let Ok((node, endpoint)) = peers.try_recv() {
+                if let Err(e) = self.add_peer(node, &endpoint) {
+                    tracing::error!(node, endpoint = %endpoint, error = %e, "cannot heartbeat a peer");
+                }
+            }
+            if Instant::now() >= next_beat {
+                next_beat = Instant::now() + BEAT;
+                self.beat();
+            }
+            let wait = next_beat
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(50));
+            let mut items: Vec<zmq::PollItem> = Vec::with_capacity(1 + 2 * self.peers.len());
+            items.push(self.router.as_poll_item(zmq::POLLIN));
+            for p in &self.peers {
+                items.push(p.sock.as_poll_item(zmq::POLLIN));
+                items.push(p.monitor.as_poll_item(zmq::POLLIN));
+            }
+            match zmq::poll(&mut items, wait.as_millis() as i64) {
+                Ok(_) | Err(zmq::Error::EINTR) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "heartbeat poll failed");
+                    break;
+                }
+            }
+            let ready: Vec<bool> = items.iter().map(|i| i.is_readable()).collect();
+            drop(items);
+            if ready[0] {
+                self.take_beats();
+            }
+            for i in 0..self.peers.len() {
+                if ready[1 + 2 * i] {
+                    self.take_answers(i);
+                }
+                if ready[2 + 2 * i] {
+                    self.take_monitor(i);
+                }
+            }
+            let now = self.now();
+            let view = self.coordinator.view(now);
+            let mut s = seen.lock().expect("not poisoned");
+            s.view = view;
+            s.joined.clone_from(&self.joined);
+        }
+    }
+
+    /// Sends this agent's heartbeat on every open session, and a hello on
+    /// every connection without one.
+    fn beat(&mut self) {
+        let now = self.now();
+        let hb = self.coordinator.heartbeat(now);
+        let beat = Beat {
+            stamp_ns: ns(hb.stamp),
+            follows: hb.follows,
+            echo_ns: hb.echo.map(ns),
+            term: hb.term,
+        };
+        for p in &mut self.peers {
+            match &mut p.session {
+                Some(s) => {
+                    let f = s.seal(Kind::Heartbeat, &[&beat.encode()]);
+                    if p.sock.send(f, zmq::DONTWAIT).is_err() {
+                        // Not connected: the frame's number is taken back
+                        // and the session starts again when it is.
+                        s.rewind();
+                        p.session = None;
+                    }
+                }
+                None => {
+                    if p.pending
+                        .as_ref()
+                        .is_none_or(|(_, at)| at.elapsed() >= BEAT)
+                    {
+                        let (pending, hello) =
+                            Pending::hello(self.secret.clone(), self.node, nonce());
+                        if p.sock.send(hello, zmq::DONTWAIT).is_ok() {
+                            p.pending = Some((pending, Instant::now()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Heartbeats (and hellos) that came to the ROUTER.
+    fn take_beats(&mut self) {
+        let (mut id, mut wire) = (zmq::Message::new(), zmq::Message::new());
+        while self.router.recv(&mut id, zmq::DONTWAIT).is_ok() {
+            if !id.get_more() || self.router.recv(&mut wire, 0).is_err() || wire.get_more() {
+                continue;
+            }
+            let now = self.now();
+            match self.sessions.get_mut(&id[..]) {
+                Some(s) => match s.open(&wire) {
+                    Ok(f) if f.kind == Kind::Heartbeat => match Beat::parse(f.payload) {
+                        Ok(b) => {
+                            let from = s.peer;
+                            if !self.joined.contains(&from) {
+                                self.joined.push(from);
+                                self.joined.sort_unstable();
+                            }
+                            self.coordinator.observe(
+                                now,
+                                Observed::Heartbeat(Heartbeat {
+                                    from,
+                                    stamp: Duration::from_nanos(b.stamp_ns),
+                                    follows: b.follows,
+                                    echo: b.echo_ns.map(Duration::from_nanos),
+                                    term: b.term,
+                                }),
+                            );
+                        }
+                        Err(e) => tracing::debug!(error = %e, "heartbeat refused"),
+                    },
+                    Ok(f) => tracing::debug!(kind = ?f.kind, "not a heartbeat"),
+                    Err(e) => {
+                        // A peer that restarted says hello again on the
+                        // same identity.
+                        if self.accept(&id, &wire).is_err() {
+                            tracing::debug!(error = %e, "heartbeat frame refused");
+                        }
+                    }
+                },
+                None => {
+                    if let Err(e) = self.accept(&id, &wire) {
+                        tracing::debug!(error = %e, "heartbeat hello refused");
+                    }
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, id: &[u8], wire: &[u8]) -> Result<(), hatrain_shared::peer::PeerError> {
+        let (s, welcome) = Session::accept(self.secret.clone(), self.node, 0, wire, nonce(), 0)?;
+        if self.order.len() >= MAX_SESSIONS {
+            let old = self.order.remove(0);
+            self.sessions.remove(&old);
+        }
+        self.order.retain(|o| o != id);
+        self.order.push(id.to_vec());
+        self.sessions.insert(id.to_vec(), s);
+        let _ = self
+            .router
+            .send_multipart([id, &welcome[..]], zmq::DONTWAIT);
+        Ok(())
+    }
+
+    /// Welcomes on a heartbeat connection.
+    fn take_answers(&mut self, i: usize) {
+        let p = &mut self.peers[i];
+        while let Ok(wire) = p.sock.recv_bytes(zmq::DONTWAIT) {
+            if let Some((pending, _)) = p.pending.take() {
+                match pending.welcomed(&wire) {
+                    Ok((s, _)) if s.peer == p.node => p.session = Some(s),
+                    Ok((s, _)) => tracing::warn!(
+                        expected = p.node,
+                        answered = s.peer,
+                        "another node answers at this node's heartbeat address"
+                    ),
+                    Err(e) => tracing::debug!(error = %e, "heartbeat welcome refused"),
+                }
+            }
+        }
+    }
+
+    /// A dropped connection: the peer is lost at once.
+    fn take_monitor(&mut self, i: usize) {
+        let node = self.peers[i].node;
+        let mut dropped = false;
+        while let Ok(parts) = self.peers[i].monitor.recv_multipart(zmq::DONTWAIT) {
+            let event = parts
+                .first()
+                .filter(|p| p.len() >= 2)
+                .map(|p| u16::from_le_bytes([p[0], p[1]]));
+            dropped |= event == Some(zmq::SocketEvent::DISCONNECTED as u16);
+        }
+        if dropped {
+            tracing::warn!(node, "heartbeat connection dropped");
+            self.peers[i].session = None;
+            self.peers[i].pending = None;
+            let now = self.now();
+            self.coordinator.observe(now, Observed::Dropped { node });
+        }
+    }
+}

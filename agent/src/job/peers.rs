@@ -1,0 +1,195 @@
+//! Joining the other agents of a job of several nodes: heartbeats (the
+//! embedded coordinator) and peer replicas.
+//!
+//! Each agent listens for heartbeats and replicas on its local address,
+//! publishes where in the job's rendezvous store (with its failure-domain
+//! label), heartbeats every other agent, reads every node's label, and from
+//! those alone computes the same replica placement as every other agent
+//! ([`crate::replicator::targets`]): whom it streams to, and whose ranks it
+//! holds. The exchange runs on a thread of its own, so the workers start
+//! meanwhile; a node that never shows up only delays what goes to it.
+
+use crate::coordinator::EmbeddedConfig;
+use crate::coordinator::wire::{Membership, MembershipConfig};
+use crate::launch::{LaunchConfig, LaunchError};
+use crate::replicator::{self, Replicator, ReplicatorConfig};
+use hatrain_shared::auth::Secret;
+use hatrain_shared::store::StoreClient;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long one wait for a key in the store lasts before the stop flag is
+/// looked at again.
+const WAIT: Duration = Duration::from_secs(1);
+
+/// The local address of the route to `to`: connecting a UDP socket picks
+/// it without sending anything.
+fn route_to(to: SocketAddr) -> Option<IpAddr> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().ok()?
+    } else {
+        "[::]:0".parse().ok()?
+    };
+    let s = UdpSocket::bind(any).ok()?;
+    s.connect(to).ok()?;
+    s.local_addr().ok().map(|a| a.ip())
+}
+
+/// This agent's links to the others.
+#[derive(Debug)]
+pub(super) struct Peers {
+    pub membership: Arc<Membership>,
+    /// With `--replicas` above 0.
+    pub replicator: Option<Arc<Replicator>>,
+}
+
+impl Peers {
+    pub fn stop(&self) {
+        if let Some(r) = &self.replicator {
+            r.stop();
+        }
+        self.membership.stop();
+    }
+}
+
+/// Starts the heartbeats, the replicator, and the exchange that connects
+/// them to the other agents.
+pub(super) fn start(
+    cfg: &LaunchConfig,
+    secret: &Secret,
+    dir: &Path,
+    store: SocketAddr,
+) -> Result<Peers, LaunchError> {
+    let bind = cfg
+        .ha
+        .local_addr
+        .or_else(|| route_to(store))
+        .ok_or_else(|| {
+            LaunchError::Config(format!(
+                "no local address routes to the store at {store}: give --local-addr"
+            ))
+        })?;
+    let membership = Membership::start(MembershipConfig {
+        secret: secret.clone(),
+        coordinator: EmbeddedConfig::with_timeout(
+            cfg.nnodes as u64,
+            cfg.node_rank as u64,
+            cfg.ha.host_timeout,
+        ),
+        bind,
+    })?;
+    let replicator = if cfg.replicates() {
+        Some(Replicator::listen(ReplicatorConfig {
+            secret: secret.clone(),
+            node: cfg.node_rank as u64,
+            bind,
+            dir: dir.to_path_buf(),
+            slots: cfg.ha.slots,
+            ranks_per_node: cfg.nproc_per_node,
+            chunk: replicator::CHUNK,
+            window: replicator::WINDOW,
+        })?)
+    } else {
+        None
+    };
+    let peers = Peers {
+        membership: Arc::clone(&membership),
+        replicator: replicator.clone(),
+    };
+    let (node, nnodes, replicas) = (cfg.node_rank, cfg.nnodes, cfg.ha.replicas);
+    let domain = cfg.ha.failure_domain.clone().unwrap_or_default();
+    let secret = secret.clone();
+    std::thread::Builder::new()
+        .name("peer-exchange".into())
+        .spawn(move || {
+            let x = Exchange {
+                membership: &membership,
+                replicator: replicator.as_deref(),
+            };
+            if let Err(e) = x.run(store, secret, node, nnodes, replicas, &domain) {
+                tracing::error!(error = %e, "not connected to the other agents: no heartbeats, no peer replicas");
+            }
+        })
+        .map_err(|source| LaunchError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    Ok(peers)
+}
+
+struct Exchange<'a> {
+    membership: &'a Membership,
+    replicator: Option<&'a Replicator>,
+}
+
+impl Exchange<'_> {
+    fn stopped(&self) -> bool {
+        self.membership.stopped()
+    }
+
+    /// Gets `key`, waiting while the agent runs.
+    fn wait_for(&self, c: &mut StoreClient, key: &str) -> Result<String, String> {
+        loop {
+            match c.get(key, WAIT) {
+                Ok(v) => return Ok(v),
+                Err(_) if !self.stopped() => continue,
+                Err(e) => return Err(format!("{key}: {e}")),
+            }
+        }
+    }
+
+    fn run(
+        &self,
+        store: SocketAddr,
+        secret: Secret,
+        node: usize,
+        nnodes: usize,
+        replicas: usize,
+        domain: &str,
+    ) -> Result<(), String> {
+        let mut c = StoreClient::connect(store, Duration::from_secs(120), Some(secret))
+            .map_err(|e| e.to_string())?;
+        let key = |k: usize, what: &str| format!("peer/node{k}/{what}");
+        c.set(&key(node, "domain"), domain)
+            .and_then(|()| c.set(&key(node, "heartbeats"), self.membership.endpoint()))
+            .and_then(|()| match self.replicator {
+                Some(r) => c.set(&key(node, "replicas"), r.endpoint()),
+                None => Ok(()),
+            })
+            .map_err(|e| e.to_string())?;
+        for k in (0..nnodes).filter(|&k| k != node) {
+            let endpoint = self.wait_for(&mut c, &key(k, "heartbeats"))?;
+            self.membership.connect(k as u64, endpoint);
+        }
+        let Some(repl) = self.replicator else {
+            return Ok(());
+        };
+        let mut domains = Vec::with_capacity(nnodes);
+        for k in 0..nnodes {
+            let d = self.wait_for(&mut c, &key(k, "domain"))?;
+            domains.push((!d.is_empty()).then_some(d));
+        }
+        for k in (0..nnodes).filter(|&k| k != node) {
+            if replicator::targets(k, &domains, replicas).contains(&node) {
+                repl.hold_for(k as u64);
+            }
+        }
+        let mine = replicator::targets(node, &domains, replicas);
+        if mine.len() < replicas {
+            tracing::warn!(
+                replicas,
+                placed = mine.len(),
+                domain,
+                "fewer hosts outside this host's failure domain than --replicas asks for"
+            );
+        }
+        for t in mine {
+            let endpoint = self.wait_for(&mut c, &key(t, "replicas"))?;
+            tracing::info!(node = t, endpoint = %endpoint, "streaming this host's snapshots");
+            repl.stream_to(t as u64, endpoint);
+        }
+        Ok(())
+    }
+}
