@@ -287,28 +287,32 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
         ready.is_some(),
         "node 0 never heard all three hosts with rank 2's replica"
     );
-    // All three follow one controller, and only it acts.
-    let agreed = (0..100).find_map(|_| {
-        let m: Vec<serde_json::Value> = (0..3)
+    // All three follow one controller, and only it acts (after start-up,
+    // an agent may still be waiting out a lease).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (agreed, last) = loop {
+        let last = (0..3)
             .map(|k| {
                 poll_agentctl(&socket(k), "status", Duration::from_secs(10), |v| {
                     Some(v["status"]["membership"].clone())
                 })
                 .unwrap_or_default()
             })
-            .collect();
-        let leader = m[0]["follows"].as_u64()?;
-        let one = m.iter().all(|x| x["follows"] == leader)
-            && m.iter().filter(|x| x["acting"] == true).count() == 1
-            && m[leader as usize]["acting"] == true;
-        if !one {
-            std::thread::sleep(Duration::from_millis(100));
+            .collect::<Vec<serde_json::Value>>();
+        let leader = last[0]["follows"].as_u64();
+        let one = leader.is_some_and(|l| {
+            last.iter().all(|x| x["follows"] == l)
+                && last.iter().filter(|x| x["acting"] == true).count() == 1
+                && last[l as usize]["acting"] == true
+        });
+        if one || std::time::Instant::now() > deadline {
+            break (one, last);
         }
-        one.then_some(leader)
-    });
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert!(
-        agreed.is_some(),
-        "the three hosts do not agree on one controller"
+        agreed,
+        "the three hosts do not agree on one controller: {last:?}"
     );
 
     // Host 2 vanishes.
