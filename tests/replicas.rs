@@ -350,3 +350,131 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
         );
     }
 }
+
+/// Agent `k` of `nodes`, `per_node` ranks each, with worker reboot.
+#[allow(clippy::too_many_arguments)]
+fn reboot_node(
+    k: usize,
+    nodes: usize,
+    per_node: usize,
+    shm: &Path,
+    job: &str,
+    ports: (u16, u16),
+    secret: &Path,
+    train: &[String],
+) -> Command {
+    let mut c = Command::new(agent());
+    c.args(["launch", "--nnodes", &nodes.to_string()])
+        .args(["--nproc-per-node", &per_node.to_string()])
+        .args(["--node-rank", &k.to_string(), "--job-id", job])
+        .args(["--master-addr", "127.0.0.1"])
+        .args(["--master-port", &ports.0.to_string()])
+        .args(["--rdzv-port", &ports.1.to_string()])
+        .args(["--local-addr", &format!("127.0.0.{}", k + 1)])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--hang-timeout-secs", "3"])
+        .arg("--enable-high-availability")
+        .arg("--enable-worker-reboot")
+        .arg("--secret-file")
+        .arg(secret)
+        .arg("--shm-root")
+        .arg(shm)
+        .arg("--")
+        .arg(trainer())
+        .args(train)
+        .env_remove("SLURM_JOB_ID")
+        .env("RUST_LOG", "info");
+    c
+}
+
+/// Three hosts of two ranks each, one recovery machine on node 0's agent:
+/// a worker SIGKILLed on a host that is not the controller's, a worker
+/// hung on another (the watchdog sees it through that host's reports), and
+/// a worker SIGKILLed on the controller's host are each rebooted in place
+/// on their own host, every rank of the job pausing and resuming together;
+/// every step's loss and the final checksum equal one host with six ranks.
+#[test]
+fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let reference = {
+        let log = tmp.path().join("ref.jsonl");
+        let mut args = train.clone();
+        args.extend(["--log-jsonl".into(), log.display().to_string()]);
+        assert_success(&run_launch(6, "reboot-ref", &args), "one host, six ranks");
+        read_log(&log)
+    };
+    let secret = secret_file(tmp.path());
+    let shm: Vec<PathBuf> = (0..3)
+        .map(|k| tmp.path().join(format!("host{k}")))
+        .collect();
+    let job = job_id("reboot");
+    let ports = (free_port(), free_port());
+    let log = tmp.path().join("run.jsonl");
+    let mut args = train.clone();
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    let mut agents: Vec<Job> = (0..3)
+        .map(|k| {
+            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args);
+            // Rank 3 (host 1) dies at step 15, rank 4 (host 2) hangs at
+            // step 30, rank 0 (host 0, the controller's) dies at step 45.
+            c.env(
+                "HATRAIN_FAULT_PLAN",
+                "3:15:forward:kill;4:30:forward:hang;0:45:forward:kill",
+            );
+            host_job(c, &job, k)
+        })
+        .collect();
+    let outs: Vec<_> = agents
+        .iter_mut()
+        .map(|a| a.wait_output(Duration::from_secs(300)))
+        .collect();
+    for (k, out) in outs.iter().enumerate() {
+        assert_success(out, &format!("host {k}"));
+    }
+    let err = |k: usize| String::from_utf8_lossy(&outs[k].stderr).into_owned();
+    let controller = err(0);
+    for (rank, host) in [(3usize, 1usize), (4, 2), (0, 0)] {
+        assert!(
+            controller.contains(&format!("ranks=[{rank}] s_star=")),
+            "the controller recovered rank {rank}:\n{controller}"
+        );
+        assert!(
+            err(host).contains(&format!("replacement started rank={rank}")),
+            "rank {rank} was restarted on its own host {host}:\n{}",
+            err(host)
+        );
+    }
+    assert!(
+        controller.contains("rank hung: killing it") && controller.contains("rank=4"),
+        "the controller's watchdog saw rank 4 hang on host 2:\n{controller}"
+    );
+    for k in 1..3 {
+        assert!(
+            err(k).contains("the controller ended the job"),
+            "host {k} ended with the controller:\n{}",
+            err(k)
+        );
+    }
+    // A step done again after a recovery is logged again: the last value
+    // of every step is the run's.
+    let run = read_log(&log);
+    assert_eq!(
+        final_losses(&run),
+        final_losses(&reference),
+        "every step's loss"
+    );
+    assert_eq!(final_checksum(&run), final_checksum(&reference));
+    for root in &shm {
+        let left: Vec<_> = std::fs::read_dir(root)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(
+            left.is_empty(),
+            "left behind in {}: {left:?}",
+            root.display()
+        );
+    }
+}

@@ -284,13 +284,6 @@ impl LaunchConfig {
         if self.command.is_empty() {
             return bad("no worker command given (put it after `--`)".into());
         }
-        if self.ha.modes.recover && self.nnodes > 1 {
-            return bad(
-                "worker reboot recovers the ranks of one host; across hosts it needs the job controller, \
-                 which this agent does not have yet: use --nnodes 1"
-                    .into(),
-            );
-        }
         if self.ha.host_timeout < Duration::from_millis(300) {
             return bad(format!(
                 "--host-timeout-secs {} is shorter than a heartbeat can be trusted to arrive in (0.3 s at least)",

@@ -75,6 +75,10 @@ pub enum Kind {
     Dropped = 6,
     /// Initiator → acceptor: membership ([`Beat`]).
     Heartbeat = 7,
+    /// Initiator → acceptor: a message between an agent and the job's
+    /// controller (a host's report, or the controller's orders), as JSON
+    /// the agent parses.
+    Control = 8,
 }
 
 impl Kind {
@@ -87,6 +91,7 @@ impl Kind {
             5 => Self::Stored,
             6 => Self::Dropped,
             7 => Self::Heartbeat,
+            8 => Self::Control,
             _ => return None,
         })
     }

@@ -9,13 +9,20 @@
 //! timeout. Unlike the replica streams, this thread runs at normal
 //! priority: a heartbeat that waits for an idle core would declare a busy
 //! host lost.
+//!
+//! The same sessions carry the job's control messages (a host's reports to
+//! the controller, the controller's orders to a host) as
+//! [`Kind::Control`] frames: [`Membership::send`] queues one for a node
+//! (kept, in order, while its session is not open), and the frames that
+//! come in are handed over by [`Membership::take_inbox`]'s channel.
 
 use super::{Coordinator, Embedded, EmbeddedConfig, Heartbeat, Observed, View};
 use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::peer::{Beat, Kind, Pending, Session};
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -24,6 +31,20 @@ use std::time::{Duration, Instant};
 pub const BEAT: Duration = Duration::from_millis(500);
 /// Sessions the ROUTER keeps at most (other agents, and strangers' tries).
 const MAX_SESSIONS: usize = 256;
+/// How long a hello waits for its welcome before another is sent; a
+/// connection not made yet is tried this often.
+const GREET: Duration = Duration::from_millis(100);
+/// The largest frame the ROUTER takes (a control message, with room).
+const MAX_FRAME: i64 = 1 << 20;
+/// Control messages kept for one node while its session is not open; the
+/// oldest go first beyond that (a node away that long is lost anyway).
+const MAX_QUEUED: usize = 4096;
+
+/// Tells apart the wake-up sockets of the memberships of one process.
+static WAKE: AtomicU64 = AtomicU64::new(0);
+
+/// Control messages that came in: the sending node, and the payload.
+pub type Inbox = tokio::sync::mpsc::UnboundedReceiver<(u64, Vec<u8>)>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MembershipError {
@@ -71,6 +92,10 @@ pub struct Membership {
     seen: Arc<Mutex<Seen>>,
     peers: Mutex<mpsc::Sender<(u64, String)>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Control messages for the driver's thread to send: the node, then
+    /// the payload (an inproc socket, so that the thread wakes at once).
+    outbox: Mutex<zmq::Socket>,
+    inbox: Mutex<Option<Inbox>>,
 }
 
 impl std::fmt::Debug for Membership {
@@ -112,7 +137,7 @@ impl Membership {
         let router = ctx.socket(zmq::ROUTER).map_err(err)?;
         router.set_linger(0).map_err(err)?;
         router.set_ipv6(cfg.bind.is_ipv6()).map_err(err)?;
-        router.set_maxmsgsize(4096).map_err(err)?;
+        router.set_maxmsgsize(MAX_FRAME).map_err(err)?;
         router.bind(&addr).map_err(err)?;
         let endpoint = router.get_last_endpoint().map_err(err)?.unwrap_or_default();
         let node = cfg.coordinator.node;
@@ -124,7 +149,22 @@ impl Membership {
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel();
+        let wake_at = format!(
+            "inproc://membership-wake-{}",
+            WAKE.fetch_add(1, Ordering::Relaxed)
+        );
+        let wake = ctx.socket(zmq::PAIR).map_err(err)?;
+        wake.set_rcvhwm(0).map_err(err)?;
+        wake.bind(&wake_at).map_err(err)?;
+        let outbox = ctx.socket(zmq::PAIR).map_err(err)?;
+        outbox.set_sndhwm(0).map_err(err)?;
+        outbox.set_linger(0).map_err(err)?;
+        outbox.connect(&wake_at).map_err(err)?;
+        let (in_tx, in_rx) = tokio::sync::mpsc::unbounded_channel();
         let driver = Driver {
+            wake,
+            early: HashMap::new(),
+            inbox: in_tx,
             ctx,
             secret: cfg.secret,
             node,
@@ -148,6 +188,8 @@ impl Membership {
             seen,
             peers: Mutex::new(tx),
             thread: Mutex::new(Some(thread)),
+            outbox: Mutex::new(outbox),
+            inbox: Mutex::new(Some(in_rx)),
         }))
     }
 
@@ -163,6 +205,21 @@ impl Membership {
             .lock()
             .expect("not poisoned")
             .send((node, endpoint));
+    }
+
+    /// Sends `payload` to node `node` as a [`Kind::Control`] frame: at
+    /// once when its session is open, else when it opens.
+    pub fn send(&self, node: u64, payload: &[u8]) {
+        let out = self.outbox.lock().expect("not poisoned");
+        if let Err(e) = out.send_multipart([&node.to_le_bytes()[..], payload], 0) {
+            tracing::error!(node, error = %e, "a control message could not be queued");
+        }
+    }
+
+    /// The control messages that come in (once: the first caller takes
+    /// them).
+    pub fn take_inbox(&self) -> Option<Inbox> {
+        self.inbox.lock().expect("not poisoned").take()
     }
 
     /// Membership as last seen.
@@ -195,9 +252,33 @@ struct Peer {
     monitor: zmq::Socket,
     pending: Option<(Pending, Instant)>,
     session: Option<Session>,
+    /// Control messages waiting for the session.
+    queue: VecDeque<Vec<u8>>,
+}
+
+impl Peer {
+    /// Sends the waiting control messages while the session is open.
+    fn flush(&mut self) {
+        let Some(s) = &mut self.session else {
+            return;
+        };
+        while let Some(payload) = self.queue.front() {
+            let f = s.seal(Kind::Control, &[payload]);
+            if self.sock.send(f, zmq::DONTWAIT).is_err() {
+                s.rewind();
+                self.session = None;
+                return;
+            }
+            self.queue.pop_front();
+        }
+    }
 }
 
 struct Driver {
+    wake: zmq::Socket,
+    /// Control messages for nodes not connected yet.
+    early: HashMap<u64, VecDeque<Vec<u8>>>,
+    inbox: tokio::sync::mpsc::UnboundedSender<(u64, Vec<u8>)>,
     ctx: zmq::Context,
     secret: Secret,
     node: u64,
@@ -231,6 +312,7 @@ impl Driver {
             monitor,
             pending: None,
             session: None,
+            queue: self.early.remove(&node).unwrap_or_default(),
         });
         Ok(())
     }
@@ -247,11 +329,20 @@ impl Driver {
                 next_beat = Instant::now() + BEAT;
                 self.beat();
             }
+            let greeting = self.peers.iter().any(|p| p.session.is_none());
+            if greeting {
+                self.greet();
+            }
             let wait = next_beat
                 .saturating_duration_since(Instant::now())
-                .min(Duration::from_millis(50));
-            let mut items: Vec<zmq::PollItem> = Vec::with_capacity(1 + 2 * self.peers.len());
+                .min(if greeting {
+                    Duration::from_millis(10)
+                } else {
+                    Duration::from_millis(50)
+                });
+            let mut items: Vec<zmq::PollItem> = Vec::with_capacity(2 + 2 * self.peers.len());
             items.push(self.router.as_poll_item(zmq::POLLIN));
+            items.push(self.wake.as_poll_item(zmq::POLLIN));
             for p in &self.peers {
                 items.push(p.sock.as_poll_item(zmq::POLLIN));
                 items.push(p.monitor.as_poll_item(zmq::POLLIN));
@@ -268,11 +359,14 @@ impl Driver {
             if ready[0] {
                 self.take_beats();
             }
+            if ready[1] {
+                self.take_outgoing();
+            }
             for i in 0..self.peers.len() {
-                if ready[1 + 2 * i] {
+                if ready[2 + 2 * i] {
                     self.take_answers(i);
                 }
-                if ready[2 + 2 * i] {
+                if ready[3 + 2 * i] {
                     self.take_monitor(i);
                 }
             }
@@ -281,6 +375,35 @@ impl Driver {
             let mut s = seen.lock().expect("not poisoned");
             s.view = view;
             s.joined.clone_from(&self.joined);
+        }
+    }
+
+    /// Control messages to send: queued for their node, and sent while its
+    /// session is open.
+    fn take_outgoing(&mut self) {
+        while let Ok(parts) = self.wake.recv_multipart(zmq::DONTWAIT) {
+            let [node, payload] = &parts[..] else {
+                continue;
+            };
+            let Ok(node) = <[u8; 8]>::try_from(&node[..]).map(u64::from_le_bytes) else {
+                continue;
+            };
+            // A node not connected yet gets its messages when it is.
+            let queue = match self.peers.iter_mut().find(|p| p.node == node) {
+                Some(p) => &mut p.queue,
+                None => self.early.entry(node).or_default(),
+            };
+            if queue.len() >= MAX_QUEUED {
+                queue.pop_front();
+                tracing::warn!(
+                    node,
+                    "control messages queued too long for a node: the oldest dropped"
+                );
+            }
+            queue.push_back(payload.clone());
+        }
+        for p in &mut self.peers {
+            p.flush();
         }
     }
 
@@ -296,28 +419,34 @@ impl Driver {
             term: hb.term,
         };
         for p in &mut self.peers {
-            match &mut p.session {
-                Some(s) => {
-                    let f = s.seal(Kind::Heartbeat, &[&beat.encode()]);
-                    if p.sock.send(f, zmq::DONTWAIT).is_err() {
-                        // Not connected: the frame's number is taken back
-                        // and the session starts again when it is.
-                        s.rewind();
-                        p.session = None;
-                    }
+            if let Some(s) = &mut p.session {
+                let f = s.seal(Kind::Heartbeat, &[&beat.encode()]);
+                if p.sock.send(f, zmq::DONTWAIT).is_err() {
+                    // Not connected: the frame's number is taken back and
+                    // the session starts again when it is.
+                    s.rewind();
+                    p.session = None;
                 }
-                None => {
-                    if p.pending
-                        .as_ref()
-                        .is_none_or(|(_, at)| at.elapsed() >= BEAT)
-                    {
-                        let (pending, hello) =
-                            Pending::hello(self.secret.clone(), self.node, nonce());
-                        if p.sock.send(hello, zmq::DONTWAIT).is_ok() {
-                            p.pending = Some((pending, Instant::now()));
-                        }
-                    }
-                }
+            }
+        }
+        self.greet();
+    }
+
+    /// Says hello on every connection without a session (again, after
+    /// [`GREET`] without a welcome), so that a session opens as soon as its
+    /// connection does: control messages wait for it.
+    fn greet(&mut self) {
+        for p in &mut self.peers {
+            if p.session.is_some()
+                || p.pending
+                    .as_ref()
+                    .is_some_and(|(_, at)| at.elapsed() < GREET)
+            {
+                continue;
+            }
+            let (pending, hello) = Pending::hello(self.secret.clone(), self.node, nonce());
+            if p.sock.send(hello, zmq::DONTWAIT).is_ok() {
+                p.pending = Some((pending, Instant::now()));
             }
         }
     }
@@ -332,6 +461,9 @@ impl Driver {
             let now = self.now();
             match self.sessions.get_mut(&id[..]) {
                 Some(s) => match s.open(&wire) {
+                    Ok(f) if f.kind == Kind::Control => {
+                        let _ = self.inbox.send((s.peer, f.payload.to_vec()));
+                    }
                     Ok(f) if f.kind == Kind::Heartbeat => match Beat::parse(f.payload) {
                         Ok(b) => {
                             let from = s.peer;
@@ -391,7 +523,10 @@ impl Driver {
         while let Ok(wire) = p.sock.recv_bytes(zmq::DONTWAIT) {
             if let Some((pending, _)) = p.pending.take() {
                 match pending.welcomed(&wire) {
-                    Ok((s, _)) if s.peer == p.node => p.session = Some(s),
+                    Ok((s, _)) if s.peer == p.node => {
+                        p.session = Some(s);
+                        p.flush();
+                    }
                     Ok((s, _)) => tracing::warn!(
                         expected = p.node,
                         answered = s.peer,

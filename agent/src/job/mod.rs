@@ -19,11 +19,16 @@
 //! - [`requests`]: the control socket's requests (registration, status,
 //!   injection);
 //! - [`peers`]: joining the other agents of a job of several nodes
-//!   (heartbeats, peer replicas).
+//!   (heartbeats, peer replicas);
+//! - [`decider`]: who decides for the host: the job's controller (the
+//!   machine runs here), or a follower of it on another host.
 
+mod decider;
 mod observe;
 mod peers;
 mod requests;
+
+use decider::{Controller, Decider, Follower};
 
 use crate::control::{self, ControlMsg};
 use crate::gpu::GpuFault;
@@ -40,7 +45,7 @@ use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Injection, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -140,7 +145,7 @@ struct Driver<'a> {
     cfg: &'a LaunchConfig,
     dir: &'a mut JobDir,
     started: Instant,
-    machine: Machine,
+    decider: Decider,
     stores: HashMap<usize, Arc<Store>>,
     maps: HashMap<usize, Arc<StateMap>>,
     /// The checkpoint writer, once a rank registered a checkpoint layout.
@@ -161,6 +166,9 @@ struct Driver<'a> {
     peers: Option<peers::Peers>,
     /// Hosts already reported lost.
     lost: Vec<u64>,
+    /// Registrations a follower answers once the controller acknowledged
+    /// them: the reply, and the answer but for the start.
+    unanswered: HashMap<usize, (oneshot::Sender<Response>, Response)>,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -271,6 +279,16 @@ async fn run_with(
     let (gpu_tx, mut gpu_rx) = mpsc::channel::<GpuFault>(16);
     crate::gpu::watch(gpu_tx);
     let (collected_tx, mut collected_rx) = mpsc::unbounded_channel();
+    // One machine decides for the job: on one node, or without any mode
+    // (each host restarts its own group, as torchrun's agents do), this
+    // host's; on several, node 0's over every rank, which the others
+    // follow.
+    let joined = peers.is_some();
+    let ranks: Vec<usize> = if joined {
+        (0..cfg.world_size()).collect()
+    } else {
+        sup.ranks().to_vec()
+    };
     let machine = Machine::new(
         MachineConfig {
             modes: cfg.ha.modes,
@@ -280,14 +298,32 @@ async fn run_with(
             group_restarts: cfg.group_restarts,
             register_timeout: cfg.ha.register_timeout,
         },
-        sup.ranks().to_vec(),
+        ranks,
         unix_now(),
     );
+    let decider = if !joined {
+        Decider::Controller(Box::new(Controller::new(
+            machine,
+            1,
+            cfg.node_rank,
+            cfg.nproc_per_node,
+        )))
+    } else if cfg.node_rank as u64 == decider::CONTROLLER {
+        Decider::Controller(Box::new(Controller::new(
+            machine,
+            cfg.nnodes,
+            cfg.node_rank,
+            cfg.nproc_per_node,
+        )))
+    } else {
+        Decider::Follower(Box::new(Follower::new()))
+    };
+    let mut peer_rx = peers.as_ref().and_then(|p| p.membership.take_inbox());
     let mut d = Driver {
         cfg,
         dir,
         started: Instant::now(),
-        machine,
+        decider,
         stores: HashMap::new(),
         maps: HashMap::new(),
         persister: None,
@@ -299,6 +335,7 @@ async fn run_with(
         group_restart: None,
         peers,
         lost: Vec::new(),
+        unanswered: HashMap::new(),
     };
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
@@ -314,7 +351,7 @@ async fn run_with(
             d.restart_group(&mut sup, restart).await;
             continue;
         }
-        let period = if d.machine.recovering() {
+        let period = if d.decider.recovering() {
             TICK_RECOVERING
         } else {
             TICK
@@ -337,12 +374,8 @@ async fn run_with(
             },
             Some(msg) = ctl_rx.recv() => d.on_request(&mut sup, msg),
             Some(f) = gpu_rx.recv() => d.on_gpu_fault(&sup, f),
-            Some(c) = collected_rx.recv() => {
-                for (rank, why) in &c.rejected {
-                    tracing::warn!(rank, error = %why, "snapshot slot rejected");
-                }
-                d.feed(&mut sup, Event::Collected { epoch: c.epoch, steps: c.steps });
-            }
+            Some(c) = collected_rx.recv() => d.on_collected(&mut sup, c),
+            Some((from, bytes)) = recv(&mut peer_rx) => d.on_peer(&mut sup, from, &bytes),
             _ = tokio::time::sleep_until(next_tick) => {
                 next_tick = tokio::time::Instant::now() + period;
                 d.on_tick(&mut sup);
@@ -361,14 +394,16 @@ async fn run_with(
         None => None,
     };
     sup.stop_all().await;
+    d.wait_for_followers(&mut sup, &mut peer_rx).await;
     let mut lost_hosts: Vec<String> = d
-        .machine
+        .decider
         .faults()
         .iter()
         .filter(|f| f.kind == hatrain_shared::control::FaultKind::HostLost)
         .map(|f| format!("ranks {:?}: {}", f.ranks, f.detail))
         .collect();
-    if outcome != Outcome::Succeeded && d.peers.is_some() && lost_hosts.is_empty() {
+    let controls = matches!(d.decider, Decider::Controller(_));
+    if outcome != Outcome::Succeeded && d.peers.is_some() && controls && lost_hosts.is_empty() {
         // A host that dies takes its peers' collectives down at once, often
         // before its heartbeats are missed: wait out the host timeout, so
         // the summary names the host rather than only the rank that failed
@@ -405,11 +440,11 @@ async fn run_with(
     }
     Ok(JobReport {
         outcome,
-        faults: d.machine.faults().to_vec(),
-        last_words: d.machine.last_words().map(|w| (w.iteration, w.dir.clone())),
+        faults: d.decider.faults().to_vec(),
+        last_words: d.decider.last_words().map(|w| (w.iteration, w.dir.clone())),
         final_save,
         persist: d.persister.as_ref().map(Persister::report),
-        group_restarts: d.machine.group_restarts(),
+        group_restarts: d.decider.group_restarts(),
         root_cause,
         lost_hosts,
     })
@@ -430,24 +465,6 @@ impl Driver<'_> {
             map: Arc::clone(map),
             sliced: self.cfg.ha.slices,
         })
-    }
-
-    /// Feeds `event` to the machine and carries out what it decides, and
-    /// whatever follows from that.
-    fn feed(&mut self, sup: &mut Supervisor, event: Event) {
-        let mut queue = VecDeque::from([event]);
-        while let Some(e) = queue.pop_front() {
-            let now = self.now();
-            let step = self.machine.step(now, e);
-            for n in &step.notes {
-                log(n);
-            }
-            for c in step.commands {
-                if let Some(follow) = self.carry_out(sup, c) {
-                    queue.push_back(follow);
-                }
-            }
-        }
     }
 
     /// Carries out one command; some produce an event at once.
@@ -618,10 +635,34 @@ impl Driver<'_> {
             self.feed(sup, e);
         }
         for e in self.take_lost_hosts() {
-            self.feed(sup, e);
+            self.on_host_lost(sup, e);
         }
-        let views = self.views(sup);
-        self.feed(sup, Event::Tick(views));
+        self.shutdown_unanswered();
+        self.tick_views(sup);
+    }
+
+    /// The controller of several hosts waits (at most the host timeout) for
+    /// every follower to take the end of the job, so that none is left
+    /// without it when this agent's connections close.
+    async fn wait_for_followers(&mut self, sup: &mut Supervisor, rx: &mut Option<decider::Inbox>) {
+        let deadline = Instant::now() + self.cfg.ha.host_timeout;
+        loop {
+            let Decider::Controller(c) = &self.decider else {
+                return;
+            };
+            let lost = self
+                .peers
+                .as_ref()
+                .map(|p| p.membership.seen().lost())
+                .unwrap_or_default();
+            if c.all_ended(&lost) || Instant::now() >= deadline {
+                return;
+            }
+            tokio::select! {
+                Some((from, bytes)) = recv(rx) => self.on_peer(sup, from, &bytes),
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
     }
 
     /// Hosts that joined and are not heard any more, each reported once,
@@ -634,8 +675,13 @@ impl Driver<'_> {
         let held = p.replicator.as_ref().map(|r| r.report().held);
         let per_node = self.cfg.nproc_per_node;
         let mut out = Vec::new();
+        let ended = match &self.decider {
+            Decider::Controller(c) => c.ended.clone(),
+            Decider::Follower(_) => Default::default(),
+        };
         for node in seen.lost() {
-            if self.lost.contains(&node) {
+            // A follower that took the end of the job leaves: not a loss.
+            if self.lost.contains(&node) || ended.contains(&node) {
                 continue;
             }
             self.lost.push(node);
@@ -692,6 +738,14 @@ impl Driver<'_> {
                 "GPU memory error on a device no local rank uses"
             ),
         }
+    }
+}
+
+/// The next control message from another agent; never, without peers.
+async fn recv(rx: &mut Option<decider::Inbox>) -> Option<(u64, Vec<u8>)> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -2,7 +2,7 @@
 //! state map), `agentctl` status, workers and faults, fault injection, and
 //! `agentctl dump` (answered when the machine's dump is done).
 
-use super::Driver;
+use super::{Decider, Driver};
 use crate::control::ControlMsg;
 use crate::persister::Persister;
 use crate::recovery::Event;
@@ -113,7 +113,22 @@ impl Driver<'_> {
                 };
                 if matches!(r, Response::Registered { .. }) {
                     let checkpoint = self.maps.get(&rank).is_some_and(|m| m.checkpoint.is_some());
-                    let _ = msg.reply.send(r);
+                    match self.decider {
+                        // A follower answers once the controller knows the
+                        // rank, with the start it says: a fault decided on
+                        // meanwhile then counts the rank as protected, and
+                        // a replacement joins the recovery in progress.
+                        Decider::Follower(_) => {
+                            if let Some((old, _)) = self.unanswered.insert(rank, (msg.reply, r)) {
+                                let _ = old.send(Response::Error {
+                                    message: format!("rank {rank} registered again"),
+                                });
+                            }
+                        }
+                        Decider::Controller(_) => {
+                            let _ = msg.reply.send(r);
+                        }
+                    }
                     self.feed(sup, Event::Registered { rank, checkpoint });
                     return;
                 }
@@ -128,7 +143,7 @@ impl Driver<'_> {
             } => self.inject(sup, rank, fault, buffer.as_deref(), offset, at_step),
             Request::Status => Response::Status(Box::new(self.status(sup))),
             Request::Workers => Response::Workers(self.workers(sup)),
-            Request::Faults => Response::Faults(self.machine.faults().to_vec()),
+            Request::Faults => Response::Faults(self.decider.faults().to_vec()),
         };
         let _ = msg.reply.send(response);
     }
@@ -279,7 +294,7 @@ impl Driver<'_> {
                 }
             }
         }
-        let start = self.machine.start_mode();
+        let start = self.decider.start_mode();
         tracing::info!(rank, pid, ?start, "worker registered");
         self.maps.insert(rank, Arc::new(map));
         Ok(Response::Registered {
@@ -340,15 +355,15 @@ impl Driver<'_> {
             job: self.cfg.job_id.to_string(),
             world_size: self.cfg.world_size(),
             local_ranks: self.cfg.nproc_per_node,
-            epoch: self.machine.epoch(),
+            epoch: self.decider.epoch(),
             modes: self.cfg.ha.modes,
             uptime_s: self.started.elapsed().as_secs_f64(),
-            recovering: self.machine.recovering(),
-            activity: Some(self.machine.activity()),
+            recovering: self.decider.recovering(),
+            activity: Some(self.decider.activity()),
             store: self.store.as_ref().map(StoreServer::stats),
             store_addr: self.store.as_ref().map(|s| s.local_addr().to_string()),
             workers: self.workers(sup),
-            faults: self.machine.faults().to_vec(),
+            faults: self.decider.faults().to_vec(),
             persist: self
                 .persister
                 .as_ref()
@@ -402,7 +417,7 @@ impl Driver<'_> {
                     step: s.map_or(0, |s| s.page().step()),
                     epoch: s.map_or(0, |s| s.page().epoch()),
                     heartbeat: s.map_or(0, |s| s.page().heartbeat()),
-                    restarts: u64::from(self.machine.restarts(rank)),
+                    restarts: u64::from(self.decider.restarts(rank)),
                     last_snapshot: last.map(|i| SnapshotReport {
                         step: i.step,
                         age_s: now_ns.saturating_sub(i.sealed_at_unix_ns) as f64 / 1e9,
@@ -410,7 +425,7 @@ impl Driver<'_> {
                     }),
                     last_commit_ms: (commits > 0).then(|| commit_ns as f64 / 1e6),
                     last_commit_blocking_ms: (commits > 0).then(|| block_ns as f64 / 1e6),
-                    protected: self.machine.protected(rank),
+                    protected: self.decider.protected(rank),
                 }
             })
             .collect()

@@ -31,11 +31,12 @@ pub use watchdog::HangPolicy;
 
 use crate::reaper::ExitStatus;
 use hatrain_shared::shm::{Directive, Phase};
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 /// What the machine sees of one rank at a tick: its process and its
 /// control page.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankView {
     pub rank: usize,
     /// Its process runs.
@@ -71,7 +72,7 @@ impl RankView {
 }
 
 /// A checkpoint the dump wrote (or found already on disk).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Written {
     pub iteration: u64,
     /// The save directory (`--load` it to resume).
@@ -82,7 +83,7 @@ pub struct Written {
 }
 
 /// What happened, as the event loop saw it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
     /// Every rank's control page and process, read now.
     Tick(Vec<RankView>),
@@ -137,7 +138,7 @@ pub enum Event {
 }
 
 /// What else the agent knows of why a worker ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ExitCause {
     /// Nothing beyond its exit status.
     Status,
@@ -150,7 +151,7 @@ pub enum ExitCause {
 }
 
 /// What the event loop is to do.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
     Post {
         rank: usize,
@@ -208,7 +209,7 @@ pub struct Note {
 }
 
 /// How a job ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Outcome {
     Succeeded,
     WorkerFailed {

@@ -450,9 +450,8 @@ impl Machine {
 
     /// Another host is gone with its ranks. Their state lives on in their
     /// peer replicas, but bringing them back (on a standby, or by shrinking
-    /// the group) is the job controller's work, which this version does not
-    /// have: the job stops, saying so. No last-words checkpoint is written
-    /// from this host alone: it could not hold every rank.
+    /// the group) is not built yet: the job stops, saying so. No
+    /// last-words checkpoint is written: no persister holds every rank.
     pub(super) fn host_lost(
         &mut self,
         now: Duration,
@@ -465,7 +464,7 @@ impl Machine {
         }
         let first = ranks.first().copied().unwrap_or(0);
         let reason = format!(
-            "host {node} holds ranks {ranks:?}: recovering them needs the job controller, which this version does not have"
+            "host {node} holds ranks {ranks:?}: bringing them back (on a standby agent, or by shrinking the group) is not supported yet"
         );
         self.out.notes.push(Note {
             level: Level::Error,

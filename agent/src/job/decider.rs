@@ -1,0 +1,777 @@
+//! Who decides for a host: the job's controller, or a follower of it.
+//!
+//! One recovery machine decides for the whole job. On one node it runs in
+//! the host's own agent over the host's ranks; on several nodes (with a
+//! high-availability mode on) it runs in node 0's agent over every rank of
+//! the job, and every other agent follows it. The event loop is the same
+//! in both roles: it gathers events and carries commands out on its own
+//! ranks. What differs is where events go and where commands come from:
+//!
+//! - the **controller** feeds its own events to the machine, and the
+//!   followers' as their reports come ([`Up::Report`]: the host's control
+//!   pages as [`RankView`]s, and what happened). Each command goes to the
+//!   host of its rank; a collection, a group restart, an answer to a dump
+//!   and the end of the job go to every host. A collection is complete when
+//!   every host has verified its ranks' snapshots ([`Up::Collected`]).
+//!   With each batch of orders goes the machine's state as followers show
+//!   it (epoch, activity, faults; a [`Mirror`]) when it changed.
+//! - a **follower** sends its events at once, and its views on every tick
+//!   they changed (and every [`REPORT_EVERY`] anyway); it carries out the
+//!   orders ([`Down`]) on its ranks, refusing any of a term older than the
+//!   newest it has seen (a fencing token: a controller that lost its place
+//!   cannot act). It stops with the controller's outcome, or on its own
+//!   when the controller's host is lost.
+//!
+//! Messages travel as JSON in authenticated [`hatrain_shared::peer`]
+//! frames on the heartbeat sessions; a message that does not parse is
+//! dropped and logged.
+
+use super::{Collected, Driver, log};
+use crate::recovery::{Command, Event, Machine, Outcome, RankView, Written};
+use crate::supervisor::Supervisor;
+use hatrain_shared::control::{FaultKind, FaultRecord, Response, StartMode};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+pub(super) use crate::coordinator::wire::Inbox;
+
+/// A follower reports its views at least this often, changed or not.
+pub const REPORT_EVERY: Duration = Duration::from_millis(250);
+
+/// The node whose agent hosts the controller.
+pub const CONTROLLER: u64 = 0;
+
+/// A follower to the controller.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Up {
+    /// The host's ranks as seen now, and what happened since the last
+    /// report (in order).
+    Report {
+        views: Vec<RankView>,
+        events: Vec<Event>,
+    },
+    /// The host's ranks' verified snapshot steps, for the collection of
+    /// `epoch`.
+    Collected {
+        epoch: u64,
+        steps: Vec<(usize, Vec<u64>)>,
+    },
+    /// The end of the job arrived: the follower stops its workers and
+    /// leaves.
+    Ended,
+}
+
+/// The controller to a follower: commands for its ranks (in order), under
+/// the controller's term, and the machine's state when it changed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct Down {
+    pub term: u64,
+    pub mirror: Option<Mirror>,
+    pub commands: Vec<Command>,
+    /// Registrations the controller took, with how each rank starts.
+    #[serde(default)]
+    pub registered: Vec<(usize, StartMode)>,
+}
+
+/// The machine's state as a follower shows it (`agentctl status`, the
+/// job's summary) and starts its replacements by.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(super) struct Mirror {
+    pub epoch: u64,
+    pub recovering: bool,
+    pub activity: String,
+    pub faults: Vec<FaultRecord>,
+    pub restarts: BTreeMap<usize, u32>,
+    pub protected: BTreeSet<usize>,
+    pub last_words: Option<Written>,
+    pub group_restarts: u32,
+}
+
+/// Where a command is carried out.
+#[derive(Debug, PartialEq)]
+enum Routed {
+    Here(Command),
+    There(u64, Command),
+}
+
+/// A collection in progress: the hosts that verified their snapshots.
+#[derive(Debug)]
+struct Gather {
+    epoch: u64,
+    got: BTreeMap<u64, Vec<(usize, Vec<u64>)>>,
+}
+
+/// The job's recovery machine, and what it needs to reach every host.
+#[derive(Debug)]
+pub(super) struct Controller {
+    pub machine: Machine,
+    /// Nodes it decides for (1: this host alone).
+    nodes: u64,
+    node: u64,
+    per_node: usize,
+    gather: Option<Gather>,
+    /// The state last sent to the followers.
+    sent: Option<Mirror>,
+    /// Followers that took the end of the job.
+    pub ended: BTreeSet<u64>,
+}
+
+impl Controller {
+    pub fn new(machine: Machine, nodes: usize, node: usize, per_node: usize) -> Self {
+        Self {
+            machine,
+            nodes: nodes as u64,
+            node: node as u64,
+            per_node,
+            gather: None,
+            sent: None,
+            ended: BTreeSet::new(),
+        }
+    }
+
+    /// The node holding `rank`.
+    fn node_of(&self, rank: usize) -> u64 {
+        if self.nodes == 1 {
+            self.node
+        } else {
+            (rank / self.per_node) as u64
+        }
+    }
+
+    fn others(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.nodes).filter(move |&n| n != self.node)
+    }
+
+    /// Where `c` is carried out.
+    fn route(&mut self, c: Command) -> Vec<Routed> {
+        let to = |n: u64, c: Command| {
+            if n == self.node {
+                Routed::Here(c)
+            } else {
+                Routed::There(n, c)
+            }
+        };
+        match c {
+            Command::Post { rank, .. } | Command::Kill { rank } | Command::Respawn { rank, .. } => {
+                vec![to(self.node_of(rank), c)]
+            }
+            Command::Collect { epoch } => {
+                self.gather = Some(Gather {
+                    epoch,
+                    got: BTreeMap::new(),
+                });
+                let mut out: Vec<Routed> =
+                    self.others().map(|n| Routed::There(n, c.clone())).collect();
+                out.push(Routed::Here(c));
+                out
+            }
+            // INVARIANT: a checkpoint is written only from every rank's
+            // snapshot; this host's persister holds its own ranks only, and
+            // refuses a checkpoint without all of them.
+            Command::Write { .. } => vec![Routed::Here(c)],
+            Command::RestartGroup { .. } | Command::DumpDone(_) | Command::Finish(_) => {
+                let mut out: Vec<Routed> =
+                    self.others().map(|n| Routed::There(n, c.clone())).collect();
+                out.push(Routed::Here(c));
+                out
+            }
+        }
+    }
+
+    /// Node `node`'s verified steps for the collection of `epoch`; the
+    /// whole collection once every host's are in.
+    fn gathered(&mut self, node: u64, epoch: u64, steps: Vec<(usize, Vec<u64>)>) -> Option<Event> {
+        let g = self.gather.as_mut().filter(|g| g.epoch == epoch)?;
+        g.got.insert(node, steps);
+        if (g.got.len() as u64) < self.nodes {
+            return None;
+        }
+        let g = self.gather.take()?;
+        Some(Event::Collected {
+            epoch,
+            steps: g.got.into_values().flatten().collect(),
+        })
+    }
+
+    /// Whether every follower took the end of the job, or is lost.
+    pub fn all_ended(&self, lost: &[u64]) -> bool {
+        self.others()
+            .all(|n| self.ended.contains(&n) || lost.contains(&n))
+    }
+
+    fn mirror(&self) -> Mirror {
+        let m = &self.machine;
+        let ranks = 0..self.nodes as usize * self.per_node;
+        Mirror {
+            epoch: m.epoch(),
+            recovering: m.recovering(),
+            activity: m.activity(),
+            faults: m.faults().to_vec(),
+            restarts: ranks
+                .clone()
+                .map(|r| (r, m.restarts(r)))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+            protected: ranks.filter(|&r| m.protected(r)).collect(),
+            last_words: m.last_words().cloned(),
+            group_restarts: m.group_restarts(),
+        }
+    }
+}
+
+/// A host that follows the controller.
+#[derive(Debug)]
+pub(super) struct Follower {
+    pub mirror: Mirror,
+    /// The newest controller term seen.
+    term: u64,
+    /// The views last reported, and when.
+    last: Option<(Instant, Vec<RankView>)>,
+    /// Set when a shutdown was passed on: a controller that has not ended
+    /// the job by then is not coming.
+    pub shutdown_by: Option<Instant>,
+    /// The controller ended the job.
+    pub ended: bool,
+}
+
+impl Follower {
+    pub fn new() -> Self {
+        Self {
+            mirror: Mirror::default(),
+            term: 0,
+            last: None,
+            shutdown_by: None,
+            ended: false,
+        }
+    }
+}
+
+/// Who decides for this host.
+#[derive(Debug)]
+pub(super) enum Decider {
+    Controller(Box<Controller>),
+    Follower(Box<Follower>),
+}
+
+impl Decider {
+    pub fn epoch(&self) -> u64 {
+        match self {
+            Self::Controller(c) => c.machine.epoch(),
+            Self::Follower(f) => f.mirror.epoch,
+        }
+    }
+
+    pub fn recovering(&self) -> bool {
+        match self {
+            Self::Controller(c) => c.machine.recovering(),
+            Self::Follower(f) => f.mirror.recovering,
+        }
+    }
+
+    pub fn activity(&self) -> String {
+        match self {
+            Self::Controller(c) => c.machine.activity(),
+            Self::Follower(f) if f.mirror.activity.is_empty() => "following the controller".into(),
+            Self::Follower(f) => format!(
+                "{} (the controller on node {CONTROLLER})",
+                f.mirror.activity
+            ),
+        }
+    }
+
+    pub fn faults(&self) -> &[FaultRecord] {
+        match self {
+            Self::Controller(c) => c.machine.faults(),
+            Self::Follower(f) => &f.mirror.faults,
+        }
+    }
+
+    pub fn restarts(&self, rank: usize) -> u32 {
+        match self {
+            Self::Controller(c) => c.machine.restarts(rank),
+            Self::Follower(f) => f.mirror.restarts.get(&rank).copied().unwrap_or(0),
+        }
+    }
+
+    pub fn protected(&self, rank: usize) -> bool {
+        match self {
+            Self::Controller(c) => c.machine.protected(rank),
+            Self::Follower(f) => f.mirror.protected.contains(&rank),
+        }
+    }
+
+    pub fn last_words(&self) -> Option<&Written> {
+        match self {
+            Self::Controller(c) => c.machine.last_words(),
+            Self::Follower(f) => f.mirror.last_words.as_ref(),
+        }
+    }
+
+    pub fn group_restarts(&self) -> u32 {
+        match self {
+            Self::Controller(c) => c.machine.group_restarts(),
+            Self::Follower(f) => f.mirror.group_restarts,
+        }
+    }
+
+    /// How a rank that registers now starts: normally while the job runs,
+    /// else it waits for a directive (a replacement joins the recovery).
+    pub fn start_mode(&self) -> StartMode {
+        match self {
+            Self::Controller(c) => c.machine.start_mode(),
+            Self::Follower(f) if f.mirror.recovering => StartMode::AwaitDirective,
+            Self::Follower(f) => StartMode::Fresh {
+                epoch: f.mirror.epoch,
+            },
+        }
+    }
+}
+
+impl Driver<'_> {
+    /// Takes an event of this host: decided here by the controller, or
+    /// reported to it.
+    pub(super) fn feed(&mut self, sup: &mut Supervisor, event: Event) {
+        match &mut self.decider {
+            Decider::Controller(_) => self.decide(sup, event),
+            Decider::Follower(f) => match event {
+                Event::Tick(views) => self.report(views, Vec::new(), true),
+                event => {
+                    if event == Event::Shutdown {
+                        f.shutdown_by = Some(
+                            Instant::now() + self.cfg.ha.host_timeout + Duration::from_secs(2),
+                        );
+                    }
+                    let views = self.views(sup);
+                    self.report(views, vec![event], true);
+                }
+            },
+        }
+    }
+
+    /// The machine decides on `event`, and what it decides is carried out
+    /// here and sent to the other hosts, with whatever follows from that.
+    fn decide(&mut self, sup: &mut Supervisor, event: Event) {
+        let mut queue = VecDeque::from([event]);
+        let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
+        while let Some(e) = queue.pop_front() {
+            let now = self.now();
+            let Decider::Controller(c) = &mut self.decider else {
+                return;
+            };
+            let step = c.machine.step(now, e);
+            for n in &step.notes {
+                log(n);
+            }
+            let routed: Vec<Routed> = step.commands.into_iter().flat_map(|x| c.route(x)).collect();
+            for r in routed {
+                match r {
+                    Routed::Here(cmd) => {
+                        if let Some(follow) = self.carry_out(sup, cmd) {
+                            queue.push_back(follow);
+                        }
+                    }
+                    Routed::There(n, cmd) => orders.entry(n).or_default().push(cmd),
+                }
+            }
+        }
+        self.send_orders(orders);
+    }
+
+    /// Sends each follower its commands, and to every follower the
+    /// machine's state when it changed.
+    fn send_orders(&mut self, mut orders: BTreeMap<u64, Vec<Command>>) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        if c.nodes == 1 {
+            return;
+        }
+        let Some(peers) = &self.peers else {
+            return;
+        };
+        let mirror = c.mirror();
+        let changed = c.sent.as_ref() != Some(&mirror);
+        if changed {
+            c.sent = Some(mirror.clone());
+        }
+        let term = peers.membership.seen().view.term;
+        for n in c.others() {
+            let commands = orders.remove(&n).unwrap_or_default();
+            if commands.is_empty() && !changed {
+                continue;
+            }
+            let down = Down {
+                term,
+                mirror: changed.then(|| mirror.clone()),
+                commands,
+                registered: Vec::new(),
+            };
+            match serde_json::to_vec(&down) {
+                Ok(bytes) => peers.membership.send(n, &bytes),
+                Err(e) => tracing::error!(node = n, error = %e, "orders not encoded"),
+            }
+        }
+    }
+
+    /// Tells `node` the registrations the machine took, and how each rank
+    /// starts (after the commands they led to, sent already).
+    fn send_registered(&self, node: u64, registered: Vec<(usize, StartMode)>) {
+        let Some(peers) = &self.peers else {
+            return;
+        };
+        let down = Down {
+            term: peers.membership.seen().view.term,
+            mirror: None,
+            commands: Vec::new(),
+            registered,
+        };
+        match serde_json::to_vec(&down) {
+            Ok(bytes) => peers.membership.send(node, &bytes),
+            Err(e) => tracing::error!(node, error = %e, "orders not encoded"),
+        }
+    }
+
+    /// A follower sends the controller its views (when they changed, or
+    /// `force`) and its events.
+    fn report(&mut self, views: Vec<RankView>, events: Vec<Event>, force: bool) {
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
+        let stale = f
+            .last
+            .as_ref()
+            .is_none_or(|(at, v)| *v != views || at.elapsed() >= REPORT_EVERY);
+        if !(force || stale || !events.is_empty()) {
+            return;
+        }
+        f.last = Some((Instant::now(), views.clone()));
+        self.send_up(&Up::Report { views, events });
+    }
+
+    fn send_up(&self, up: &Up) {
+        let Some(peers) = &self.peers else {
+            return;
+        };
+        match serde_json::to_vec(up) {
+            Ok(bytes) => peers.membership.send(CONTROLLER, &bytes),
+            Err(e) => tracing::error!(error = %e, "report not encoded"),
+        }
+    }
+
+    /// This host's views on a tick: decided on, or reported when changed.
+    pub(super) fn tick_views(&mut self, sup: &mut Supervisor) {
+        let views = self.views(sup);
+        match &self.decider {
+            Decider::Controller(_) => self.feed(sup, Event::Tick(views)),
+            Decider::Follower(_) => self.report(views, Vec::new(), false),
+        }
+    }
+
+    /// This host's ranks' snapshots were verified.
+    pub(super) fn on_collected(&mut self, sup: &mut Supervisor, c: Collected) {
+        for (rank, why) in &c.rejected {
+            tracing::warn!(rank, error = %why, "snapshot slot rejected");
+        }
+        match &mut self.decider {
+            Decider::Controller(ctl) => {
+                let node = ctl.node;
+                if let Some(e) = ctl.gathered(node, c.epoch, c.steps) {
+                    self.decide(sup, e);
+                }
+            }
+            Decider::Follower(_) => self.send_up(&Up::Collected {
+                epoch: c.epoch,
+                steps: c.steps,
+            }),
+        }
+    }
+
+    /// A control message from another agent.
+    pub(super) fn on_peer(&mut self, sup: &mut Supervisor, from: u64, bytes: &[u8]) {
+        match &self.decider {
+            Decider::Controller(_) => match serde_json::from_slice::<Up>(bytes) {
+                Ok(up) => self.on_up(sup, from, up),
+                Err(e) => tracing::warn!(node = from, error = %e, "a host's report refused"),
+            },
+            Decider::Follower(_) if from != CONTROLLER => {
+                tracing::warn!(
+                    node = from,
+                    "orders from a node that is not the controller refused"
+                );
+            }
+            Decider::Follower(_) => match serde_json::from_slice::<Down>(bytes) {
+                Ok(down) => self.on_down(sup, down),
+                Err(e) => tracing::warn!(error = %e, "the controller's orders refused"),
+            },
+        }
+    }
+
+    fn on_up(&mut self, sup: &mut Supervisor, from: u64, up: Up) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        if from >= c.nodes || from == c.node {
+            tracing::warn!(node = from, "a report from a node outside the job refused");
+            return;
+        }
+        let first = from as usize * c.per_node;
+        let ours = |rank: usize| (first..first + c.per_node).contains(&rank);
+        match up {
+            Up::Report { views, events } => {
+                if let Some(v) = views.iter().find(|v| !ours(v.rank)) {
+                    tracing::warn!(
+                        node = from,
+                        rank = v.rank,
+                        "a report on another host's rank refused"
+                    );
+                    return;
+                }
+                if !views.is_empty() {
+                    self.decide(sup, Event::Tick(views));
+                }
+                let mut registered = Vec::new();
+                for e in events {
+                    let rank = match e {
+                        Event::Registered { rank, .. } => Some(rank),
+                        _ => None,
+                    };
+                    self.decide(sup, e);
+                    if let (Some(rank), Decider::Controller(c)) = (rank, &self.decider) {
+                        registered.push((rank, c.machine.start_mode()));
+                    }
+                }
+                if !registered.is_empty() {
+                    self.send_registered(from, registered);
+                }
+            }
+            Up::Collected { epoch, steps } => {
+                let steps = steps.into_iter().filter(|(r, _)| ours(*r)).collect();
+                if let Some(e) = c.gathered(from, epoch, steps) {
+                    self.decide(sup, e);
+                }
+            }
+            Up::Ended => {
+                c.ended.insert(from);
+            }
+        }
+    }
+
+    fn on_down(&mut self, sup: &mut Supervisor, down: Down) {
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
+        if down.term < f.term {
+            tracing::warn!(
+                term = down.term,
+                newest = f.term,
+                "orders of an older controller term refused"
+            );
+            return;
+        }
+        f.term = down.term;
+        if let Some(m) = down.mirror {
+            f.mirror = m;
+        }
+        for (rank, start) in down.registered {
+            if let Some((reply, mut answer)) = self.unanswered.remove(&rank) {
+                if let Response::Registered { start: s, .. } = &mut answer {
+                    *s = start;
+                }
+                tracing::info!(rank, ?start, "registration taken by the controller");
+                let _ = reply.send(answer);
+            }
+        }
+        let mut follow = Vec::new();
+        for c in down.commands {
+            let end = matches!(c, Command::Finish(_));
+            if let Command::Finish(outcome) = &c {
+                tracing::info!(?outcome, "the controller ended the job");
+            }
+            if let Some(e) = self.carry_out(sup, c) {
+                follow.push(e);
+            }
+            if end {
+                if let Decider::Follower(f) = &mut self.decider {
+                    f.ended = true;
+                }
+                self.send_up(&Up::Ended);
+            }
+        }
+        if !follow.is_empty() {
+            let views = self.views(sup);
+            self.report(views, follow, true);
+        }
+    }
+
+    /// A lost host: the controller decides; a follower that lost the
+    /// controller's host stops, since nobody decides for it any more.
+    pub(super) fn on_host_lost(&mut self, sup: &mut Supervisor, e: Event) {
+        match &mut self.decider {
+            Decider::Controller(_) => self.feed(sup, e),
+            Decider::Follower(f) => {
+                let Event::HostLost {
+                    node,
+                    ranks,
+                    detail,
+                } = e
+                else {
+                    return;
+                };
+                if node != CONTROLLER || f.ended {
+                    // The controller decides about the others.
+                    return;
+                }
+                tracing::error!(
+                    node,
+                    ?ranks,
+                    detail,
+                    "the controller's host is lost: stopping"
+                );
+                let detected = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                f.mirror.faults.push(FaultRecord {
+                    id: f.mirror.faults.len() as u64 + 1,
+                    ranks,
+                    kind: FaultKind::HostLost,
+                    detail,
+                    detected_unix_s: detected,
+                    s_star: None,
+                    action: "stop the job".into(),
+                    recovery_s: None,
+                    steps_lost: None,
+                    reason: format!(
+                        "host {node} runs the job's controller: taking over from it needs a successor, which this version does not have"
+                    ),
+                });
+                self.outcome = Some(Outcome::RecoveryFailed);
+            }
+        }
+    }
+
+    /// A follower whose shutdown the controller did not answer in time
+    /// stops by itself.
+    pub(super) fn shutdown_unanswered(&mut self) {
+        if let Decider::Follower(f) = &self.decider
+            && f.shutdown_by.is_some_and(|by| Instant::now() >= by)
+        {
+            tracing::warn!("the controller did not end the job after a shutdown: stopping");
+            self.outcome = Some(Outcome::Interrupted);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recovery::{HangPolicy, MachineConfig, RestartPolicy};
+    use hatrain_shared::ha::HaModes;
+    use hatrain_shared::shm::Directive;
+
+    fn controller(nodes: usize, per_node: usize) -> Controller {
+        let cfg = MachineConfig {
+            modes: HaModes {
+                dump: true,
+                retry: false,
+                recover: true,
+                elastic: false,
+            },
+            restart: RestartPolicy::default(),
+            hang: HangPolicy::default(),
+            pause_timeout: Duration::from_secs(1),
+            group_restarts: 0,
+            register_timeout: Duration::from_secs(3),
+        };
+        let machine = Machine::new(cfg, (0..nodes * per_node).collect(), 0.0);
+        Controller::new(machine, nodes, 0, per_node)
+    }
+
+    #[test]
+    fn commands_go_to_the_host_of_their_rank_and_the_job_wide_ones_everywhere() {
+        let mut c = controller(3, 2);
+        let post = |rank| Command::Post {
+            rank,
+            directive: Directive::Pause { epoch: 1 },
+        };
+        assert_eq!(c.route(post(1)), vec![Routed::Here(post(1))]);
+        assert_eq!(c.route(post(4)), vec![Routed::There(2, post(4))]);
+        assert_eq!(
+            c.route(Command::Kill { rank: 3 }),
+            vec![Routed::There(1, Command::Kill { rank: 3 })]
+        );
+        let end = Command::Finish(Outcome::Succeeded);
+        assert_eq!(
+            c.route(end.clone()),
+            vec![
+                Routed::There(1, end.clone()),
+                Routed::There(2, end.clone()),
+                Routed::Here(end)
+            ]
+        );
+        // A checkpoint is written by this host's persister alone, which
+        // refuses one without every rank.
+        let write = Command::Write { epoch: 2, step: 9 };
+        assert_eq!(c.route(write.clone()), vec![Routed::Here(write)]);
+        // One host: everything is here.
+        let mut one = controller(1, 4);
+        assert_eq!(one.route(post(3)), vec![Routed::Here(post(3))]);
+    }
+
+    #[test]
+    fn a_collection_is_whole_once_every_host_verified_its_ranks() {
+        let mut c = controller(3, 1);
+        let routed = c.route(Command::Collect { epoch: 4 });
+        assert_eq!(routed.len(), 3, "{routed:?}");
+        assert_eq!(c.gathered(1, 4, vec![(1, vec![9, 8])]), None);
+        // Another epoch's answer is stale, and changes nothing.
+        assert_eq!(c.gathered(2, 3, vec![(2, vec![7])]), None);
+        assert_eq!(c.gathered(0, 4, vec![(0, vec![9])]), None);
+        let whole = c.gathered(2, 4, vec![(2, vec![9, 8])]);
+        assert_eq!(
+            whole,
+            Some(Event::Collected {
+                epoch: 4,
+                steps: vec![(0, vec![9]), (1, vec![9, 8]), (2, vec![9, 8])]
+            })
+        );
+        // Done: a late answer starts nothing.
+        assert_eq!(c.gathered(1, 4, vec![(1, vec![9])]), None);
+    }
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_an_error() {
+        let up = Up::Report {
+            views: vec![RankView::absent(3)],
+            events: vec![Event::Registered {
+                rank: 3,
+                checkpoint: true,
+            }],
+        };
+        let bytes = serde_json::to_vec(&up).unwrap();
+        assert_eq!(serde_json::from_slice::<Up>(&bytes).unwrap(), up);
+        let down = Down {
+            term: 2,
+            mirror: Some(controller(2, 1).mirror()),
+            commands: vec![Command::Respawn {
+                rank: 1,
+                restarts: 1,
+            }],
+            registered: vec![(1, StartMode::AwaitDirective)],
+        };
+        let bytes = serde_json::to_vec(&down).unwrap();
+        assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);
+        for junk in [&b""[..], b"{}", b"[1,2]", b"\xff\xfe", b"{\"report\":{}}"] {
+            assert!(serde_json::from_slice::<Up>(junk).is_err());
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic_the_decoders(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let _ = serde_json::from_slice::<Up>(&bytes);
+            let _ = serde_json::from_slice::<Down>(&bytes);
+        }
+    }
+}
