@@ -362,6 +362,7 @@ fn reboot_node(
     ports: (u16, u16),
     secret: &Path,
     train: &[String],
+    extra: &[&str],
 ) -> Command {
     let mut c = Command::new(agent());
     c.args(["launch", "--nnodes", &nodes.to_string()])
@@ -379,6 +380,7 @@ fn reboot_node(
         .arg(secret)
         .arg("--shm-root")
         .arg(shm)
+        .args(extra)
         .arg("--")
         .arg(trainer())
         .args(train)
@@ -417,7 +419,7 @@ fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
     args.extend(["--log-jsonl".into(), log.display().to_string()]);
     let mut agents: Vec<Job> = (0..3)
         .map(|k| {
-            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args);
+            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &[]);
             // Rank 3 (host 1) dies at step 15, rank 4 (host 2) hangs at
             // step 30, rank 0 (host 0, the controller's) dies at step 45.
             c.env(
@@ -475,6 +477,112 @@ fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
             left.is_empty(),
             "left behind in {}: {left:?}",
             root.display()
+        );
+    }
+}
+
+/// Three hosts of two ranks and one standby agent. While the job stands
+/// still (rank 0 naps in step 30, so every replica catches up), host 1
+/// vanishes: its agent and workers SIGKILLed, its shared memory deleted.
+/// The controller gives its ranks to the standby, whose stores are filled
+/// from their replicas on host 2; every rank resumes from s\* and the run
+/// ends with every step's loss and the final checksum of one host with six
+/// ranks.
+#[test]
+fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let reference = {
+        let log = tmp.path().join("ref.jsonl");
+        let mut args = train.clone();
+        args.extend(["--log-jsonl".into(), log.display().to_string()]);
+        assert_success(&run_launch(6, "standby-ref", &args), "one host, six ranks");
+        read_log(&log)
+    };
+    let secret = secret_file(tmp.path());
+    let shm: Vec<PathBuf> = (0..4)
+        .map(|k| tmp.path().join(format!("host{k}")))
+        .collect();
+    let job = job_id("standby");
+    let ports = (free_port(), free_port());
+    let log = tmp.path().join("run.jsonl");
+    let mut args = train.clone();
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    let mut agents: Vec<Job> = (0..4)
+        .map(|k| {
+            let extra: &[&str] = if k == 3 {
+                &["--standby-nodes", "1", "--standby"]
+            } else {
+                &["--standby-nodes", "1"]
+            };
+            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, extra);
+            c.env("HATRAIN_FAULT_PLAN", "0:30:forward:sleep4000");
+            host_job(c, &job, k)
+        })
+        .collect();
+    let socket = |k: usize| shm[k].join(&job).join("agent.sock");
+    // Host 2 holds host 1's ranks ((1 + 1) mod 3) at step 29, where the
+    // job stands still.
+    let caught_up = poll_agentctl(&socket(2), "status", Duration::from_secs(120), |v| {
+        let held = v["status"]["replicas"]["held"].as_array()?;
+        let at = |rank: u64| {
+            held.iter()
+                .any(|h| h["rank"] == rank && h["steps"][0].as_u64().is_some_and(|s| s >= 29))
+        };
+        (at(2) && at(3)).then_some(())
+    });
+    assert!(
+        caught_up.is_some(),
+        "host 2 never held ranks 2 and 3 at step 29"
+    );
+
+    kill_job(&format!("{job}-h1"));
+    let _ = agents[1].wait_output(Duration::from_secs(30));
+    std::fs::remove_dir_all(&shm[1]).unwrap();
+
+    let outs: Vec<_> = [0usize, 2, 3]
+        .iter()
+        .map(|&k| (k, agents[k].wait_output(Duration::from_secs(300))))
+        .collect();
+    for (k, out) in &outs {
+        assert_success(out, &format!("host {k}"));
+    }
+    let err = |k: usize| {
+        outs.iter()
+            .find(|(h, _)| *h == k)
+            .map(|(_, o)| String::from_utf8_lossy(&o.stderr).into_owned())
+            .unwrap_or_default()
+    };
+    let controller = err(0);
+    assert!(
+        controller.contains("host 1 lost: recovering on a standby host")
+            && controller.contains("ranks=[2, 3] s_star="),
+        "the controller recovered host 1's ranks on the standby:\n{controller}"
+    );
+    let standby = err(3);
+    for rank in [2, 3] {
+        assert!(
+            standby.contains(&format!("store filled from the peer replica rank={rank}")),
+            "the standby filled rank {rank} from its replica:\n{standby}"
+        );
+    }
+    let run = read_log(&log);
+    assert_eq!(
+        final_losses(&run),
+        final_losses(&reference),
+        "every step's loss"
+    );
+    assert_eq!(final_checksum(&run), final_checksum(&reference));
+    for k in [0usize, 2, 3] {
+        let left: Vec<_> = std::fs::read_dir(&shm[k])
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(
+            left.is_empty(),
+            "left behind in {}: {left:?}",
+            shm[k].display()
         );
     }
 }

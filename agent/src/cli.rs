@@ -189,4 +189,14 @@ pub struct HaArgs {
     /// (default: the local address of the route to --master-addr).
     #[arg(long)]
     pub local_addr: Option<std::net::IpAddr>,
+    /// With several nodes: spare agents of the job, started with
+    /// `--standby` and node ranks `--nnodes` and up; every agent of the job
+    /// is given the same count.
+    #[arg(long, default_value_t = 0)]
+    pub standby_nodes: usize,
+    /// This agent is a spare (its `--node-rank` is `--nnodes` or more): it
+    /// starts no worker, and takes the ranks of a lost host, filled from
+    /// their peer replicas.
+    #[arg(long)]
+    pub standby: bool,
 }

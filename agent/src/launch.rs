@@ -89,6 +89,10 @@ pub struct HaSettings {
     /// The address peers send replicas to (default: the route to the
     /// master address).
     pub local_addr: Option<std::net::IpAddr>,
+    /// Spare agents of the job (node ranks `nnodes..nnodes + standby_nodes`).
+    pub standby_nodes: usize,
+    /// This agent is one of them.
+    pub standby: bool,
 }
 
 /// Where the workers' output goes (torchrun's `--log-dir`, `--redirects`,
@@ -117,6 +121,8 @@ impl Default for HaSettings {
             failure_domain: None,
             host_timeout: Duration::from_secs(3),
             local_addr: None,
+            standby_nodes: 0,
+            standby: false,
         }
     }
 }
@@ -254,10 +260,32 @@ impl LaunchConfig {
         if self.nnodes == 0 || self.nproc_per_node == 0 {
             return bad("--nnodes and --nproc-per-node must be at least 1".into());
         }
-        if self.node_rank >= self.nnodes {
+        if self.ha.standby {
+            if self.node_rank < self.nnodes || self.node_rank >= self.nnodes + self.ha.standby_nodes
+            {
+                return bad(format!(
+                    "a --standby agent takes a node rank from --nnodes {} to --nnodes + --standby-nodes - 1 ({}); node rank {} is not one",
+                    self.nnodes,
+                    self.nnodes + self.ha.standby_nodes.max(1) - 1,
+                    self.node_rank
+                ));
+            }
+            if !self.ha.modes.recover {
+                return bad(
+                    "a --standby agent takes over the ranks of a lost host by worker reboot: give --enable-worker-reboot to every agent"
+                        .into(),
+                );
+            }
+        } else if self.node_rank >= self.nnodes {
             return bad(format!(
-                "node rank {} is outside --nnodes {}",
-                self.node_rank, self.nnodes
+                "node rank {} is outside --nnodes {}{}",
+                self.node_rank,
+                self.nnodes,
+                if self.node_rank < self.nnodes + self.ha.standby_nodes {
+                    " (a spare agent takes --standby)"
+                } else {
+                    ""
+                }
             ));
         }
         if self.nnodes > 1 && self.master_port.is_none() {

@@ -238,6 +238,8 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         host_timeout: seconds("--host-timeout-secs", h.host_timeout_secs)?,
         failure_domain: h.failure_domain.clone(),
         local_addr: h.local_addr,
+        standby_nodes: h.standby_nodes,
+        standby: h.standby,
     };
     if a.standalone && a.nnodes != 1 {
         return Err(LaunchError::Config(format!(

@@ -121,6 +121,22 @@ impl Supervisor {
         Ok(sup)
     }
 
+    /// Takes the ranks of `specs` (a lost host's) without starting them: as
+    /// if their processes had died here, so that [`Supervisor::respawn`]
+    /// starts each when it is told to. Ranks this host has already are
+    /// left as they are.
+    pub fn adopt(&mut self, specs: Vec<WorkerSpec>) {
+        for spec in specs {
+            if self.index(spec.rank).is_some() {
+                continue;
+            }
+            self.ranks.push(spec.rank);
+            self.states
+                .push(WorkerState::Exited(ExitStatus::Signaled(libc::SIGKILL)));
+            self.specs.push(spec);
+        }
+    }
+
     /// Starts `rank` again, with `HATRAIN_RESTART_COUNT=restarts`. The old
     /// process must have been reaped.
     pub fn respawn(&mut self, rank: usize, restarts: u32) -> Result<i32, SupervisorError> {

@@ -257,6 +257,19 @@ struct Peer {
 }
 
 impl Peer {
+    /// Sends a heartbeat if the session is open.
+    fn beat(&mut self, beat: &Beat) {
+        if let Some(s) = &mut self.session {
+            let f = s.seal(Kind::Heartbeat, &[&beat.encode()]);
+            if self.sock.send(f, zmq::DONTWAIT).is_err() {
+                // Not connected: the frame's number is taken back and the
+                // session starts again when it is.
+                s.rewind();
+                self.session = None;
+            }
+        }
+    }
+
     /// Sends the waiting control messages while the session is open.
     fn flush(&mut self) {
         let Some(s) = &mut self.session else {
@@ -410,26 +423,23 @@ impl Driver {
     /// Sends this agent's heartbeat on every open session, and a hello on
     /// every connection without one.
     fn beat(&mut self) {
+        let beat = self.heartbeat();
+        for p in &mut self.peers {
+            p.beat(&beat);
+        }
+        self.greet();
+    }
+
+    /// This agent's heartbeat now.
+    fn heartbeat(&mut self) -> Beat {
         let now = self.now();
         let hb = self.coordinator.heartbeat(now);
-        let beat = Beat {
+        Beat {
             stamp_ns: ns(hb.stamp),
             follows: hb.follows,
             echo_ns: hb.echo.map(ns),
             term: hb.term,
-        };
-        for p in &mut self.peers {
-            if let Some(s) = &mut p.session {
-                let f = s.seal(Kind::Heartbeat, &[&beat.encode()]);
-                if p.sock.send(f, zmq::DONTWAIT).is_err() {
-                    // Not connected: the frame's number is taken back and
-                    // the session starts again when it is.
-                    s.rewind();
-                    p.session = None;
-                }
-            }
         }
-        self.greet();
     }
 
     /// Says hello on every connection without a session (again, after
@@ -519,12 +529,16 @@ impl Driver {
 
     /// Welcomes on a heartbeat connection.
     fn take_answers(&mut self, i: usize) {
+        let beat = self.heartbeat();
         let p = &mut self.peers[i];
         while let Ok(wire) = p.sock.recv_bytes(zmq::DONTWAIT) {
             if let Some((pending, _)) = p.pending.take() {
                 match pending.welcomed(&wire) {
+                    // A heartbeat first: the peer counts this agent as
+                    // joined before any control message of it arrives.
                     Ok((s, _)) if s.peer == p.node => {
                         p.session = Some(s);
+                        p.beat(&beat);
                         p.flush();
                     }
                     Ok((s, _)) => tracing::warn!(

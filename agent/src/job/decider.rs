@@ -73,6 +73,28 @@ pub(super) struct Down {
     /// Registrations the controller took, with how each rank starts.
     #[serde(default)]
     pub registered: Vec<(usize, StartMode)>,
+    /// To a standby: take the ranks of lost host `node` (before the
+    /// commands that start them).
+    #[serde(default)]
+    pub adopt: Option<Adopt>,
+    /// To every host: stream the replicas held of a lost host's ranks to
+    /// the standby that takes them.
+    #[serde(default)]
+    pub give: Option<Give>,
+}
+
+/// A standby takes the ranks of a lost host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct Adopt {
+    pub node: u64,
+    pub ranks: Vec<usize>,
+}
+
+/// The replicas of lost host `node`'s ranks go to standby `to`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct Give {
+    pub node: u64,
+    pub to: u64,
 }
 
 /// The machine's state as a follower shows it (`agentctl status`, the
@@ -111,6 +133,13 @@ pub(super) struct Controller {
     nodes: u64,
     node: u64,
     per_node: usize,
+    /// Hosts that hold ranks now (those lost leave, a standby that takes
+    /// their ranks joins).
+    members: BTreeSet<u64>,
+    /// Standby hosts not used yet, and not lost.
+    spares: BTreeSet<u64>,
+    /// Ranks on another host than their own (taken by a standby).
+    placement: BTreeMap<usize, u64>,
     gather: Option<Gather>,
     /// The state last sent to the followers.
     sent: Option<Mirror>,
@@ -119,12 +148,24 @@ pub(super) struct Controller {
 }
 
 impl Controller {
-    pub fn new(machine: Machine, nodes: usize, node: usize, per_node: usize) -> Self {
+    /// The controller of `nodes` hosts of `per_node` ranks (this one
+    /// `node`), and `spares` standby hosts (node ranks from `nodes` on).
+    pub fn new(
+        machine: Machine,
+        nodes: usize,
+        node: usize,
+        per_node: usize,
+        spares: usize,
+    ) -> Self {
+        let (nodes, spares) = (nodes as u64, spares as u64);
         Self {
             machine,
-            nodes: nodes as u64,
+            nodes,
             node: node as u64,
             per_node,
+            members: (0..nodes).collect(),
+            spares: (nodes..nodes + spares).collect(),
+            placement: BTreeMap::new(),
             gather: None,
             sent: None,
             ended: BTreeSet::new(),
@@ -136,12 +177,53 @@ impl Controller {
         if self.nodes == 1 {
             self.node
         } else {
-            (rank / self.per_node) as u64
+            self.placement
+                .get(&rank)
+                .copied()
+                .unwrap_or((rank / self.per_node) as u64)
         }
     }
 
+    /// The ranks `node` holds now.
+    pub fn ranks_on(&self, node: u64) -> Vec<usize> {
+        (0..self.nodes as usize * self.per_node)
+            .filter(|&r| self.node_of(r) == node)
+            .collect()
+    }
+
+    /// The other hosts holding ranks.
     fn others(&self) -> impl Iterator<Item = u64> + '_ {
-        (0..self.nodes).filter(move |&n| n != self.node)
+        self.members
+            .iter()
+            .copied()
+            .filter(move |&n| n != self.node)
+    }
+
+    /// Every other agent of the job: those holding ranks, and the spares.
+    fn everyone(&self) -> impl Iterator<Item = u64> + '_ {
+        self.others().chain(self.spares.iter().copied())
+    }
+
+    /// Host `node` is lost: its ranks, and the standby that takes them
+    /// (now placed there), if one is left. `None` for a standby (it held
+    /// nothing).
+    pub fn host_lost(&mut self, node: u64, reboot: bool) -> Option<(Vec<usize>, Option<u64>)> {
+        if self.spares.remove(&node) || !self.members.remove(&node) {
+            return None;
+        }
+        let ranks = self.ranks_on(node);
+        let spare = if reboot {
+            self.spares.pop_first()
+        } else {
+            None
+        };
+        if let Some(s) = spare {
+            for &r in &ranks {
+                self.placement.insert(r, s);
+            }
+            self.members.insert(s);
+        }
+        Some((ranks, spare))
     }
 
     /// Where `c` is carried out.
@@ -172,8 +254,10 @@ impl Controller {
             // refuses a checkpoint without all of them.
             Command::Write { .. } => vec![Routed::Here(c)],
             Command::RestartGroup { .. } | Command::DumpDone(_) | Command::Finish(_) => {
-                let mut out: Vec<Routed> =
-                    self.others().map(|n| Routed::There(n, c.clone())).collect();
+                let mut out: Vec<Routed> = self
+                    .everyone()
+                    .map(|n| Routed::There(n, c.clone()))
+                    .collect();
                 out.push(Routed::Here(c));
                 out
             }
@@ -185,7 +269,7 @@ impl Controller {
     fn gathered(&mut self, node: u64, epoch: u64, steps: Vec<(usize, Vec<u64>)>) -> Option<Event> {
         let g = self.gather.as_mut().filter(|g| g.epoch == epoch)?;
         g.got.insert(node, steps);
-        if (g.got.len() as u64) < self.nodes {
+        if self.members.iter().any(|n| !g.got.contains_key(n)) {
             return None;
         }
         let g = self.gather.take()?;
@@ -197,7 +281,7 @@ impl Controller {
 
     /// Whether every follower took the end of the job, or is lost.
     pub fn all_ended(&self, lost: &[u64]) -> bool {
-        self.others()
+        self.everyone()
             .all(|n| self.ended.contains(&n) || lost.contains(&n))
     }
 
@@ -397,7 +481,8 @@ impl Driver<'_> {
             c.sent = Some(mirror.clone());
         }
         let term = peers.membership.seen().view.term;
-        for n in c.others() {
+        let everyone: Vec<u64> = c.everyone().collect();
+        for n in everyone {
             let commands = orders.remove(&n).unwrap_or_default();
             if commands.is_empty() && !changed {
                 continue;
@@ -407,6 +492,8 @@ impl Driver<'_> {
                 mirror: changed.then(|| mirror.clone()),
                 commands,
                 registered: Vec::new(),
+                adopt: None,
+                give: None,
             };
             match serde_json::to_vec(&down) {
                 Ok(bytes) => peers.membership.send(n, &bytes),
@@ -415,9 +502,15 @@ impl Driver<'_> {
         }
     }
 
-    /// Tells `node` the registrations the machine took, and how each rank
-    /// starts (after the commands they led to, sent already).
-    fn send_registered(&self, node: u64, registered: Vec<(usize, StartMode)>) {
+    /// Sends `node` orders outside the machine's commands: a standby's
+    /// adoption, or the hand-over of replicas.
+    fn send_down(
+        &self,
+        node: u64,
+        registered: Vec<(usize, StartMode)>,
+        adopt: Option<Adopt>,
+        give: Option<Give>,
+    ) {
         let Some(peers) = &self.peers else {
             return;
         };
@@ -426,11 +519,104 @@ impl Driver<'_> {
             mirror: None,
             commands: Vec::new(),
             registered,
+            adopt,
+            give,
         };
         match serde_json::to_vec(&down) {
             Ok(bytes) => peers.membership.send(node, &bytes),
             Err(e) => tracing::error!(node, error = %e, "orders not encoded"),
         }
+    }
+
+    /// Streams the replicas this host holds of lost host `g.node`'s ranks
+    /// to the standby `g.to`.
+    fn give(&self, g: &Give) {
+        let Some(p) = &self.peers else {
+            return;
+        };
+        let Some(r) = &p.replicator else {
+            return;
+        };
+        let held: Vec<u64> = r
+            .report()
+            .held
+            .into_iter()
+            .filter(|h| h.from_node == g.node)
+            .map(|h| h.rank)
+            .collect();
+        if held.is_empty() {
+            return;
+        }
+        let Some(endpoint) = p.standbys.lock().expect("not poisoned").get(&g.to).cloned() else {
+            tracing::error!(
+                standby = g.to,
+                "the standby's address is not known: its ranks cannot be filled from here"
+            );
+            return;
+        };
+        let mut stores = Vec::new();
+        for rank in held {
+            let path = crate::replicator::inbox::replica_path(self.dir.path(), rank);
+            match hatrain_shared::shm::Store::open(&path) {
+                Ok(s) => stores.push((rank, std::sync::Arc::new(s))),
+                Err(e) => {
+                    tracing::error!(rank, error = %e, "a replica to hand over cannot be opened")
+                }
+            }
+        }
+        tracing::info!(standby = g.to, ranks = ?stores.iter().map(|s| s.0).collect::<Vec<_>>(), "handing the replicas of a lost host to a standby");
+        r.hand_over(g.to, endpoint, stores);
+    }
+
+    /// A standby takes a lost host's ranks: they are started when the
+    /// controller says, and their stores filled from their replicas before
+    /// their registrations go on.
+    fn adopt(&mut self, sup: &mut Supervisor, a: Adopt) {
+        tracing::warn!(node = a.node, ranks = ?a.ranks, "taking the ranks of a lost host");
+        let specs = (self.specs_for)(a.node as usize)
+            .into_iter()
+            .filter(|s| a.ranks.contains(&s.rank))
+            .collect();
+        sup.adopt(specs);
+        if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
+            for &rank in &a.ranks {
+                r.adopt_rank(rank as u64);
+            }
+        }
+        self.adopted.extend(a.ranks);
+    }
+
+    /// The registrations of adopted ranks whose stores can be filled from
+    /// their replicas now: filled, then passed on to the controller.
+    pub(super) fn fill_adopted(&mut self, sup: &mut Supervisor) {
+        let waiting: Vec<usize> = self.filling.keys().copied().collect();
+        for rank in waiting {
+            let Some(store) = self.stores.get(&rank).cloned() else {
+                continue;
+            };
+            let path = crate::replicator::inbox::replica_path(self.dir.path(), rank as u64);
+            let Ok(replica) = hatrain_shared::shm::Store::open(&path) else {
+                continue;
+            };
+            match copy_newest(&replica, &store) {
+                Ok(step) => {
+                    tracing::info!(rank, step, "store filled from the peer replica");
+                    let Some((reply, answer, checkpoint)) = self.filling.remove(&rank) else {
+                        continue;
+                    };
+                    self.filled.insert(rank);
+                    self.unanswered.insert(rank, (reply, answer));
+                    self.feed(sup, Event::Registered { rank, checkpoint });
+                }
+                Err(e) => tracing::debug!(rank, error = %e, "replica not ready to fill from"),
+            }
+        }
+    }
+
+    /// Tells `node` the registrations the machine took, and how each rank
+    /// starts (after the commands they led to, sent already).
+    fn send_registered(&self, node: u64, registered: Vec<(usize, StartMode)>) {
+        self.send_down(node, registered, None, None);
     }
 
     /// A follower sends the controller its views (when they changed, or
@@ -512,12 +698,12 @@ impl Driver<'_> {
         let Decider::Controller(c) = &mut self.decider else {
             return;
         };
-        if from >= c.nodes || from == c.node {
-            tracing::warn!(node = from, "a report from a node outside the job refused");
+        if !c.everyone().any(|n| n == from) {
+            tracing::warn!(node = from, "a report from a node not in the job refused");
             return;
         }
-        let first = from as usize * c.per_node;
-        let ours = |rank: usize| (first..first + c.per_node).contains(&rank);
+        let placed = c.ranks_on(from);
+        let ours = |rank: usize| placed.contains(&rank);
         match up {
             Up::Report { views, events } => {
                 if let Some(v) = views.iter().find(|v| !ours(v.rank)) {
@@ -574,6 +760,12 @@ impl Driver<'_> {
         if let Some(m) = down.mirror {
             f.mirror = m;
         }
+        if let Some(a) = down.adopt {
+            self.adopt(sup, a);
+        }
+        if let Some(g) = &down.give {
+            self.give(g);
+        }
         for (rank, start) in down.registered {
             if let Some((reply, mut answer)) = self.unanswered.remove(&rank) {
                 if let Response::Registered { start: s, .. } = &mut answer {
@@ -609,12 +801,48 @@ impl Driver<'_> {
     /// controller's host stops, since nobody decides for it any more.
     pub(super) fn on_host_lost(&mut self, sup: &mut Supervisor, e: Event) {
         match &mut self.decider {
-            Decider::Controller(_) => self.feed(sup, e),
+            Decider::Controller(c) => {
+                let Event::HostLost { node, detail, .. } = e else {
+                    return;
+                };
+                let Some((ranks, spare)) = c.host_lost(node, self.cfg.ha.modes.recover) else {
+                    tracing::warn!(node, "a standby host is lost");
+                    return;
+                };
+                if let Some(to) = spare {
+                    tracing::warn!(
+                        node,
+                        ?ranks,
+                        standby = to,
+                        "host lost: its ranks go to a standby host, filled from their peer replicas"
+                    );
+                    let others: Vec<u64> = c.others().filter(|&n| n != to).collect();
+                    let adopt = Adopt {
+                        node,
+                        ranks: ranks.clone(),
+                    };
+                    self.send_down(to, Vec::new(), Some(adopt), None);
+                    for n in others {
+                        self.send_down(n, Vec::new(), None, Some(Give { node, to }));
+                    }
+                    self.give(&Give { node, to });
+                }
+                self.feed(
+                    sup,
+                    Event::HostLost {
+                        node,
+                        ranks,
+                        detail,
+                        spare,
+                    },
+                );
+            }
             Decider::Follower(f) => {
                 let Event::HostLost {
                     node,
                     ranks,
                     detail,
+                    ..
                 } = e
                 else {
                     return;
@@ -663,6 +891,40 @@ impl Driver<'_> {
     }
 }
 
+/// Copies `from`'s newest verified snapshot into a free slot of `to`,
+/// checked against its owner's checksum on the way; returns its step.
+fn copy_newest(
+    from: &hatrain_shared::shm::Store,
+    to: &hatrain_shared::shm::Store,
+) -> Result<u64, String> {
+    let (steps, _) = from.verified_steps();
+    let step = *steps.first().ok_or("no verified snapshot yet")?;
+    let info = from
+        .find_step(step)
+        .ok_or_else(|| format!("step {step} is gone"))?;
+    let slot = to.writable_slot().ok_or("no slot to write to")?;
+    let mut rx = to.receive(slot, info.len).map_err(|e| e.to_string())?;
+    const PIECE: u64 = 4 << 20;
+    let mut at = 0;
+    while at < info.len {
+        let len = PIECE.min(info.len - at);
+        from.with_range(&info, at, len, |bytes| rx.write(to, bytes))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        at += len;
+    }
+    rx.seal(
+        to,
+        info.rank,
+        info.step,
+        info.epoch,
+        info.sealed_at_unix_ns,
+        info.checksum,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(step)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -685,7 +947,7 @@ mod tests {
             register_timeout: Duration::from_secs(3),
         };
         let machine = Machine::new(cfg, (0..nodes * per_node).collect(), 0.0);
-        Controller::new(machine, nodes, 0, per_node)
+        Controller::new(machine, nodes, 0, per_node, 0)
     }
 
     #[test]
@@ -717,6 +979,33 @@ mod tests {
         // One host: everything is here.
         let mut one = controller(1, 4);
         assert_eq!(one.route(post(3)), vec![Routed::Here(post(3))]);
+    }
+
+    #[test]
+    fn a_lost_hosts_ranks_move_to_a_standby_until_none_is_left() {
+        let cfg = controller(3, 2).machine;
+        let mut c = Controller::new(cfg, 3, 0, 2, 1);
+        // A standby holds nothing: its loss moves no rank.
+        let mut spare_lost = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+        assert_eq!(spare_lost.host_lost(3, true), None);
+        assert_eq!(spare_lost.host_lost(1, true), Some((vec![2, 3], None)));
+
+        assert_eq!(c.host_lost(1, true), Some((vec![2, 3], Some(3))));
+        assert_eq!(c.node_of(2), 3);
+        assert_eq!(c.ranks_on(3), vec![2, 3]);
+        assert_eq!(c.ranks_on(1), Vec::<usize>::new());
+        let kill = Command::Kill { rank: 3 };
+        assert_eq!(c.route(kill.clone()), vec![Routed::There(3, kill)]);
+        // A collection now waits for the standby, not the lost host.
+        c.route(Command::Collect { epoch: 1 });
+        assert_eq!(c.gathered(0, 1, vec![(0, vec![5]), (1, vec![5])]), None);
+        assert_eq!(c.gathered(2, 1, vec![(4, vec![5]), (5, vec![5])]), None);
+        assert!(c.gathered(3, 1, vec![(2, vec![5]), (3, vec![5])]).is_some());
+        // The standby lost in turn: nobody is left to take its ranks.
+        assert_eq!(c.host_lost(3, true), Some((vec![2, 3], None)));
+        // Without worker reboot no standby is used.
+        let mut off = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+        assert_eq!(off.host_lost(2, false), Some((vec![4, 5], None)));
     }
 
     #[test]
@@ -759,6 +1048,11 @@ mod tests {
                 restarts: 1,
             }],
             registered: vec![(1, StartMode::AwaitDirective)],
+            adopt: Some(Adopt {
+                node: 1,
+                ranks: vec![1],
+            }),
+            give: Some(Give { node: 1, to: 2 }),
         };
         let bytes = serde_json::to_vec(&down).unwrap();
         assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);

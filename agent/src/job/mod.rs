@@ -39,13 +39,13 @@ use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
-use crate::supervisor::Supervisor;
+use crate::supervisor::{Supervisor, WorkerSpec};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Injection, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -169,6 +169,15 @@ struct Driver<'a> {
     /// Registrations a follower answers once the controller acknowledged
     /// them: the reply, and the answer but for the start.
     unanswered: HashMap<usize, (oneshot::Sender<Response>, Response)>,
+    /// The worker specs of a node's ranks (a standby takes a lost host's).
+    specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec> + 'a>,
+    /// Ranks of a lost host this standby took, and those whose stores were
+    /// filled from their replicas.
+    adopted: BTreeSet<usize>,
+    filled: BTreeSet<usize>,
+    /// Registrations of adopted ranks waiting for their replicas: the
+    /// reply, the answer, and whether the rank has a checkpoint layout.
+    filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
 }
 
 /// Runs the job in its folder, and gives the folder back for removal
@@ -241,23 +250,40 @@ async fn run_with(
     // The reaper outlives the event loop: stopping the workers needs it.
     let reaper_stop = CancellationToken::new();
     let reaper = Reaper::start(reaper_stop.clone())?;
-    let mut specs = cfg.worker_specs(&cfg.master_addr, master_port, store_addr, run_dir, |k| {
-        std::env::var(k).ok()
-    });
+    let specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec>> = {
+        let (socket, secret_file) = (
+            socket.display().to_string(),
+            secret_file.display().to_string(),
+        );
+        let run_dir = run_dir.to_path_buf();
+        Box::new(move |node| {
+            let mut of = cfg.clone();
+            of.node_rank = node;
+            let mut specs =
+                of.worker_specs(&cfg.master_addr, master_port, store_addr, &run_dir, |k| {
+                    std::env::var(k).ok()
+                });
+            for s in &mut specs {
+                s.env
+                    .push((hatrain_shared::control::ENV_SOCKET.into(), socket.clone()));
+                s.env.push((
+                    hatrain_shared::auth::ENV_SECRET_FILE.into(),
+                    secret_file.clone(),
+                ));
+            }
+            specs
+        })
+    };
+    // A standby starts no worker: it takes a lost host's ranks when told.
+    let specs = if cfg.ha.standby {
+        Vec::new()
+    } else {
+        specs_for(cfg.node_rank)
+    };
     if std::env::var_os("OMP_NUM_THREADS").is_none() && cfg.nproc_per_node > 1 {
         tracing::warn!(
             "OMP_NUM_THREADS is set to 1 for each worker, as torchrun does, so that the host is not overloaded; set it yourself to tune it"
         );
-    }
-    for s in &mut specs {
-        s.env.push((
-            hatrain_shared::control::ENV_SOCKET.into(),
-            socket.display().to_string(),
-        ));
-        s.env.push((
-            hatrain_shared::auth::ENV_SECRET_FILE.into(),
-            secret_file.display().to_string(),
-        ));
     }
     tracing::info!(
         world_size = cfg.world_size(),
@@ -307,6 +333,7 @@ async fn run_with(
             1,
             cfg.node_rank,
             cfg.nproc_per_node,
+            0,
         )))
     } else if cfg.node_rank as u64 == decider::CONTROLLER {
         Decider::Controller(Box::new(Controller::new(
@@ -314,6 +341,7 @@ async fn run_with(
             cfg.nnodes,
             cfg.node_rank,
             cfg.nproc_per_node,
+            cfg.ha.standby_nodes,
         )))
     } else {
         Decider::Follower(Box::new(Follower::new()))
@@ -336,6 +364,10 @@ async fn run_with(
         peers,
         lost: Vec::new(),
         unanswered: HashMap::new(),
+        specs_for,
+        adopted: BTreeSet::new(),
+        filled: BTreeSet::new(),
+        filling: HashMap::new(),
     };
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
@@ -399,7 +431,9 @@ async fn run_with(
         .decider
         .faults()
         .iter()
-        .filter(|f| f.kind == hatrain_shared::control::FaultKind::HostLost)
+        .filter(|f| {
+            f.kind == hatrain_shared::control::FaultKind::HostLost && f.recovery_s.is_none()
+        })
         .map(|f| format!("ranks {:?}: {}", f.ranks, f.detail))
         .collect();
     let controls = matches!(d.decider, Decider::Controller(_));
@@ -638,6 +672,7 @@ impl Driver<'_> {
             self.on_host_lost(sup, e);
         }
         self.shutdown_unanswered();
+        self.fill_adopted(sup);
         self.tick_views(sup);
     }
 
@@ -685,8 +720,12 @@ impl Driver<'_> {
                 continue;
             }
             self.lost.push(node);
-            let ranks: Vec<usize> =
-                (node as usize * per_node..(node as usize + 1) * per_node).collect();
+            let ranks: Vec<usize> = match &self.decider {
+                Decider::Controller(c) => c.ranks_on(node),
+                Decider::Follower(_) => {
+                    (node as usize * per_node..(node as usize + 1) * per_node).collect()
+                }
+            };
             let replicas: Vec<String> = held
                 .iter()
                 .flatten()
@@ -708,6 +747,7 @@ impl Driver<'_> {
                 node,
                 ranks,
                 detail,
+                spare: None,
             });
         }
         out

@@ -15,9 +15,10 @@ use crate::launch::{LaunchConfig, LaunchError};
 use crate::replicator::{self, Replicator, ReplicatorConfig};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::store::StoreClient;
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long one wait for a key in the store lasts before the stop flag is
@@ -43,6 +44,8 @@ pub(super) struct Peers {
     pub membership: Arc<Membership>,
     /// With `--replicas` above 0.
     pub replicator: Option<Arc<Replicator>>,
+    /// Where the standby agents take replicas, as they publish it.
+    pub standbys: Arc<Mutex<BTreeMap<u64, String>>>,
 }
 
 impl Peers {
@@ -74,7 +77,7 @@ pub(super) fn start(
     let membership = Membership::start(MembershipConfig {
         secret: secret.clone(),
         coordinator: EmbeddedConfig::with_timeout(
-            cfg.nnodes as u64,
+            (cfg.nnodes + cfg.ha.standby_nodes) as u64,
             cfg.node_rank as u64,
             cfg.ha.host_timeout,
         ),
@@ -94,11 +97,14 @@ pub(super) fn start(
     } else {
         None
     };
+    let standbys = Arc::new(Mutex::new(BTreeMap::new()));
     let peers = Peers {
         membership: Arc::clone(&membership),
         replicator: replicator.clone(),
+        standbys: Arc::clone(&standbys),
     };
     let (node, nnodes, replicas) = (cfg.node_rank, cfg.nnodes, cfg.ha.replicas);
+    let spares = cfg.ha.standby_nodes;
     let domain = cfg.ha.failure_domain.clone().unwrap_or_default();
     let secret = secret.clone();
     std::thread::Builder::new()
@@ -107,8 +113,9 @@ pub(super) fn start(
             let x = Exchange {
                 membership: &membership,
                 replicator: replicator.as_deref(),
+                standbys: &standbys,
             };
-            if let Err(e) = x.run(store, secret, node, nnodes, replicas, &domain) {
+            if let Err(e) = x.run(store, secret, node, (nnodes, spares), replicas, &domain) {
                 tracing::error!(error = %e, "not connected to the other agents: no heartbeats, no peer replicas");
             }
         })
@@ -122,6 +129,7 @@ pub(super) fn start(
 struct Exchange<'a> {
     membership: &'a Membership,
     replicator: Option<&'a Replicator>,
+    standbys: &'a Mutex<BTreeMap<u64, String>>,
 }
 
 impl Exchange<'_> {
@@ -145,7 +153,7 @@ impl Exchange<'_> {
         store: SocketAddr,
         secret: Secret,
         node: usize,
-        nnodes: usize,
+        (nnodes, spares): (usize, usize),
         replicas: usize,
         domain: &str,
     ) -> Result<(), String> {
@@ -159,16 +167,43 @@ impl Exchange<'_> {
                 None => Ok(()),
             })
             .map_err(|e| e.to_string())?;
-        for k in (0..nnodes).filter(|&k| k != node) {
+        for k in (0..nnodes + spares).filter(|&k| k != node) {
             let endpoint = self.wait_for(&mut c, &key(k, "heartbeats"))?;
             self.membership.connect(k as u64, endpoint);
         }
         let Some(repl) = self.replicator else {
             return Ok(());
         };
+        // A standby holds and streams nothing until it takes a lost host's
+        // ranks.
+        if node < nnodes {
+            self.place(&mut c, repl, node, nnodes, replicas, domain)?;
+        }
+        // Where the standbys take replicas, to fill them.
+        for k in nnodes..nnodes + spares {
+            let endpoint = self.wait_for(&mut c, &key(k, "replicas"))?;
+            self.standbys
+                .lock()
+                .expect("not poisoned")
+                .insert(k as u64, endpoint);
+        }
+        Ok(())
+    }
+
+    /// Whose replicas this host holds, and where it streams its own.
+    fn place(
+        &self,
+        c: &mut StoreClient,
+        repl: &Replicator,
+        node: usize,
+        nnodes: usize,
+        replicas: usize,
+        domain: &str,
+    ) -> Result<(), String> {
+        let key = |k: usize, what: &str| format!("peer/node{k}/{what}");
         let mut domains = Vec::with_capacity(nnodes);
         for k in 0..nnodes {
-            let d = self.wait_for(&mut c, &key(k, "domain"))?;
+            let d = self.wait_for(c, &key(k, "domain"))?;
             domains.push((!d.is_empty()).then_some(d));
         }
         for k in (0..nnodes).filter(|&k| k != node) {
@@ -186,7 +221,7 @@ impl Exchange<'_> {
             );
         }
         for t in mine {
-            let endpoint = self.wait_for(&mut c, &key(t, "replicas"))?;
+            let endpoint = self.wait_for(c, &key(t, "replicas"))?;
             tracing::info!(node = t, endpoint = %endpoint, "streaming this host's snapshots");
             repl.stream_to(t as u64, endpoint);
         }

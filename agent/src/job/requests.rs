@@ -113,6 +113,13 @@ impl Driver<'_> {
                 };
                 if matches!(r, Response::Registered { .. }) {
                     let checkpoint = self.maps.get(&rank).is_some_and(|m| m.checkpoint.is_some());
+                    if self.adopted.contains(&rank) && !self.filled.contains(&rank) {
+                        // A lost host's rank on this standby: its store is
+                        // filled from its replica before it goes on.
+                        self.filling.insert(rank, (msg.reply, r, checkpoint));
+                        self.fill_adopted(sup);
+                        return;
+                    }
                     match self.decider {
                         // A follower answers once the controller knows the
                         // rank, with the start it says: a fault decided on

@@ -208,7 +208,8 @@ impl Machine {
                 node,
                 ranks,
                 detail,
-            } => self.host_lost(now, node, ranks, detail),
+                spare,
+            } => self.host_lost(now, node, ranks, detail, spare),
             Event::DumpRequested => self.dump_requested(now),
             Event::Shutdown => self.shutdown(now),
         }

@@ -125,11 +125,14 @@ pub enum Event {
         epoch: u64,
         result: Result<Written, String>,
     },
-    /// Another host of the job is gone, with its `ranks`.
+    /// Another host of the job is gone, with its `ranks`; `spare`, a
+    /// standby host that can take them (their stores filled from their
+    /// peer replicas).
     HostLost {
         node: u64,
         ranks: Vec<usize>,
         detail: String,
+        spare: Option<u64>,
     },
     /// `agentctl dump`: a last-words checkpoint now, then carry on.
     DumpRequested,

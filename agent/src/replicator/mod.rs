@@ -128,6 +128,9 @@ pub struct Replicator {
     shared: Arc<Mutex<Shared>>,
     /// Nodes whose ranks this agent holds.
     sources: Arc<RwLock<HashSet<u64>>>,
+    /// Ranks of a lost host this (standby) agent takes over: their
+    /// replicas are taken from whichever host of the job holds them.
+    adopted: Arc<RwLock<HashSet<u64>>>,
     /// The local ranks' stores, for streams started later.
     ranks: Mutex<Vec<(u64, Arc<Store>)>>,
     feeds: Mutex<Vec<mpsc::Sender<RankStore>>>,
@@ -206,6 +209,7 @@ impl Replicator {
             stop: Arc::new(AtomicBool::new(false)),
             shared: Arc::new(Mutex::new(Shared::default())),
             sources: Arc::new(RwLock::new(HashSet::new())),
+            adopted: Arc::new(RwLock::new(HashSet::new())),
             ranks: Mutex::new(Vec::new()),
             feeds: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
@@ -213,6 +217,7 @@ impl Replicator {
             cfg,
         });
         let sources = Arc::clone(&r.sources);
+        let adopted = Arc::clone(&r.adopted);
         let per_node = r.cfg.ranks_per_node.max(1) as u64;
         let inbox = Inbox::new(
             r.cfg.secret.clone(),
@@ -221,7 +226,8 @@ impl Replicator {
             r.cfg.slots,
             r.cfg.window,
             move |from, rank| {
-                rank / per_node == from && sources.read().is_ok_and(|s| s.contains(&from))
+                (rank / per_node == from && sources.read().is_ok_and(|s| s.contains(&from)))
+                    || adopted.read().is_ok_and(|a| a.contains(&rank))
             },
         );
         let (stop, shared) = (Arc::clone(&r.stop), Arc::clone(&r.shared));
@@ -249,6 +255,14 @@ impl Replicator {
         }
     }
 
+    /// Takes the replicas of `rank` (of a lost host, which this agent
+    /// takes over) from any host of the job.
+    pub fn adopt_rank(&self, rank: u64) {
+        if let Ok(mut a) = self.adopted.write() {
+            a.insert(rank);
+        }
+    }
+
     /// Starts streaming this host's snapshots to node `node` at `endpoint`.
     pub fn stream_to(&self, node: u64, endpoint: String) {
         let (tx, rx) = mpsc::channel();
@@ -256,6 +270,21 @@ impl Replicator {
             let _ = tx.send((*rank, Arc::clone(store)));
         }
         self.feeds.lock().expect("not poisoned").push(tx);
+        self.open_stream(node, endpoint, rx);
+    }
+
+    /// Streams `stores` (replicas this agent holds of a lost host's ranks)
+    /// to node `node` at `endpoint`, the standby that takes those ranks,
+    /// with the same frames, checks and priority as its own snapshots.
+    pub fn hand_over(&self, node: u64, endpoint: String, stores: Vec<(u64, Arc<Store>)>) {
+        let (tx, rx) = mpsc::channel();
+        for s in stores {
+            let _ = tx.send(s);
+        }
+        self.open_stream(node, endpoint, rx);
+    }
+
+    fn open_stream(&self, node: u64, endpoint: String, rx: mpsc::Receiver<RankStore>) {
         let index = {
             let mut sh = self.shared.lock().expect("not poisoned");
             sh.streams.push(StreamState {

@@ -449,23 +449,92 @@ impl Machine {
     }
 
     /// Another host is gone with its ranks. Their state lives on in their
-    /// peer replicas, but bringing them back (on a standby, or by shrinking
-    /// the group) is not built yet: the job stops, saying so. No
-    /// last-words checkpoint is written: no persister holds every rank.
+    /// peer replicas: with worker reboot and a `spare` host, every lost rank
+    /// is started there (its store filled from its replica by the hosts)
+    /// and the job recovers as from a crash of all of them at once.
+    /// Otherwise the job stops, saying so (shrinking the group is not
+    /// built yet); no last-words checkpoint is written: no persister holds
+    /// every rank.
     pub(super) fn host_lost(
         &mut self,
         now: Duration,
         node: u64,
         ranks: Vec<usize>,
         detail: String,
+        spare: Option<u64>,
     ) {
-        if matches!(self.state, State::Done(_)) {
+        if matches!(
+            self.state,
+            State::Done(_)
+                | State::Dumping {
+                    then: AfterDump::Stop(_),
+                    ..
+                }
+        ) {
             return;
         }
         let first = ranks.first().copied().unwrap_or(0);
-        let reason = format!(
-            "host {node} holds ranks {ranks:?}: bringing them back (on a standby agent, or by shrinking the group) is not supported yet"
-        );
+        let unprotected: Vec<usize> = ranks
+            .iter()
+            .copied()
+            .filter(|r| !self.protected.contains(r))
+            .collect();
+        if let Some(spare) = spare
+            && self.cfg.modes.recover
+            && unprotected.is_empty()
+        {
+            let reason = format!(
+                "standby host {spare} takes ranks {ranks:?}, filled from their peer replicas"
+            );
+            self.out.notes.push(Note {
+                level: Level::Warn,
+                rank: None,
+                detail: Some(detail.clone()),
+                reason: Some(reason.clone()),
+                text: format!("host {node} lost: recovering on a standby host"),
+            });
+            let f = self.record_fault(
+                now,
+                first,
+                FaultKind::HostLost,
+                detail,
+                format!("restart ranks {ranks:?} on standby host {spare}"),
+                reason,
+            );
+            self.faults[f].ranks.clone_from(&ranks);
+            for r in ranks {
+                let step = self.view(r).step;
+                if let Some(v) = self.views.get_mut(&r) {
+                    v.alive = false;
+                    v.registered = false;
+                }
+                self.protected.remove(&r);
+                self.killed.remove(&r);
+                let history = self.history.entry(r).or_default();
+                history.record_restart(now, step, &self.cfg.restart);
+                let restarts = history.restarts;
+                self.watch.new_process(r);
+                self.spawned.insert(r, now);
+                self.cmd(Command::Respawn { rank: r, restarts });
+            }
+            if let State::Dumping { recover, .. } = &mut self.state {
+                recover.push(f);
+            } else {
+                self.begin_recovery(now, vec![f]);
+            }
+            return;
+        }
+        let reason = match spare {
+            None => format!(
+                "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby; shrinking the group is not supported yet)"
+            ),
+            Some(_) if !self.cfg.modes.recover => format!(
+                "host {node} holds ranks {ranks:?}: a standby host takes them by worker reboot, which is not enabled"
+            ),
+            Some(_) => format!(
+                "host {node} holds ranks {ranks:?}, and {unprotected:?} never registered with the hatrain runtime: no replica to restore them from"
+            ),
+        };
         self.out.notes.push(Note {
             level: Level::Error,
             rank: None,
