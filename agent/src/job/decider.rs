@@ -157,13 +157,19 @@ impl Controller {
         per_node: usize,
         spares: usize,
     ) -> Self {
-        let (nodes, spares) = (nodes as u64, spares as u64);
+        let (nodes, spares, node) = (nodes as u64, spares as u64, node as u64);
         Self {
             machine,
             nodes,
-            node: node as u64,
+            node,
             per_node,
-            members: (0..nodes).collect(),
+            // Deciding for this host alone (one node, or no mode on), it is
+            // the only member, whatever its node rank.
+            members: if nodes == 1 {
+                BTreeSet::from([node])
+            } else {
+                (0..nodes).collect()
+            },
             spares: (nodes..nodes + spares).collect(),
             placement: BTreeMap::new(),
             gather: None,
@@ -979,6 +985,13 @@ mod tests {
         // One host: everything is here.
         let mut one = controller(1, 4);
         assert_eq!(one.route(post(3)), vec![Routed::Here(post(3))]);
+        // A host of several that decides for itself alone (no mode on):
+        // likewise, and its collection is its own.
+        let mut own = Controller::new(controller(1, 2).machine, 1, 2, 2, 0);
+        let end = Command::Finish(Outcome::Interrupted);
+        assert_eq!(own.route(end.clone()), vec![Routed::Here(end)]);
+        own.route(Command::Collect { epoch: 1 });
+        assert!(own.gathered(2, 1, vec![(4, vec![3])]).is_some());
     }
 
     #[test]
