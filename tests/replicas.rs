@@ -106,6 +106,31 @@ fn stranger(endpoint: &str) {
     assert_eq!(s.poll(zmq::POLLIN, 500).unwrap(), 0);
 }
 
+/// Nothing of the job is left in the shm root `root`.
+fn assert_nothing_left(root: &Path) {
+    let left: Vec<_> = std::fs::read_dir(root)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.is_empty(),
+        "left behind in {}: {left:?}",
+        root.display()
+    );
+}
+
+/// Trainer arguments for 60 steps of a global batch six ranks share, and
+/// the log of that run on one host with six ranks.
+fn six_ranks_reference(dir: &Path) -> (Vec<String>, Vec<serde_json::Value>) {
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let log = dir.join("ref.jsonl");
+    let mut args = train.clone();
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    assert_success(&run_launch(6, "six-ref", &args), "one host, six ranks");
+    (train, read_log(&log))
+}
+
 #[test]
 fn two_hosts_hold_each_others_snapshots_identically_and_refuse_a_strangers_frames() {
     let tmp = tempfile::tempdir().unwrap();
@@ -209,14 +234,7 @@ fn two_hosts_hold_each_others_snapshots_identically_and_refuse_a_strangers_frame
     assert_eq!(losses(&run), losses(&reference), "every step's loss");
     assert_eq!(final_checksum(&run), final_checksum(&reference));
     for h in &hosts {
-        let left: Vec<_> = std::fs::read_dir(&h.shm)
-            .map(|d| d.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        assert!(
-            left.is_empty(),
-            "left behind in {}: {left:?}",
-            h.shm.display()
-        );
+        assert_nothing_left(&h.shm);
     }
 }
 
@@ -340,14 +358,7 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
         "node 1 names the lost host:\n{err1}"
     );
     for root in &shm[..2] {
-        let left: Vec<_> = std::fs::read_dir(root)
-            .map(|d| d.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        assert!(
-            left.is_empty(),
-            "left behind in {}: {left:?}",
-            root.display()
-        );
+        assert_nothing_left(root);
     }
 }
 
@@ -398,16 +409,7 @@ fn reboot_node(
 #[test]
 fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut train = tiny_args(60);
-    let at = train.iter().position(|a| a == "--global-batch").unwrap();
-    train[at + 1] = "24".into();
-    let reference = {
-        let log = tmp.path().join("ref.jsonl");
-        let mut args = train.clone();
-        args.extend(["--log-jsonl".into(), log.display().to_string()]);
-        assert_success(&run_launch(6, "reboot-ref", &args), "one host, six ranks");
-        read_log(&log)
-    };
+    let (train, reference) = six_ranks_reference(tmp.path());
     let secret = secret_file(tmp.path());
     let shm: Vec<PathBuf> = (0..3)
         .map(|k| tmp.path().join(format!("host{k}")))
@@ -470,14 +472,7 @@ fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
     );
     assert_eq!(final_checksum(&run), final_checksum(&reference));
     for root in &shm {
-        let left: Vec<_> = std::fs::read_dir(root)
-            .map(|d| d.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        assert!(
-            left.is_empty(),
-            "left behind in {}: {left:?}",
-            root.display()
-        );
+        assert_nothing_left(root);
     }
 }
 
@@ -491,16 +486,7 @@ fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
 #[test]
 fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut train = tiny_args(60);
-    let at = train.iter().position(|a| a == "--global-batch").unwrap();
-    train[at + 1] = "24".into();
-    let reference = {
-        let log = tmp.path().join("ref.jsonl");
-        let mut args = train.clone();
-        args.extend(["--log-jsonl".into(), log.display().to_string()]);
-        assert_success(&run_launch(6, "standby-ref", &args), "one host, six ranks");
-        read_log(&log)
-    };
+    let (train, reference) = six_ranks_reference(tmp.path());
     let secret = secret_file(tmp.path());
     let shm: Vec<PathBuf> = (0..4)
         .map(|k| tmp.path().join(format!("host{k}")))
@@ -576,13 +562,6 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
     );
     assert_eq!(final_checksum(&run), final_checksum(&reference));
     for k in [0usize, 2, 3] {
-        let left: Vec<_> = std::fs::read_dir(&shm[k])
-            .map(|d| d.flatten().map(|e| e.path()).collect())
-            .unwrap_or_default();
-        assert!(
-            left.is_empty(),
-            "left behind in {}: {left:?}",
-            shm[k].display()
-        );
+        assert_nothing_left(&shm[k]);
     }
 }

@@ -22,16 +22,14 @@
 //!   cannot act). It stops with the controller's outcome, or on its own
 //!   when the controller's host is lost.
 //!
-//! Messages travel as JSON in authenticated [`hatrain_shared::peer`]
-//! frames on the heartbeat sessions; a message that does not parse is
-//! dropped and logged.
+//! This module holds what is decided, without I/O: the messages, the
+//! controller's routing and placement, and each role's state;
+//! [`super::orders`] carries them between the hosts.
 
-use super::{Collected, Driver, log};
-use crate::recovery::{Command, Event, Machine, Outcome, RankView, Written};
-use crate::supervisor::Supervisor;
-use hatrain_shared::control::{FaultKind, FaultRecord, Response, StartMode};
+use crate::recovery::{Command, Event, Machine, RankView, Written};
+use hatrain_shared::control::{FaultRecord, StartMode};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 pub(super) use crate::coordinator::wire::Inbox;
@@ -65,7 +63,7 @@ pub(super) enum Up {
 
 /// The controller to a follower: commands for its ranks (in order), under
 /// the controller's term, and the machine's state when it changed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub(super) struct Down {
     pub term: u64,
     pub mirror: Option<Mirror>,
@@ -113,7 +111,7 @@ pub(super) struct Mirror {
 
 /// Where a command is carried out.
 #[derive(Debug, PartialEq)]
-enum Routed {
+pub(super) enum Routed {
     Here(Command),
     There(u64, Command),
 }
@@ -131,7 +129,7 @@ pub(super) struct Controller {
     pub machine: Machine,
     /// Nodes it decides for (1: this host alone).
     nodes: u64,
-    node: u64,
+    pub node: u64,
     per_node: usize,
     /// Hosts that hold ranks now (those lost leave, a standby that takes
     /// their ranks joins).
@@ -142,7 +140,7 @@ pub(super) struct Controller {
     placement: BTreeMap<usize, u64>,
     gather: Option<Gather>,
     /// The state last sent to the followers.
-    sent: Option<Mirror>,
+    pub sent: Option<Mirror>,
     /// Followers that took the end of the job.
     pub ended: BTreeSet<u64>,
 }
@@ -179,7 +177,7 @@ impl Controller {
     }
 
     /// The node holding `rank`.
-    fn node_of(&self, rank: usize) -> u64 {
+    pub fn node_of(&self, rank: usize) -> u64 {
         if self.nodes == 1 {
             self.node
         } else {
@@ -190,15 +188,25 @@ impl Controller {
         }
     }
 
+    /// Whether `node` holds `rank` now (a rank of the job).
+    pub fn holds(&self, node: u64, rank: usize) -> bool {
+        rank < self.nodes as usize * self.per_node && self.node_of(rank) == node
+    }
+
+    /// Whether this controller decides for several hosts.
+    pub fn joined(&self) -> bool {
+        self.nodes > 1
+    }
+
     /// The ranks `node` holds now.
     pub fn ranks_on(&self, node: u64) -> Vec<usize> {
         (0..self.nodes as usize * self.per_node)
-            .filter(|&r| self.node_of(r) == node)
+            .filter(|&r| self.holds(node, r))
             .collect()
     }
 
     /// The other hosts holding ranks.
-    fn others(&self) -> impl Iterator<Item = u64> + '_ {
+    pub fn others(&self) -> impl Iterator<Item = u64> + '_ {
         self.members
             .iter()
             .copied()
@@ -206,7 +214,7 @@ impl Controller {
     }
 
     /// Every other agent of the job: those holding ranks, and the spares.
-    fn everyone(&self) -> impl Iterator<Item = u64> + '_ {
+    pub fn everyone(&self) -> impl Iterator<Item = u64> + '_ {
         self.others().chain(self.spares.iter().copied())
     }
 
@@ -233,7 +241,7 @@ impl Controller {
     }
 
     /// Where `c` is carried out.
-    fn route(&mut self, c: Command) -> Vec<Routed> {
+    pub fn route(&mut self, c: Command) -> Vec<Routed> {
         let to = |n: u64, c: Command| {
             if n == self.node {
                 Routed::Here(c)
@@ -272,7 +280,12 @@ impl Controller {
 
     /// Node `node`'s verified steps for the collection of `epoch`; the
     /// whole collection once every host's are in.
-    fn gathered(&mut self, node: u64, epoch: u64, steps: Vec<(usize, Vec<u64>)>) -> Option<Event> {
+    pub fn gathered(
+        &mut self,
+        node: u64,
+        epoch: u64,
+        steps: Vec<(usize, Vec<u64>)>,
+    ) -> Option<Event> {
         let g = self.gather.as_mut().filter(|g| g.epoch == epoch)?;
         g.got.insert(node, steps);
         if self.members.iter().any(|n| !g.got.contains_key(n)) {
@@ -291,7 +304,7 @@ impl Controller {
             .all(|n| self.ended.contains(&n) || lost.contains(&n))
     }
 
-    fn mirror(&self) -> Mirror {
+    pub fn mirror(&self) -> Mirror {
         let m = &self.machine;
         let ranks = 0..self.nodes as usize * self.per_node;
         Mirror {
@@ -316,9 +329,9 @@ impl Controller {
 pub(super) struct Follower {
     pub mirror: Mirror,
     /// The newest controller term seen.
-    term: u64,
+    pub term: u64,
     /// The views last reported, and when.
-    last: Option<(Instant, Vec<RankView>)>,
+    pub last: Option<(Instant, Vec<RankView>)>,
     /// Set when a shutdown was passed on: a controller that has not ended
     /// the job by then is not coming.
     pub shutdown_by: Option<Instant>,
@@ -419,522 +432,10 @@ impl Decider {
     }
 }
 
-impl Driver<'_> {
-    /// Takes an event of this host: decided here by the controller, or
-    /// reported to it.
-    pub(super) fn feed(&mut self, sup: &mut Supervisor, event: Event) {
-        match &mut self.decider {
-            Decider::Controller(_) => self.decide(sup, event),
-            Decider::Follower(f) => match event {
-                Event::Tick(views) => self.report(views, Vec::new(), true),
-                event => {
-                    if event == Event::Shutdown {
-                        f.shutdown_by = Some(
-                            Instant::now() + self.cfg.ha.host_timeout + Duration::from_secs(2),
-                        );
-                    }
-                    let views = self.views(sup);
-                    self.report(views, vec![event], true);
-                }
-            },
-        }
-    }
-
-    /// The machine decides on `event`, and what it decides is carried out
-    /// here and sent to the other hosts, with whatever follows from that.
-    fn decide(&mut self, sup: &mut Supervisor, event: Event) {
-        let mut queue = VecDeque::from([event]);
-        let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
-        while let Some(e) = queue.pop_front() {
-            let now = self.now();
-            let Decider::Controller(c) = &mut self.decider else {
-                return;
-            };
-            let step = c.machine.step(now, e);
-            for n in &step.notes {
-                log(n);
-            }
-            let routed: Vec<Routed> = step.commands.into_iter().flat_map(|x| c.route(x)).collect();
-            for r in routed {
-                match r {
-                    Routed::Here(cmd) => {
-                        if let Some(follow) = self.carry_out(sup, cmd) {
-                            queue.push_back(follow);
-                        }
-                    }
-                    Routed::There(n, cmd) => orders.entry(n).or_default().push(cmd),
-                }
-            }
-        }
-        self.send_orders(orders);
-    }
-
-    /// Sends each follower its commands, and to every follower the
-    /// machine's state when it changed.
-    fn send_orders(&mut self, mut orders: BTreeMap<u64, Vec<Command>>) {
-        let Decider::Controller(c) = &mut self.decider else {
-            return;
-        };
-        if c.nodes == 1 {
-            return;
-        }
-        let Some(peers) = &self.peers else {
-            return;
-        };
-        let mirror = c.mirror();
-        let changed = c.sent.as_ref() != Some(&mirror);
-        if changed {
-            c.sent = Some(mirror.clone());
-        }
-        let term = peers.membership.seen().view.term;
-        let everyone: Vec<u64> = c.everyone().collect();
-        for n in everyone {
-            let commands = orders.remove(&n).unwrap_or_default();
-            if commands.is_empty() && !changed {
-                continue;
-            }
-            let down = Down {
-                term,
-                mirror: changed.then(|| mirror.clone()),
-                commands,
-                registered: Vec::new(),
-                adopt: None,
-                give: None,
-            };
-            match serde_json::to_vec(&down) {
-                Ok(bytes) => peers.membership.send(n, &bytes),
-                Err(e) => tracing::error!(node = n, error = %e, "orders not encoded"),
-            }
-        }
-    }
-
-    /// Sends `node` orders outside the machine's commands: a standby's
-    /// adoption, or the hand-over of replicas.
-    fn send_down(
-        &self,
-        node: u64,
-        registered: Vec<(usize, StartMode)>,
-        adopt: Option<Adopt>,
-        give: Option<Give>,
-    ) {
-        let Some(peers) = &self.peers else {
-            return;
-        };
-        let down = Down {
-            term: peers.membership.seen().view.term,
-            mirror: None,
-            commands: Vec::new(),
-            registered,
-            adopt,
-            give,
-        };
-        match serde_json::to_vec(&down) {
-            Ok(bytes) => peers.membership.send(node, &bytes),
-            Err(e) => tracing::error!(node, error = %e, "orders not encoded"),
-        }
-    }
-
-    /// Streams the replicas this host holds of lost host `g.node`'s ranks
-    /// to the standby `g.to`.
-    fn give(&self, g: &Give) {
-        let Some(p) = &self.peers else {
-            return;
-        };
-        let Some(r) = &p.replicator else {
-            return;
-        };
-        let held: Vec<u64> = r
-            .report()
-            .held
-            .into_iter()
-            .filter(|h| h.from_node == g.node)
-            .map(|h| h.rank)
-            .collect();
-        if held.is_empty() {
-            return;
-        }
-        let Some(endpoint) = p.standbys.lock().expect("not poisoned").get(&g.to).cloned() else {
-            tracing::error!(
-                standby = g.to,
-                "the standby's address is not known: its ranks cannot be filled from here"
-            );
-            return;
-        };
-        let mut stores = Vec::new();
-        for rank in held {
-            let path = crate::replicator::inbox::replica_path(self.dir.path(), rank);
-            match hatrain_shared::shm::Store::open(&path) {
-                Ok(s) => stores.push((rank, std::sync::Arc::new(s))),
-                Err(e) => {
-                    tracing::error!(rank, error = %e, "a replica to hand over cannot be opened")
-                }
-            }
-        }
-        tracing::info!(standby = g.to, ranks = ?stores.iter().map(|s| s.0).collect::<Vec<_>>(), "handing the replicas of a lost host to a standby");
-        r.hand_over(g.to, endpoint, stores);
-    }
-
-    /// A standby takes a lost host's ranks: they are started when the
-    /// controller says, and their stores filled from their replicas before
-    /// their registrations go on.
-    fn adopt(&mut self, sup: &mut Supervisor, a: Adopt) {
-        tracing::warn!(node = a.node, ranks = ?a.ranks, "taking the ranks of a lost host");
-        let specs = (self.specs_for)(a.node as usize)
-            .into_iter()
-            .filter(|s| a.ranks.contains(&s.rank))
-            .collect();
-        sup.adopt(specs);
-        if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
-            for &rank in &a.ranks {
-                r.adopt_rank(rank as u64);
-            }
-        }
-        self.adopted.extend(a.ranks);
-    }
-
-    /// The registrations of adopted ranks whose stores can be filled from
-    /// their replicas now: filled, then passed on to the controller.
-    pub(super) fn fill_adopted(&mut self, sup: &mut Supervisor) {
-        let waiting: Vec<usize> = self.filling.keys().copied().collect();
-        for rank in waiting {
-            let Some(store) = self.stores.get(&rank).cloned() else {
-                continue;
-            };
-            let path = crate::replicator::inbox::replica_path(self.dir.path(), rank as u64);
-            let Ok(replica) = hatrain_shared::shm::Store::open(&path) else {
-                continue;
-            };
-            match copy_newest(&replica, &store) {
-                Ok(step) => {
-                    tracing::info!(rank, step, "store filled from the peer replica");
-                    let Some((reply, answer, checkpoint)) = self.filling.remove(&rank) else {
-                        continue;
-                    };
-                    self.filled.insert(rank);
-                    self.unanswered.insert(rank, (reply, answer));
-                    self.feed(sup, Event::Registered { rank, checkpoint });
-                }
-                Err(e) => tracing::debug!(rank, error = %e, "replica not ready to fill from"),
-            }
-        }
-    }
-
-    /// Tells `node` the registrations the machine took, and how each rank
-    /// starts (after the commands they led to, sent already).
-    fn send_registered(&self, node: u64, registered: Vec<(usize, StartMode)>) {
-        self.send_down(node, registered, None, None);
-    }
-
-    /// A follower sends the controller its views (when they changed, or
-    /// `force`) and its events.
-    fn report(&mut self, views: Vec<RankView>, events: Vec<Event>, force: bool) {
-        let Decider::Follower(f) = &mut self.decider else {
-            return;
-        };
-        let stale = f
-            .last
-            .as_ref()
-            .is_none_or(|(at, v)| *v != views || at.elapsed() >= REPORT_EVERY);
-        if !(force || stale || !events.is_empty()) {
-            return;
-        }
-        f.last = Some((Instant::now(), views.clone()));
-        self.send_up(&Up::Report { views, events });
-    }
-
-    fn send_up(&self, up: &Up) {
-        let Some(peers) = &self.peers else {
-            return;
-        };
-        match serde_json::to_vec(up) {
-            Ok(bytes) => peers.membership.send(CONTROLLER, &bytes),
-            Err(e) => tracing::error!(error = %e, "report not encoded"),
-        }
-    }
-
-    /// This host's views on a tick: decided on, or reported when changed.
-    pub(super) fn tick_views(&mut self, sup: &mut Supervisor) {
-        let views = self.views(sup);
-        match &self.decider {
-            Decider::Controller(_) => self.feed(sup, Event::Tick(views)),
-            Decider::Follower(_) => self.report(views, Vec::new(), false),
-        }
-    }
-
-    /// This host's ranks' snapshots were verified.
-    pub(super) fn on_collected(&mut self, sup: &mut Supervisor, c: Collected) {
-        for (rank, why) in &c.rejected {
-            tracing::warn!(rank, error = %why, "snapshot slot rejected");
-        }
-        match &mut self.decider {
-            Decider::Controller(ctl) => {
-                let node = ctl.node;
-                if let Some(e) = ctl.gathered(node, c.epoch, c.steps) {
-                    self.decide(sup, e);
-                }
-            }
-            Decider::Follower(_) => self.send_up(&Up::Collected {
-                epoch: c.epoch,
-                steps: c.steps,
-            }),
-        }
-    }
-
-    /// A control message from another agent.
-    pub(super) fn on_peer(&mut self, sup: &mut Supervisor, from: u64, bytes: &[u8]) {
-        match &self.decider {
-            Decider::Controller(_) => match serde_json::from_slice::<Up>(bytes) {
-                Ok(up) => self.on_up(sup, from, up),
-                Err(e) => tracing::warn!(node = from, error = %e, "a host's report refused"),
-            },
-            Decider::Follower(_) if from != CONTROLLER => {
-                tracing::warn!(
-                    node = from,
-                    "orders from a node that is not the controller refused"
-                );
-            }
-            Decider::Follower(_) => match serde_json::from_slice::<Down>(bytes) {
-                Ok(down) => self.on_down(sup, down),
-                Err(e) => tracing::warn!(error = %e, "the controller's orders refused"),
-            },
-        }
-    }
-
-    fn on_up(&mut self, sup: &mut Supervisor, from: u64, up: Up) {
-        let Decider::Controller(c) = &mut self.decider else {
-            return;
-        };
-        if !c.everyone().any(|n| n == from) {
-            tracing::warn!(node = from, "a report from a node not in the job refused");
-            return;
-        }
-        let placed = c.ranks_on(from);
-        let ours = |rank: usize| placed.contains(&rank);
-        match up {
-            Up::Report { views, events } => {
-                if let Some(v) = views.iter().find(|v| !ours(v.rank)) {
-                    tracing::warn!(
-                        node = from,
-                        rank = v.rank,
-                        "a report on another host's rank refused"
-                    );
-                    return;
-                }
-                if !views.is_empty() {
-                    self.decide(sup, Event::Tick(views));
-                }
-                let mut registered = Vec::new();
-                for e in events {
-                    let rank = match e {
-                        Event::Registered { rank, .. } => Some(rank),
-                        _ => None,
-                    };
-                    self.decide(sup, e);
-                    if let (Some(rank), Decider::Controller(c)) = (rank, &self.decider) {
-                        registered.push((rank, c.machine.start_mode()));
-                    }
-                }
-                if !registered.is_empty() {
-                    self.send_registered(from, registered);
-                }
-            }
-            Up::Collected { epoch, steps } => {
-                let steps = steps.into_iter().filter(|(r, _)| ours(*r)).collect();
-                if let Some(e) = c.gathered(from, epoch, steps) {
-                    self.decide(sup, e);
-                }
-            }
-            Up::Ended => {
-                c.ended.insert(from);
-            }
-        }
-    }
-
-    fn on_down(&mut self, sup: &mut Supervisor, down: Down) {
-        let Decider::Follower(f) = &mut self.decider else {
-            return;
-        };
-        if down.term < f.term {
-            tracing::warn!(
-                term = down.term,
-                newest = f.term,
-                "orders of an older controller term refused"
-            );
-            return;
-        }
-        f.term = down.term;
-        if let Some(m) = down.mirror {
-            f.mirror = m;
-        }
-        if let Some(a) = down.adopt {
-            self.adopt(sup, a);
-        }
-        if let Some(g) = &down.give {
-            self.give(g);
-        }
-        for (rank, start) in down.registered {
-            if let Some((reply, mut answer)) = self.unanswered.remove(&rank) {
-                if let Response::Registered { start: s, .. } = &mut answer {
-                    *s = start;
-                }
-                tracing::info!(rank, ?start, "registration taken by the controller");
-                let _ = reply.send(answer);
-            }
-        }
-        let mut follow = Vec::new();
-        for c in down.commands {
-            let end = matches!(c, Command::Finish(_));
-            if let Command::Finish(outcome) = &c {
-                tracing::info!(?outcome, "the controller ended the job");
-            }
-            if let Some(e) = self.carry_out(sup, c) {
-                follow.push(e);
-            }
-            if end {
-                if let Decider::Follower(f) = &mut self.decider {
-                    f.ended = true;
-                }
-                self.send_up(&Up::Ended);
-            }
-        }
-        if !follow.is_empty() {
-            let views = self.views(sup);
-            self.report(views, follow, true);
-        }
-    }
-
-    /// A lost host: the controller decides; a follower that lost the
-    /// controller's host stops, since nobody decides for it any more.
-    pub(super) fn on_host_lost(&mut self, sup: &mut Supervisor, e: Event) {
-        match &mut self.decider {
-            Decider::Controller(c) => {
-                let Event::HostLost { node, detail, .. } = e else {
-                    return;
-                };
-                let Some((ranks, spare)) = c.host_lost(node, self.cfg.ha.modes.recover) else {
-                    tracing::warn!(node, "a standby host is lost");
-                    return;
-                };
-                if let Some(to) = spare {
-                    tracing::warn!(
-                        node,
-                        ?ranks,
-                        standby = to,
-                        "host lost: its ranks go to a standby host, filled from their peer replicas"
-                    );
-                    let others: Vec<u64> = c.others().filter(|&n| n != to).collect();
-                    let adopt = Adopt {
-                        node,
-                        ranks: ranks.clone(),
-                    };
-                    self.send_down(to, Vec::new(), Some(adopt), None);
-                    for n in others {
-                        self.send_down(n, Vec::new(), None, Some(Give { node, to }));
-                    }
-                    self.give(&Give { node, to });
-                }
-                self.feed(
-                    sup,
-                    Event::HostLost {
-                        node,
-                        ranks,
-                        detail,
-                        spare,
-                    },
-                );
-            }
-            Decider::Follower(f) => {
-                let Event::HostLost {
-                    node,
-                    ranks,
-                    detail,
-                    ..
-                } = e
-                else {
-                    return;
-                };
-                if node != CONTROLLER || f.ended {
-                    // The controller decides about the others.
-                    return;
-                }
-                tracing::error!(
-                    node,
-                    ?ranks,
-                    detail,
-                    "the controller's host is lost: stopping"
-                );
-                let detected = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64());
-                f.mirror.faults.push(FaultRecord {
-                    id: f.mirror.faults.len() as u64 + 1,
-                    ranks,
-                    kind: FaultKind::HostLost,
-                    detail,
-                    detected_unix_s: detected,
-                    s_star: None,
-                    action: "stop the job".into(),
-                    recovery_s: None,
-                    steps_lost: None,
-                    reason: format!(
-                        "host {node} runs the job's controller: taking over from it needs a successor, which this version does not have"
-                    ),
-                });
-                self.outcome = Some(Outcome::RecoveryFailed);
-            }
-        }
-    }
-
-    /// A follower whose shutdown the controller did not answer in time
-    /// stops by itself.
-    pub(super) fn shutdown_unanswered(&mut self) {
-        if let Decider::Follower(f) = &self.decider
-            && f.shutdown_by.is_some_and(|by| Instant::now() >= by)
-        {
-            tracing::warn!("the controller did not end the job after a shutdown: stopping");
-            self.outcome = Some(Outcome::Interrupted);
-        }
-    }
-}
-
-/// Copies `from`'s newest verified snapshot into a free slot of `to`,
-/// checked against its owner's checksum on the way; returns its step.
-fn copy_newest(
-    from: &hatrain_shared::shm::Store,
-    to: &hatrain_shared::shm::Store,
-) -> Result<u64, String> {
-    let (steps, _) = from.verified_steps();
-    let step = *steps.first().ok_or("no verified snapshot yet")?;
-    let info = from
-        .find_step(step)
-        .ok_or_else(|| format!("step {step} is gone"))?;
-    let slot = to.writable_slot().ok_or("no slot to write to")?;
-    let mut rx = to.receive(slot, info.len).map_err(|e| e.to_string())?;
-    const PIECE: u64 = 4 << 20;
-    let mut at = 0;
-    while at < info.len {
-        let len = PIECE.min(info.len - at);
-        from.with_range(&info, at, len, |bytes| rx.write(to, bytes))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        at += len;
-    }
-    rx.seal(
-        to,
-        info.rank,
-        info.step,
-        info.epoch,
-        info.sealed_at_unix_ns,
-        info.checksum,
-    )
-    .map_err(|e| e.to_string())?;
-    Ok(step)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::recovery::{HangPolicy, MachineConfig, RestartPolicy};
+    use crate::recovery::{HangPolicy, MachineConfig, Outcome, RestartPolicy};
     use hatrain_shared::ha::HaModes;
     use hatrain_shared::shm::Directive;
 

@@ -21,14 +21,19 @@
 //! - [`peers`]: joining the other agents of a job of several nodes
 //!   (heartbeats, peer replicas);
 //! - [`decider`]: who decides for the host: the job's controller (the
-//!   machine runs here), or a follower of it on another host.
+//!   machine runs here), or a follower of it on another host;
+//! - [`orders`]: reports and orders between the hosts, and lost hosts;
+//! - [`standby`]: a standby taking a lost host's ranks.
 
 mod decider;
 mod observe;
+mod orders;
 mod peers;
 mod requests;
+mod standby;
 
 use decider::{Controller, Decider, Follower};
+use orders::recv;
 
 use crate::control::{self, ControlMsg};
 use crate::gpu::GpuFault;
@@ -676,83 +681,6 @@ impl Driver<'_> {
         self.tick_views(sup);
     }
 
-    /// The controller of several hosts waits (at most the host timeout) for
-    /// every follower to take the end of the job, so that none is left
-    /// without it when this agent's connections close.
-    async fn wait_for_followers(&mut self, sup: &mut Supervisor, rx: &mut Option<decider::Inbox>) {
-        let deadline = Instant::now() + self.cfg.ha.host_timeout;
-        loop {
-            let Decider::Controller(c) = &self.decider else {
-                return;
-            };
-            let lost = self
-                .peers
-                .as_ref()
-                .map(|p| p.membership.seen().lost())
-                .unwrap_or_default();
-            if c.all_ended(&lost) || Instant::now() >= deadline {
-                return;
-            }
-            tokio::select! {
-                Some((from, bytes)) = recv(rx) => self.on_peer(sup, from, &bytes),
-                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-            }
-        }
-    }
-
-    /// Hosts that joined and are not heard any more, each reported once,
-    /// with what this host holds of their ranks' state.
-    fn take_lost_hosts(&mut self) -> Vec<Event> {
-        let Some(p) = &self.peers else {
-            return Vec::new();
-        };
-        let seen = p.membership.seen();
-        let held = p.replicator.as_ref().map(|r| r.report().held);
-        let per_node = self.cfg.nproc_per_node;
-        let mut out = Vec::new();
-        let ended = match &self.decider {
-            Decider::Controller(c) => c.ended.clone(),
-            Decider::Follower(_) => Default::default(),
-        };
-        for node in seen.lost() {
-            // A follower that took the end of the job leaves: not a loss.
-            if self.lost.contains(&node) || ended.contains(&node) {
-                continue;
-            }
-            self.lost.push(node);
-            let ranks: Vec<usize> = match &self.decider {
-                Decider::Controller(c) => c.ranks_on(node),
-                Decider::Follower(_) => {
-                    (node as usize * per_node..(node as usize + 1) * per_node).collect()
-                }
-            };
-            let replicas: Vec<String> = held
-                .iter()
-                .flatten()
-                .filter(|h| h.from_node == node)
-                .map(|h| match h.steps.first() {
-                    Some(s) => format!("rank {} up to step {s}", h.rank),
-                    None => format!("rank {} (no complete snapshot yet)", h.rank),
-                })
-                .collect();
-            let detail = format!(
-                "no heartbeat from host {node} within --host-timeout-secs, or its connection dropped; {}",
-                if replicas.is_empty() {
-                    "this host holds no replica of its ranks".to_string()
-                } else {
-                    format!("this host holds the replica of {}", replicas.join(", "))
-                }
-            );
-            out.push(Event::HostLost {
-                node,
-                ranks,
-                detail,
-                spare: None,
-            });
-        }
-        out
-    }
-
     /// A GPU memory error: its rank is asked to treat it as a UCE in its
     /// state, so the step is recomputed from s\* (see [`crate::gpu`]).
     fn on_gpu_fault(&mut self, sup: &Supervisor, f: GpuFault) {
@@ -778,14 +706,6 @@ impl Driver<'_> {
                 "GPU memory error on a device no local rank uses"
             ),
         }
-    }
-}
-
-/// The next control message from another agent; never, without peers.
-async fn recv(rx: &mut Option<decider::Inbox>) -> Option<(u64, Vec<u8>)> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
     }
 }
 

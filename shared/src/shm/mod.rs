@@ -410,6 +410,29 @@ mod tests {
     }
 
     #[test]
+    fn a_store_filled_from_a_replica_holds_its_newest_snapshot_identically() {
+        let d = tempfile::tempdir().unwrap();
+        let src = store(d.path(), 10_000);
+        let empty = Store::create(&d.path().join("e.shm"), 3, src.geometry(), 7, 9).unwrap();
+        let dst = Store::create(&d.path().join("d.shm"), 3, src.geometry(), 7, 9).unwrap();
+        assert!(dst.fill_from(&empty).is_err(), "nothing to copy");
+        let old: Vec<u8> = vec![1; 10_000];
+        let new: Vec<u8> = (0..10_000u32).map(|i| (i * 3) as u8).collect();
+        seal(&src, 4, &old);
+        let slot = seal(&src, 5, &new);
+        let info = dst.fill_from(&src).unwrap();
+        assert_eq!(info.step, 5);
+        assert_eq!(info.checksum, src.verify(slot).unwrap().checksum);
+        let mut back = vec![0u8; new.len()];
+        dst.read_slot(info.slot, &mut [&mut back]).unwrap();
+        assert_eq!(back, new);
+        // Another job's store: its checksum cannot match, nothing seals.
+        let other = Store::create(&d.path().join("o.shm"), 3, src.geometry(), 8, 9).unwrap();
+        assert!(other.fill_from(&src).is_err());
+        assert!(other.verified_steps().0.is_empty());
+    }
+
+    #[test]
     fn create_open_and_mode() {
         use std::os::unix::fs::PermissionsExt;
         let d = tempfile::tempdir().unwrap();

@@ -439,6 +439,38 @@ impl Store {
         Ok(out)
     }
 
+    /// Copies `from`'s newest verified snapshot into a writable slot of this
+    /// store (a standby filling a rank's store from its peer replica),
+    /// checked against its owner's checksum on the way as a received
+    /// replica is; both stores must be made with the owner's job and layout
+    /// hashes. The caller must be this store's only writer.
+    pub fn fill_from(&self, from: &Store) -> Result<SlotInfo, ShmError> {
+        const PIECE: u64 = 4 << 20;
+        let (steps, _) = from.verified_steps();
+        let info = steps
+            .first()
+            .and_then(|&step| from.find_step(step))
+            .ok_or_else(|| from.bad(0, "no verified snapshot to copy".into()))?;
+        let slot = self
+            .writable_slot()
+            .ok_or_else(|| self.bad(0, "no slot to write to".into()))?;
+        let mut rx = self.receive(slot, info.len)?;
+        let mut at = 0;
+        while at < info.len {
+            let len = PIECE.min(info.len - at);
+            from.with_range(&info, at, len, |bytes| rx.write(self, bytes))??;
+            at += len;
+        }
+        rx.seal(
+            self,
+            info.rank,
+            info.step,
+            info.epoch,
+            info.sealed_at_unix_ns,
+            info.checksum,
+        )
+    }
+
     /// Flips one bit of a slot's data (fault-injection tests: simulates
     /// memory corruption).
     pub fn corrupt_slot_byte(&self, slot: usize, offset: usize) {

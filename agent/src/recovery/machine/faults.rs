@@ -201,9 +201,7 @@ impl Machine {
                 if kind == FaultKind::Oom {
                     self.oom_restarts += 1;
                 }
-                let history = self.history.entry(rank).or_default();
-                history.record_restart(now, step, &self.cfg.restart);
-                let restarts = history.restarts;
+                let restarts = self.respawn(now, rank, step);
                 self.fault_note(
                     Level::Warn,
                     rank,
@@ -219,14 +217,7 @@ impl Machine {
                     format!("restart rank {rank} in place (restart {restarts})"),
                     reason,
                 );
-                self.watch.new_process(rank);
-                self.spawned.insert(rank, now);
-                self.cmd(Command::Respawn { rank, restarts });
-                if let State::Dumping { recover, .. } = &mut self.state {
-                    recover.push(f);
-                } else {
-                    self.begin_recovery(now, vec![f]);
-                }
+                self.recover(now, f);
             }
             ExitDecision::Stop { .. } | ExitDecision::Wait | ExitDecision::Finished => {
                 self.failure_stops(now, rank, kind, detail, reason, status);
@@ -283,11 +274,7 @@ impl Machine {
                     "restore s* and recompute the step".into(),
                     reason,
                 );
-                if let State::Dumping { recover, .. } = &mut self.state {
-                    recover.push(f);
-                } else {
-                    self.begin_recovery(now, vec![f]);
-                }
+                self.recover(now, f);
             }
             UceAction::Reboot => {
                 self.fault_note(Level::Warn, rank, "UCE: worker reboot", &detail, &reason);
@@ -479,79 +466,84 @@ impl Machine {
             .copied()
             .filter(|r| !self.protected.contains(r))
             .collect();
-        if let Some(spare) = spare
-            && self.cfg.modes.recover
-            && unprotected.is_empty()
-        {
-            let reason = format!(
-                "standby host {spare} takes ranks {ranks:?}, filled from their peer replicas"
-            );
-            self.out.notes.push(Note {
-                level: Level::Warn,
-                rank: None,
-                detail: Some(detail.clone()),
-                reason: Some(reason.clone()),
-                text: format!("host {node} lost: recovering on a standby host"),
-            });
-            let f = self.record_fault(
-                now,
-                first,
-                FaultKind::HostLost,
-                detail,
-                format!("restart ranks {ranks:?} on standby host {spare}"),
-                reason,
-            );
-            self.faults[f].ranks.clone_from(&ranks);
-            for r in ranks {
-                let step = self.view(r).step;
-                if let Some(v) = self.views.get_mut(&r) {
-                    v.alive = false;
-                    v.registered = false;
-                }
-                self.protected.remove(&r);
-                self.killed.remove(&r);
-                let history = self.history.entry(r).or_default();
-                history.record_restart(now, step, &self.cfg.restart);
-                let restarts = history.restarts;
-                self.watch.new_process(r);
-                self.spawned.insert(r, now);
-                self.cmd(Command::Respawn { rank: r, restarts });
-            }
-            if let State::Dumping { recover, .. } = &mut self.state {
-                recover.push(f);
-            } else {
-                self.begin_recovery(now, vec![f]);
-            }
-            return;
-        }
-        let reason = match spare {
-            None => format!(
-                "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby; shrinking the group is not supported yet)"
+        let standby = spare.filter(|_| self.cfg.modes.recover && unprotected.is_empty());
+        let (level, text, action, reason) = match (standby, spare) {
+            (Some(s), _) => (
+                Level::Warn,
+                format!("host {node} lost: recovering on a standby host"),
+                format!("restart ranks {ranks:?} on standby host {s}"),
+                format!("standby host {s} takes ranks {ranks:?}, filled from their peer replicas"),
             ),
-            Some(_) if !self.cfg.modes.recover => format!(
-                "host {node} holds ranks {ranks:?}: a standby host takes them by worker reboot, which is not enabled"
+            (None, None) => (
+                Level::Error,
+                format!("host {node} lost"),
+                "stop the job".into(),
+                format!(
+                    "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby; shrinking the group is not supported yet)"
+                ),
             ),
-            Some(_) => format!(
-                "host {node} holds ranks {ranks:?}, and {unprotected:?} never registered with the hatrain runtime: no replica to restore them from"
+            (None, Some(_)) if !self.cfg.modes.recover => (
+                Level::Error,
+                format!("host {node} lost"),
+                "stop the job".into(),
+                format!(
+                    "host {node} holds ranks {ranks:?}: a standby host takes them by worker reboot, which is not enabled"
+                ),
+            ),
+            (None, Some(_)) => (
+                Level::Error,
+                format!("host {node} lost"),
+                "stop the job".into(),
+                format!(
+                    "host {node} holds ranks {ranks:?}, and {unprotected:?} never registered with the hatrain runtime: no replica to restore them from"
+                ),
             ),
         };
         self.out.notes.push(Note {
-            level: Level::Error,
+            level,
             rank: None,
             detail: Some(detail.clone()),
             reason: Some(reason.clone()),
-            text: format!("host {node} lost"),
+            text,
         });
-        let f = self.record_fault(
-            now,
-            first,
-            FaultKind::HostLost,
-            detail,
-            "stop the job".into(),
-            reason,
-        );
-        self.faults[f].ranks = ranks;
-        self.finish(Outcome::RecoveryFailed);
+        let f = self.record_fault(now, first, FaultKind::HostLost, detail, action, reason);
+        self.faults[f].ranks.clone_from(&ranks);
+        if standby.is_none() {
+            self.finish(Outcome::RecoveryFailed);
+            return;
+        }
+        for r in ranks {
+            let step = self.view(r).step;
+            if let Some(v) = self.views.get_mut(&r) {
+                v.alive = false;
+                v.registered = false;
+            }
+            self.protected.remove(&r);
+            self.killed.remove(&r);
+            self.respawn(now, r, step);
+        }
+        self.recover(now, f);
+    }
+
+    /// Starts `rank` again in place (its process died after `step`);
+    /// returns its restart count.
+    fn respawn(&mut self, now: Duration, rank: usize, step: u64) -> u32 {
+        let history = self.history.entry(rank).or_default();
+        history.record_restart(now, step, &self.cfg.restart);
+        let restarts = history.restarts;
+        self.watch.new_process(rank);
+        self.spawned.insert(rank, now);
+        self.cmd(Command::Respawn { rank, restarts });
+        restarts
+    }
+
+    /// Recovers from fault `f`: now, or after the dump in progress.
+    fn recover(&mut self, now: Duration, f: usize) {
+        if let State::Dumping { recover, .. } = &mut self.state {
+            recover.push(f);
+        } else {
+            self.begin_recovery(now, vec![f]);
+        }
     }
 
     pub(super) fn spawn_failed(&mut self, now: Duration, rank: usize, error: &str) {

@@ -1,0 +1,492 @@
+//! Reports and orders between a job's hosts: what the [`Decider`] of this
+//! host does with an event (decide it, or report it), the orders the
+//! controller sends and a follower carries out, and lost hosts.
+//!
+//! Messages travel as JSON in authenticated [`hatrain_shared::peer`]
+//! frames on the heartbeat sessions; a message that does not parse is
+//! dropped and logged.
+
+use super::decider::{Adopt, CONTROLLER, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up};
+use super::{Collected, Driver, log};
+use crate::recovery::{Command, Event, Outcome, RankView};
+use crate::supervisor::Supervisor;
+use hatrain_shared::control::{FaultKind, FaultRecord, Response};
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+impl Driver<'_> {
+    /// Takes an event of this host: decided here by the controller, or
+    /// reported to it.
+    pub(super) fn feed(&mut self, sup: &mut Supervisor, event: Event) {
+        match &mut self.decider {
+            Decider::Controller(_) => self.decide(sup, event),
+            Decider::Follower(f) => match event {
+                Event::Tick(views) => self.report(views, Vec::new(), true),
+                event => {
+                    if event == Event::Shutdown {
+                        f.shutdown_by = Some(
+                            Instant::now() + self.cfg.ha.host_timeout + Duration::from_secs(2),
+                        );
+                    }
+                    let views = self.views(sup);
+                    self.report(views, vec![event], true);
+                }
+            },
+        }
+    }
+
+    /// The machine decides on `event`, and what it decides is carried out
+    /// here and sent to the other hosts, with whatever follows from that.
+    fn decide(&mut self, sup: &mut Supervisor, event: Event) {
+        let mut queue = VecDeque::from([event]);
+        let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
+        while let Some(e) = queue.pop_front() {
+            let now = self.now();
+            let Decider::Controller(c) = &mut self.decider else {
+                return;
+            };
+            let step = c.machine.step(now, e);
+            for n in &step.notes {
+                log(n);
+            }
+            let routed: Vec<Routed> = step.commands.into_iter().flat_map(|x| c.route(x)).collect();
+            for r in routed {
+                match r {
+                    Routed::Here(cmd) => {
+                        if let Some(follow) = self.carry_out(sup, cmd) {
+                            queue.push_back(follow);
+                        }
+                    }
+                    Routed::There(n, cmd) => orders.entry(n).or_default().push(cmd),
+                }
+            }
+        }
+        self.send_orders(orders);
+    }
+
+    /// Sends each follower its commands, and to every follower the
+    /// machine's state when it changed.
+    fn send_orders(&mut self, mut orders: BTreeMap<u64, Vec<Command>>) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        if !c.joined() {
+            return;
+        }
+        let mirror = c.mirror();
+        let changed = c.sent.as_ref() != Some(&mirror);
+        if changed {
+            c.sent = Some(mirror.clone());
+        }
+        let everyone: Vec<u64> = c.everyone().collect();
+        for n in everyone {
+            let commands = orders.remove(&n).unwrap_or_default();
+            if commands.is_empty() && !changed {
+                continue;
+            }
+            let mirror = changed.then(|| mirror.clone());
+            self.send_down(
+                n,
+                Down {
+                    mirror,
+                    commands,
+                    ..Down::default()
+                },
+            );
+        }
+    }
+
+    /// Sends `node` the controller's orders, under its term now.
+    fn send_down(&self, node: u64, down: Down) {
+        let Some(peers) = &self.peers else {
+            return;
+        };
+        let down = Down {
+            term: peers.membership.seen().view.term,
+            ..down
+        };
+        match serde_json::to_vec(&down) {
+            Ok(bytes) => peers.membership.send(node, &bytes),
+            Err(e) => tracing::error!(node, error = %e, "orders not encoded"),
+        }
+    }
+
+    /// A follower sends the controller its views (when they changed, or
+    /// `force`) and its events.
+    fn report(&mut self, views: Vec<RankView>, events: Vec<Event>, force: bool) {
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
+        let stale = f
+            .last
+            .as_ref()
+            .is_none_or(|(at, v)| *v != views || at.elapsed() >= REPORT_EVERY);
+        if !(force || stale || !events.is_empty()) {
+            return;
+        }
+        f.last = Some((Instant::now(), views.clone()));
+        self.send_up(&Up::Report { views, events });
+    }
+
+    fn send_up(&self, up: &Up) {
+        let Some(peers) = &self.peers else {
+            return;
+        };
+        match serde_json::to_vec(up) {
+            Ok(bytes) => peers.membership.send(CONTROLLER, &bytes),
+            Err(e) => tracing::error!(error = %e, "report not encoded"),
+        }
+    }
+
+    /// This host's views on a tick: decided on, or reported when changed.
+    pub(super) fn tick_views(&mut self, sup: &mut Supervisor) {
+        let views = self.views(sup);
+        match &self.decider {
+            Decider::Controller(_) => self.feed(sup, Event::Tick(views)),
+            Decider::Follower(_) => self.report(views, Vec::new(), false),
+        }
+    }
+
+    /// This host's ranks' snapshots were verified.
+    pub(super) fn on_collected(&mut self, sup: &mut Supervisor, c: Collected) {
+        for (rank, why) in &c.rejected {
+            tracing::warn!(rank, error = %why, "snapshot slot rejected");
+        }
+        match &mut self.decider {
+            Decider::Controller(ctl) => {
+                let node = ctl.node;
+                if let Some(e) = ctl.gathered(node, c.epoch, c.steps) {
+                    self.decide(sup, e);
+                }
+            }
+            Decider::Follower(_) => self.send_up(&Up::Collected {
+                epoch: c.epoch,
+                steps: c.steps,
+            }),
+        }
+    }
+
+    /// A control message from another agent.
+    pub(super) fn on_peer(&mut self, sup: &mut Supervisor, from: u64, bytes: &[u8]) {
+        match &self.decider {
+            Decider::Controller(_) => match serde_json::from_slice::<Up>(bytes) {
+                Ok(up) => self.on_up(sup, from, up),
+                Err(e) => tracing::warn!(node = from, error = %e, "a host's report refused"),
+            },
+            Decider::Follower(_) if from != CONTROLLER => {
+                tracing::warn!(
+                    node = from,
+                    "orders from a node that is not the controller refused"
+                );
+            }
+            Decider::Follower(_) => match serde_json::from_slice::<Down>(bytes) {
+                Ok(down) => self.on_down(sup, down),
+                Err(e) => tracing::warn!(error = %e, "the controller's orders refused"),
+            },
+        }
+    }
+
+    fn on_up(&mut self, sup: &mut Supervisor, from: u64, up: Up) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        if !c.everyone().any(|n| n == from) {
+            tracing::warn!(node = from, "a report from a node not in the job refused");
+            return;
+        }
+        match up {
+            Up::Report { views, events } => {
+                if let Some(v) = views.iter().find(|v| !c.holds(from, v.rank)) {
+                    tracing::warn!(
+                        node = from,
+                        rank = v.rank,
+                        "a report on another host's rank refused"
+                    );
+                    return;
+                }
+                if !views.is_empty() {
+                    self.decide(sup, Event::Tick(views));
+                }
+                let mut registered = Vec::new();
+                for e in events {
+                    let rank = match e {
+                        Event::Registered { rank, .. } => Some(rank),
+                        _ => None,
+                    };
+                    self.decide(sup, e);
+                    if let (Some(rank), Decider::Controller(c)) = (rank, &self.decider) {
+                        registered.push((rank, c.machine.start_mode()));
+                    }
+                }
+                if !registered.is_empty() {
+                    let down = Down {
+                        registered,
+                        ..Down::default()
+                    };
+                    self.send_down(from, down);
+                }
+            }
+            Up::Collected { epoch, steps } => {
+                let steps = steps
+                    .into_iter()
+                    .filter(|(r, _)| c.holds(from, *r))
+                    .collect();
+                if let Some(e) = c.gathered(from, epoch, steps) {
+                    self.decide(sup, e);
+                }
+            }
+            Up::Ended => {
+                c.ended.insert(from);
+            }
+        }
+    }
+
+    fn on_down(&mut self, sup: &mut Supervisor, down: Down) {
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
+        if down.term < f.term {
+            tracing::warn!(
+                term = down.term,
+                newest = f.term,
+                "orders of an older controller term refused"
+            );
+            return;
+        }
+        f.term = down.term;
+        if let Some(m) = down.mirror {
+            f.mirror = m;
+        }
+        if let Some(a) = down.adopt {
+            self.adopt(sup, a);
+        }
+        if let Some(g) = &down.give {
+            self.give(g);
+        }
+        for (rank, start) in down.registered {
+            if let Some((reply, mut answer)) = self.unanswered.remove(&rank) {
+                if let Response::Registered { start: s, .. } = &mut answer {
+                    *s = start;
+                }
+                tracing::info!(rank, ?start, "registration taken by the controller");
+                let _ = reply.send(answer);
+            }
+        }
+        let mut follow = Vec::new();
+        for c in down.commands {
+            let end = matches!(c, Command::Finish(_));
+            if let Command::Finish(outcome) = &c {
+                tracing::info!(?outcome, "the controller ended the job");
+            }
+            if let Some(e) = self.carry_out(sup, c) {
+                follow.push(e);
+            }
+            if end {
+                if let Decider::Follower(f) = &mut self.decider {
+                    f.ended = true;
+                }
+                self.send_up(&Up::Ended);
+            }
+        }
+        if !follow.is_empty() {
+            let views = self.views(sup);
+            self.report(views, follow, true);
+        }
+    }
+
+    /// A lost host: the controller decides; a follower that lost the
+    /// controller's host stops, since nobody decides for it any more.
+    pub(super) fn on_host_lost(&mut self, sup: &mut Supervisor, e: Event) {
+        match &mut self.decider {
+            Decider::Controller(c) => {
+                let Event::HostLost { node, detail, .. } = e else {
+                    return;
+                };
+                let Some((ranks, spare)) = c.host_lost(node, self.cfg.ha.modes.recover) else {
+                    tracing::warn!(node, "a standby host is lost");
+                    return;
+                };
+                if let Some(to) = spare {
+                    tracing::warn!(
+                        node,
+                        ?ranks,
+                        standby = to,
+                        "host lost: its ranks go to a standby host, filled from their peer replicas"
+                    );
+                    let others: Vec<u64> = c.others().filter(|&n| n != to).collect();
+                    let adopt = Adopt {
+                        node,
+                        ranks: ranks.clone(),
+                    };
+                    let give = Give { node, to };
+                    self.send_down(
+                        to,
+                        Down {
+                            adopt: Some(adopt),
+                            ..Down::default()
+                        },
+                    );
+                    for n in others {
+                        let give = Some(give.clone());
+                        self.send_down(
+                            n,
+                            Down {
+                                give,
+                                ..Down::default()
+                            },
+                        );
+                    }
+                    self.give(&give);
+                }
+                self.feed(
+                    sup,
+                    Event::HostLost {
+                        node,
+                        ranks,
+                        detail,
+                        spare,
+                    },
+                );
+            }
+            Decider::Follower(f) => {
+                let Event::HostLost {
+                    node,
+                    ranks,
+                    detail,
+                    ..
+                } = e
+                else {
+                    return;
+                };
+                if node != CONTROLLER || f.ended {
+                    // The controller decides about the others.
+                    return;
+                }
+                tracing::error!(
+                    node,
+                    ?ranks,
+                    detail,
+                    "the controller's host is lost: stopping"
+                );
+                let detected = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                f.mirror.faults.push(FaultRecord {
+                    id: f.mirror.faults.len() as u64 + 1,
+                    ranks,
+                    kind: FaultKind::HostLost,
+                    detail,
+                    detected_unix_s: detected,
+                    s_star: None,
+                    action: "stop the job".into(),
+                    recovery_s: None,
+                    steps_lost: None,
+                    reason: format!(
+                        "host {node} runs the job's controller: taking over from it needs a successor, which this version does not have"
+                    ),
+                });
+                self.outcome = Some(Outcome::RecoveryFailed);
+            }
+        }
+    }
+
+    /// A follower whose shutdown the controller did not answer in time
+    /// stops by itself.
+    pub(super) fn shutdown_unanswered(&mut self) {
+        if let Decider::Follower(f) = &self.decider
+            && f.shutdown_by.is_some_and(|by| Instant::now() >= by)
+        {
+            tracing::warn!("the controller did not end the job after a shutdown: stopping");
+            self.outcome = Some(Outcome::Interrupted);
+        }
+    }
+
+    /// The controller of several hosts waits (at most the host timeout) for
+    /// every follower to take the end of the job, so that none is left
+    /// without it when this agent's connections close.
+    pub(super) async fn wait_for_followers(
+        &mut self,
+        sup: &mut Supervisor,
+        rx: &mut Option<Inbox>,
+    ) {
+        let deadline = Instant::now() + self.cfg.ha.host_timeout;
+        loop {
+            let Decider::Controller(c) = &self.decider else {
+                return;
+            };
+            let lost = self
+                .peers
+                .as_ref()
+                .map(|p| p.membership.seen().lost())
+                .unwrap_or_default();
+            if c.all_ended(&lost) || Instant::now() >= deadline {
+                return;
+            }
+            tokio::select! {
+                Some((from, bytes)) = recv(rx) => self.on_peer(sup, from, &bytes),
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+    }
+
+    /// Hosts that joined and are not heard any more, each reported once,
+    /// with what this host holds of their ranks' state.
+    pub(super) fn take_lost_hosts(&mut self) -> Vec<Event> {
+        let Some(p) = &self.peers else {
+            return Vec::new();
+        };
+        let seen = p.membership.seen();
+        let held = p.replicator.as_ref().map(|r| r.report().held);
+        let per_node = self.cfg.nproc_per_node;
+        let mut out = Vec::new();
+        let ended = match &self.decider {
+            Decider::Controller(c) => c.ended.clone(),
+            Decider::Follower(_) => Default::default(),
+        };
+        for node in seen.lost() {
+            // A follower that took the end of the job leaves: not a loss.
+            if self.lost.contains(&node) || ended.contains(&node) {
+                continue;
+            }
+            self.lost.push(node);
+            let ranks: Vec<usize> = match &self.decider {
+                Decider::Controller(c) => c.ranks_on(node),
+                Decider::Follower(_) => {
+                    (node as usize * per_node..(node as usize + 1) * per_node).collect()
+                }
+            };
+            let replicas: Vec<String> = held
+                .iter()
+                .flatten()
+                .filter(|h| h.from_node == node)
+                .map(|h| match h.steps.first() {
+                    Some(s) => format!("rank {} up to step {s}", h.rank),
+                    None => format!("rank {} (no complete snapshot yet)", h.rank),
+                })
+                .collect();
+            let detail = format!(
+                "no heartbeat from host {node} within --host-timeout-secs, or its connection dropped; {}",
+                if replicas.is_empty() {
+                    "this host holds no replica of its ranks".to_string()
+                } else {
+                    format!("this host holds the replica of {}", replicas.join(", "))
+                }
+            );
+            out.push(Event::HostLost {
+                node,
+                ranks,
+                detail,
+                spare: None,
+            });
+        }
+        out
+    }
+}
+
+/// The next control message from another agent; never, without peers.
+pub(super) async fn recv(rx: &mut Option<Inbox>) -> Option<(u64, Vec<u8>)> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
