@@ -24,33 +24,10 @@
 //!    step K; steps redone; the medians and ratios.
 
 mod common;
-use common::{agent, median, train_args, trainer};
-use serde_json::Value;
+use common::{agent, median, now, steps, train_args, trainer, wait_step, worker_pids};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
-fn events(log: &Path) -> Vec<Value> {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-fn steps(log: &Path) -> Vec<Value> {
-    events(log)
-        .into_iter()
-        .filter(|e| e["event"] == "step")
-        .collect()
-}
+use std::time::Duration;
 
 fn launch(nproc: usize, ha: bool, shm: &Path, slices: &str, train: &[String]) -> Child {
     let mut c = Command::new(agent());
@@ -73,43 +50,6 @@ fn launch(nproc: usize, ha: bool, shm: &Path, slices: &str, train: &[String]) ->
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     c.spawn().expect("start hatrain-agent")
-}
-
-fn worker_pids(launcher: u32) -> Vec<(usize, i32)> {
-    let mut out = Vec::new();
-    for t in std::fs::read_dir(format!("/proc/{launcher}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-        for pid in kids
-            .split_whitespace()
-            .filter_map(|p| p.parse::<i32>().ok())
-        {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            let rank = env
-                .split(|b| *b == 0)
-                .find_map(|kv| kv.strip_prefix(b"RANK="))
-                .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
-            if let Some(r) = rank {
-                out.push((r, pid));
-            }
-        }
-    }
-    out
-}
-
-/// Waits until `log` has a step event satisfying `f` (bounded).
-fn wait_step(log: &Path, limit: Duration, f: impl Fn(&Value) -> bool) -> Option<Value> {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if let Some(e) = steps(log).into_iter().find(|e| f(e)) {
-            return Some(e);
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    None
 }
 
 fn kill_rank1(child: &Child) -> f64 {

@@ -2,7 +2,9 @@
 #![allow(dead_code)]
 
 use hatrain_trainer::config::ModelConfig;
+use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The `hatrain-agent` binary, built first in the bench profile.
 pub fn agent() -> PathBuf {
@@ -66,4 +68,67 @@ pub fn train_args(size: &str, iters: u64, log: &Path, extra: &[&str]) -> Vec<Str
     ]);
     a.extend(extra.iter().map(|s| s.to_string()));
     a
+}
+
+/// Seconds since the Unix epoch.
+pub fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// The JSON lines of a trainer's `--log-jsonl`.
+pub fn events(log: &Path) -> Vec<Value> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Its step events.
+pub fn steps(log: &Path) -> Vec<Value> {
+    events(log)
+        .into_iter()
+        .filter(|e| e["event"] == "step")
+        .collect()
+}
+
+/// The ranks and pids of the workers of the agent `launcher`.
+pub fn worker_pids(launcher: u32) -> Vec<(usize, i32)> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{launcher}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for pid in kids
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let rank = env
+                .split(|b| *b == 0)
+                .find_map(|kv| kv.strip_prefix(b"RANK="))
+                .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+            if let Some(r) = rank {
+                out.push((r, pid));
+            }
+        }
+    }
+    out
+}
+
+/// Waits until `log` has a step event satisfying `f` (bounded).
+pub fn wait_step(log: &Path, limit: Duration, f: impl Fn(&Value) -> bool) -> Option<Value> {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if let Some(e) = steps(log).into_iter().find(|e| f(e)) {
+            return Some(e);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
 }

@@ -1,0 +1,257 @@
+//! Host loss: the time from the loss of a whole host to training going on,
+//! against what users have today, in the same run.
+//!
+//! Two hosts of one rank each (agents on 127.0.0.1 and 127.0.0.2, each its
+//! own shm root), the `10m` model; host 1 vanishes during step K (its agent
+//! and worker SIGKILLed, its shared memory deleted).
+//! - hatrain: a standby agent (127.0.0.3) takes rank 1, filled from its
+//!   peer replica held by host 0; timed from the kill to the first step
+//!   completed after it, and to step K completed again.
+//! - baseline: no high availability, the trainer saves every 10 steps; the
+//!   survivor's job stops, both hosts are launched again with `--load` of
+//!   the newest checkpoint and redo the lost steps; timed from the kill to
+//!   step K completed again.
+//!
+//! K takes the values 23, 26 and 29 (3, 6 and 9 steps after a save; late
+//! enough that the first replica has arrived). The
+//! table gives each run, the medians and the ratios. hatrain runs with
+//! `--snapshot-slots 4` (see [`slots`]) and a pause timeout of 20 s.
+
+mod common;
+use common::{agent, median, now, steps, train_args, trainer, wait_step, worker_pids};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Snapshot slots per rank for hatrain (`HATRAIN_BENCH_SLOTS`, default 4):
+/// s\* must be a step the survivors still hold and the replica has, and on
+/// this 2-core machine the replica of a `10m` rank lags the live snapshot
+/// by up to 3 steps while training takes every core. With the default 2
+/// slots the recovery finds no common step and the job stops; with 6 the
+/// holder's larger replica store is not made (pre-faulted, at idle
+/// priority) before the loss.
+fn slots() -> usize {
+    std::env::var("HATRAIN_BENCH_SLOTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// One agent of a job of two hosts (and `standby` spare agents).
+struct Launch<'a> {
+    dir: &'a Path,
+    job: String,
+    ports: (u16, u16),
+    secret: &'a Path,
+    ha: bool,
+    standbys: usize,
+    train: &'a [String],
+}
+
+impl Launch<'_> {
+    fn shm(&self, node: usize) -> PathBuf {
+        self.dir.join(format!("{}-host{node}", self.job))
+    }
+
+    /// Where agent `node` logs.
+    fn log(&self, node: usize) -> PathBuf {
+        self.dir.join(format!("{}-agent{node}.log", self.job))
+    }
+
+    /// Waits for agent `node`; a failure shows the end of its log.
+    fn expect_success(&self, node: usize, agent: &mut Child) {
+        if !agent.wait().unwrap().success() {
+            let log = std::fs::read_to_string(self.log(node)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!("agent {node} of {} failed:\n{}", self.job, tail.join("\n"));
+        }
+    }
+
+    fn start(&self, node: usize) -> Child {
+        let mut c = Command::new(agent());
+        c.args(["launch", "--nnodes", "2", "--nproc-per-node", "1"])
+            .args(["--node-rank", &node.to_string(), "--job-id", &self.job])
+            .args(["--master-addr", "127.0.0.1"])
+            .args(["--master-port", &self.ports.0.to_string()])
+            .args(["--rdzv-port", &self.ports.1.to_string()])
+            .args(["--local-addr", &format!("127.0.0.{}", node + 1)])
+            .args(["--stop-grace-secs", "2"])
+            .arg("--secret-file")
+            .arg(self.secret)
+            .arg("--shm-root")
+            .arg(self.shm(node));
+        if self.ha {
+            c.args(["--enable-high-availability", "--enable-worker-reboot"])
+                .args(["--standby-nodes", &self.standbys.to_string()])
+                .args(["--snapshot-slots", &slots().to_string()])
+                .args(["--pause-timeout-secs", "20"]);
+            if node >= 2 {
+                c.arg("--standby");
+            }
+        }
+        c.arg("--")
+            .arg(trainer())
+            .args(self.train)
+            .env("RUST_LOG", "warn")
+            .env_remove("SLURM_JOB_ID")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.log(node)).expect("an agent log"));
+        c.spawn().expect("start hatrain-agent")
+    }
+}
+
+/// Host 1 vanishes: its agent and worker SIGKILLed, its shm deleted.
+/// Returns when it was killed.
+fn vanish(agent: &mut Child, shm: &Path) -> f64 {
+    let pids = worker_pids(agent.id());
+    let t = now();
+    // SAFETY: kill(2) with plain integers.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGKILL) };
+    for (_, pid) in pids {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let _ = agent.wait();
+    let _ = std::fs::remove_dir_all(shm);
+    t
+}
+
+/// Seconds from `t_kill` to the first step after it and to step `k` again,
+/// and the steps redone.
+fn timings(log: &Path, t_kill: f64, k: u64) -> (f64, f64, usize) {
+    let s = steps(log);
+    let after = |e: &&serde_json::Value| e["unix_s"].as_f64() > Some(t_kill);
+    let first = s
+        .iter()
+        .filter(after)
+        .filter_map(|e| e["unix_s"].as_f64())
+        .next();
+    let back = s
+        .iter()
+        .filter(after)
+        .find(|e| e["step"].as_u64() >= Some(k))
+        .and_then(|e| e["unix_s"].as_f64());
+    let redone = s
+        .iter()
+        .filter(after)
+        .filter(|e| e["step"].as_u64() < Some(k))
+        .count();
+    (
+        first.expect("a step after the loss") - t_kill,
+        back.expect("step K again") - t_kill,
+        redone,
+    )
+}
+
+fn hatrain(dir: &Path, secret: &Path, k: u64) -> (f64, f64, usize) {
+    let log = dir.join(format!("ha-{k}.jsonl"));
+    let train = train_args("10m", k + 2, &log, &[]);
+    let l = Launch {
+        dir,
+        job: format!("ha{k}"),
+        ports: (free_port(), free_port()),
+        secret,
+        ha: true,
+        standbys: 1,
+        train: &train,
+    };
+    let mut agents: Vec<Child> = (0..3).map(|n| l.start(n)).collect();
+    wait_step(&log, LIMIT, |e| e["step"].as_u64() == Some(k - 1)).expect("reach K-1");
+    let t_kill = vanish(&mut agents[1], &l.shm(1));
+    for n in [0, 2] {
+        l.expect_success(n, &mut agents[n]);
+    }
+    timings(&log, t_kill, k)
+}
+
+fn baseline(dir: &Path, secret: &Path, k: u64) -> (f64, usize) {
+    let log = dir.join(format!("base-{k}.jsonl"));
+    let ck = dir.join(format!("ckpt-{k}")).display().to_string();
+    let first = train_args(
+        "10m",
+        k + 2,
+        &log,
+        &["--save", &ck, "--save-interval", "10"],
+    );
+    let again = train_args(
+        "10m",
+        k + 2,
+        &log,
+        &["--load", &ck, "--save", &ck, "--save-interval", "10"],
+    );
+    let launch = |train, job: String| Launch {
+        dir,
+        job,
+        ports: (free_port(), free_port()),
+        secret,
+        ha: false,
+        standbys: 0,
+        train,
+    };
+    let l = launch(&first, format!("base{k}"));
+    let mut agents: Vec<Child> = (0..2).map(|n| l.start(n)).collect();
+    wait_step(&log, LIMIT, |e| e["step"].as_u64() == Some(k - 1)).expect("reach K-1");
+    let t_kill = vanish(&mut agents[1], &l.shm(1));
+    assert!(!agents[0].wait().unwrap().success(), "the survivor stops");
+    let l = launch(&again, format!("base{k}b"));
+    let mut agents: Vec<Child> = (0..2).map(|n| l.start(n)).collect();
+    for (n, a) in agents.iter_mut().enumerate() {
+        l.expect_success(n, a);
+    }
+    let (_, back, redone) = timings(&log, t_kill, k);
+    (back, redone)
+}
+
+fn main() {
+    let dir = tempfile::Builder::new()
+        .prefix("hatrain-bench-")
+        .tempdir_in("/dev/shm")
+        .expect("tempdir");
+    let secret = dir.path().join("secret");
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&secret)
+            .unwrap();
+        std::io::Write::write_all(&mut f, "5a".repeat(32).as_bytes()).unwrap();
+    }
+    println!(
+        "host loss during step K (10m model, 2 hosts x 1 rank; hatrain: a standby filled from the peer replica, {} snapshot slots; baseline: relaunch from the disk checkpoint saved every 10 steps)",
+        slots()
+    );
+    println!(
+        "{:>3} {:>10} {:>10} {:>8} {:>12} {:>8}",
+        "K", "1st step s", "step K s", "redone", "baseline K s", "redone"
+    );
+    let (mut firsts, mut ours, mut bases) = (Vec::new(), Vec::new(), Vec::new());
+    for k in [23u64, 26, 29] {
+        let (first, back, redone) = hatrain(dir.path(), &secret, k);
+        let (base, base_redone) = baseline(dir.path(), &secret, k);
+        println!("{k:>3} {first:>10.3} {back:>10.3} {redone:>8} {base:>12.3} {base_redone:>8}");
+        firsts.push(first);
+        ours.push(back);
+        bases.push(base);
+    }
+    let (f, o, b) = (median(firsts), median(ours), median(bases));
+    println!(
+        "median: hatrain {f:.3} s to the first step after the loss, {o:.3} s to step K; baseline {b:.3} s to step K"
+    );
+    println!(
+        "ratios to the baseline: first step {:.3}, step K {:.3}",
+        f / b,
+        o / b
+    );
+}
