@@ -11,6 +11,7 @@
 //!   that survives; nothing is left in their roots.
 
 mod common;
+use common::hosts::*;
 use common::*;
 use hatrain_shared::shm::Store;
 use std::path::{Path, PathBuf};
@@ -21,26 +22,6 @@ const ITERS: u64 = 40;
 /// Rank 0 sleeps this long in step 25's forward pass, rank 1 waits for it
 /// in a collective: both newest snapshots stand still meanwhile.
 const PLAN: &str = "0:25:forward:sleep5000";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn secret_file(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join("secret");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .unwrap();
-    std::io::Write::write_all(&mut f, "5a".repeat(32).as_bytes()).unwrap();
-    path
-}
 
 struct Host {
     addr: &'static str,
@@ -104,31 +85,6 @@ fn stranger(endpoint: &str) {
     s.send(hello, 0).unwrap();
     // Nothing comes back to a stranger.
     assert_eq!(s.poll(zmq::POLLIN, 500).unwrap(), 0);
-}
-
-/// Nothing of the job is left in the shm root `root`.
-fn assert_nothing_left(root: &Path) {
-    let left: Vec<_> = std::fs::read_dir(root)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
-    assert!(
-        left.is_empty(),
-        "left behind in {}: {left:?}",
-        root.display()
-    );
-}
-
-/// Trainer arguments for 60 steps of a global batch six ranks share, and
-/// the log of that run on one host with six ranks.
-fn six_ranks_reference(dir: &Path) -> (Vec<String>, Vec<serde_json::Value>) {
-    let mut train = tiny_args(60);
-    let at = train.iter().position(|a| a == "--global-batch").unwrap();
-    train[at + 1] = "24".into();
-    let log = dir.join("ref.jsonl");
-    let mut args = train.clone();
-    args.extend(["--log-jsonl".into(), log.display().to_string()]);
-    assert_success(&run_launch(6, "six-ref", &args), "one host, six ranks");
-    (train, read_log(&log))
 }
 
 #[test]
@@ -240,10 +196,6 @@ fn two_hosts_hold_each_others_snapshots_identically_and_refuse_a_strangers_frame
 
 /// `node` with its own test tag, so that one host's processes can be killed
 /// alone.
-fn host_job(cmd: Command, job: &str, k: usize) -> Job {
-    Job::spawn(cmd, &format!("{job}-h{k}"))
-}
-
 /// Three hosts of one rank each; the third vanishes (its agent and worker
 /// SIGKILLed, its shared memory deleted) while the job runs. The others
 /// hear it go, stop, and say which host and ranks were lost and what of
@@ -362,44 +314,6 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
     }
 }
 
-/// Agent `k` of `nodes`, `per_node` ranks each, with worker reboot.
-#[allow(clippy::too_many_arguments)]
-fn reboot_node(
-    k: usize,
-    nodes: usize,
-    per_node: usize,
-    shm: &Path,
-    job: &str,
-    ports: (u16, u16),
-    secret: &Path,
-    train: &[String],
-    extra: &[&str],
-) -> Command {
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nnodes", &nodes.to_string()])
-        .args(["--nproc-per-node", &per_node.to_string()])
-        .args(["--node-rank", &k.to_string(), "--job-id", job])
-        .args(["--master-addr", "127.0.0.1"])
-        .args(["--master-port", &ports.0.to_string()])
-        .args(["--rdzv-port", &ports.1.to_string()])
-        .args(["--local-addr", &format!("127.0.0.{}", k + 1)])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--hang-timeout-secs", "3"])
-        .arg("--enable-high-availability")
-        .arg("--enable-worker-reboot")
-        .arg("--secret-file")
-        .arg(secret)
-        .arg("--shm-root")
-        .arg(shm)
-        .args(extra)
-        .arg("--")
-        .arg(trainer())
-        .args(train)
-        .env_remove("SLURM_JOB_ID")
-        .env("RUST_LOG", "info");
-    c
-}
-
 /// Three hosts of two ranks each, one recovery machine on node 0's agent:
 /// a worker SIGKILLed on a host that is not the controller's, a worker
 /// hung on another (the watchdog sees it through that host's reports), and
@@ -473,95 +387,5 @@ fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
     assert_eq!(final_checksum(&run), final_checksum(&reference));
     for root in &shm {
         assert_nothing_left(root);
-    }
-}
-
-/// Three hosts of two ranks and one standby agent. While the job stands
-/// still (rank 0 naps in step 30, so every replica catches up), host 1
-/// vanishes: its agent and workers SIGKILLed, its shared memory deleted.
-/// The controller gives its ranks to the standby, whose stores are filled
-/// from their replicas on host 2; every rank resumes from s\* and the run
-/// ends with every step's loss and the final checksum of one host with six
-/// ranks.
-#[test]
-fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (train, reference) = six_ranks_reference(tmp.path());
-    let secret = secret_file(tmp.path());
-    let shm: Vec<PathBuf> = (0..4)
-        .map(|k| tmp.path().join(format!("host{k}")))
-        .collect();
-    let job = job_id("standby");
-    let ports = (free_port(), free_port());
-    let log = tmp.path().join("run.jsonl");
-    let mut args = train.clone();
-    args.extend(["--log-jsonl".into(), log.display().to_string()]);
-    let mut agents: Vec<Job> = (0..4)
-        .map(|k| {
-            let extra: &[&str] = if k == 3 {
-                &["--standby-nodes", "1", "--standby"]
-            } else {
-                &["--standby-nodes", "1"]
-            };
-            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, extra);
-            c.env("HATRAIN_FAULT_PLAN", "0:30:forward:sleep4000");
-            host_job(c, &job, k)
-        })
-        .collect();
-    let socket = |k: usize| shm[k].join(&job).join("agent.sock");
-    // Host 2 holds host 1's ranks ((1 + 1) mod 3) at step 29, where the
-    // job stands still.
-    let caught_up = poll_agentctl(&socket(2), "status", Duration::from_secs(120), |v| {
-        let held = v["status"]["replicas"]["held"].as_array()?;
-        let at = |rank: u64| {
-            held.iter()
-                .any(|h| h["rank"] == rank && h["steps"][0].as_u64().is_some_and(|s| s >= 29))
-        };
-        (at(2) && at(3)).then_some(())
-    });
-    assert!(
-        caught_up.is_some(),
-        "host 2 never held ranks 2 and 3 at step 29"
-    );
-
-    kill_job(&format!("{job}-h1"));
-    let _ = agents[1].wait_output(Duration::from_secs(30));
-    std::fs::remove_dir_all(&shm[1]).unwrap();
-
-    let outs: Vec<_> = [0usize, 2, 3]
-        .iter()
-        .map(|&k| (k, agents[k].wait_output(Duration::from_secs(300))))
-        .collect();
-    for (k, out) in &outs {
-        assert_success(out, &format!("host {k}"));
-    }
-    let err = |k: usize| {
-        outs.iter()
-            .find(|(h, _)| *h == k)
-            .map(|(_, o)| String::from_utf8_lossy(&o.stderr).into_owned())
-            .unwrap_or_default()
-    };
-    let controller = err(0);
-    assert!(
-        controller.contains("host 1 lost: recovering on a standby host")
-            && controller.contains("ranks=[2, 3] s_star="),
-        "the controller recovered host 1's ranks on the standby:\n{controller}"
-    );
-    let standby = err(3);
-    for rank in [2, 3] {
-        assert!(
-            standby.contains(&format!("store filled from the peer replica rank={rank}")),
-            "the standby filled rank {rank} from its replica:\n{standby}"
-        );
-    }
-    let run = read_log(&log);
-    assert_eq!(
-        final_losses(&run),
-        final_losses(&reference),
-        "every step's loss"
-    );
-    assert_eq!(final_checksum(&run), final_checksum(&reference));
-    for k in [0usize, 2, 3] {
-        assert_nothing_left(&shm[k]);
     }
 }

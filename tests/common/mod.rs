@@ -2,6 +2,8 @@
 //! JSON logs, and make sure no process of a test outlives it.
 #![allow(dead_code)]
 
+pub mod hosts;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

@@ -49,6 +49,10 @@ pub(super) enum Up {
     Report {
         views: Vec<RankView>,
         events: Vec<Event>,
+        /// The ranks whose peer replicas the host holds, each with a
+        /// sealed step.
+        #[serde(default)]
+        held: Vec<usize>,
     },
     /// The host's ranks' verified snapshot steps, for the collection of
     /// `epoch`.
@@ -143,6 +147,23 @@ pub(super) struct Controller {
     pub sent: Option<Mirror>,
     /// Followers that took the end of the job.
     pub ended: BTreeSet<u64>,
+    /// The ranks whose peer replicas each host holds (with a sealed step),
+    /// as it last reported.
+    held: BTreeMap<u64, BTreeSet<usize>>,
+    /// Ranks a standby took and has not registered yet: their stores are
+    /// still being filled from their replicas.
+    filling: BTreeSet<usize>,
+}
+
+/// A host lost, as the controller places its ranks.
+#[derive(Debug, PartialEq)]
+pub(super) struct Placed {
+    pub ranks: Vec<usize>,
+    /// The standby that takes them.
+    pub spare: Option<u64>,
+    /// Ranks no surviving host holds a replica of (this host's, or ranks
+    /// still being filled on a standby).
+    pub state_lost: Vec<usize>,
 }
 
 impl Controller {
@@ -173,6 +194,20 @@ impl Controller {
             gather: None,
             sent: None,
             ended: BTreeSet::new(),
+            held: BTreeMap::new(),
+            filling: BTreeSet::new(),
+        }
+    }
+
+    /// Host `node` holds replicas of `ranks` (each with a sealed step).
+    pub fn note_held(&mut self, node: u64, ranks: impl IntoIterator<Item = usize>) {
+        self.held.insert(node, ranks.into_iter().collect());
+    }
+
+    /// Rank `rank` registered on `node`: a standby's filled store.
+    pub fn registered(&mut self, node: u64, rank: usize) {
+        if self.holds(node, rank) {
+            self.filling.remove(&rank);
         }
     }
 
@@ -218,15 +253,30 @@ impl Controller {
         self.others().chain(self.spares.iter().copied())
     }
 
-    /// Host `node` is lost: its ranks, and the standby that takes them
-    /// (now placed there), if one is left. `None` for a standby (it held
-    /// nothing).
-    pub fn host_lost(&mut self, node: u64, reboot: bool) -> Option<(Vec<usize>, Option<u64>)> {
+    /// Host `node` is lost (with the hosts in `gone`, lost too): its
+    /// ranks, those whose state no surviving host holds a replica of, and
+    /// the standby that takes its ranks (now placed there) when one is left
+    /// and no state is lost. `None` for a standby holding nothing.
+    pub fn host_lost(&mut self, node: u64, reboot: bool, gone: &[u64]) -> Option<Placed> {
         if self.spares.remove(&node) || !self.members.remove(&node) {
             return None;
         }
+        self.held.remove(&node);
         let ranks = self.ranks_on(node);
-        let spare = if reboot {
+        let kept = |r: &usize| {
+            self.held
+                .iter()
+                .any(|(n, held)| !gone.contains(n) && held.contains(r))
+        };
+        let state_lost: Vec<usize> = ranks
+            .iter()
+            .chain(&self.filling)
+            .copied()
+            .collect::<BTreeSet<usize>>()
+            .into_iter()
+            .filter(|r| !kept(r))
+            .collect();
+        let spare = if reboot && state_lost.is_empty() {
             self.spares.pop_first()
         } else {
             None
@@ -236,8 +286,13 @@ impl Controller {
                 self.placement.insert(r, s);
             }
             self.members.insert(s);
+            self.filling.extend(&ranks);
         }
-        Some((ranks, spare))
+        Some(Placed {
+            ranks,
+            spare,
+            state_lost,
+        })
     }
 
     /// Where `c` is carried out.
@@ -330,8 +385,8 @@ pub(super) struct Follower {
     pub mirror: Mirror,
     /// The newest controller term seen.
     pub term: u64,
-    /// The views last reported, and when.
-    pub last: Option<(Instant, Vec<RankView>)>,
+    /// The views and replicas last reported, and when.
+    pub last: Option<(Instant, Vec<RankView>, Vec<usize>)>,
     /// Set when a shutdown was passed on: a controller that has not ended
     /// the job by then is not coming.
     pub shutdown_by: Option<Instant>,
@@ -495,16 +550,39 @@ mod tests {
         assert!(own.gathered(2, 1, vec![(4, vec![3])]).is_some());
     }
 
+    fn placed(ranks: Vec<usize>, spare: Option<u64>, state_lost: Vec<usize>) -> Option<Placed> {
+        Some(Placed {
+            ranks,
+            spare,
+            state_lost,
+        })
+    }
+
+    /// A 3×2 controller with a standby, each host holding the replicas of
+    /// the host before it.
+    fn ring() -> Controller {
+        let mut c = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+        c.note_held(0, [4, 5]);
+        c.note_held(1, [0, 1]);
+        c.note_held(2, [2, 3]);
+        c
+    }
+
     #[test]
     fn a_lost_hosts_ranks_move_to_a_standby_until_none_is_left() {
-        let cfg = controller(3, 2).machine;
-        let mut c = Controller::new(cfg, 3, 0, 2, 1);
+        let mut c = ring();
         // A standby holds nothing: its loss moves no rank.
-        let mut spare_lost = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
-        assert_eq!(spare_lost.host_lost(3, true), None);
-        assert_eq!(spare_lost.host_lost(1, true), Some((vec![2, 3], None)));
+        let mut spare_lost = ring();
+        assert_eq!(spare_lost.host_lost(3, true, &[3]), None);
+        assert_eq!(
+            spare_lost.host_lost(1, true, &[1]),
+            placed(vec![2, 3], None, vec![])
+        );
 
-        assert_eq!(c.host_lost(1, true), Some((vec![2, 3], Some(3))));
+        assert_eq!(
+            c.host_lost(1, true, &[1]),
+            placed(vec![2, 3], Some(3), vec![])
+        );
         assert_eq!(c.node_of(2), 3);
         assert_eq!(c.ranks_on(3), vec![2, 3]);
         assert_eq!(c.ranks_on(1), Vec::<usize>::new());
@@ -515,11 +593,66 @@ mod tests {
         assert_eq!(c.gathered(0, 1, vec![(0, vec![5]), (1, vec![5])]), None);
         assert_eq!(c.gathered(2, 1, vec![(4, vec![5]), (5, vec![5])]), None);
         assert!(c.gathered(3, 1, vec![(2, vec![5]), (3, vec![5])]).is_some());
+        c.registered(3, 2);
+        c.registered(3, 3);
         // The standby lost in turn: nobody is left to take its ranks.
-        assert_eq!(c.host_lost(3, true), Some((vec![2, 3], None)));
+        assert_eq!(
+            c.host_lost(3, true, &[1, 3]),
+            placed(vec![2, 3], None, vec![])
+        );
         // Without worker reboot no standby is used.
-        let mut off = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
-        assert_eq!(off.host_lost(2, false), Some((vec![4, 5], None)));
+        let mut off = ring();
+        assert_eq!(
+            off.host_lost(2, false, &[2]),
+            placed(vec![4, 5], None, vec![])
+        );
+    }
+
+    #[test]
+    fn a_host_lost_with_the_holder_of_its_replicas_names_the_ranks_whose_state_is_gone() {
+        // Hosts 1 and 2 at once: host 1's replicas were on host 2.
+        let mut c = ring();
+        assert_eq!(
+            c.host_lost(1, true, &[1, 2]),
+            placed(vec![2, 3], None, vec![2, 3])
+        );
+        // Host 2's ranks still have their replicas on host 0.
+        assert_eq!(
+            c.host_lost(2, true, &[1, 2]),
+            placed(vec![4, 5], Some(3), vec![])
+        );
+
+        // One after the other: host 1's ranks go to the standby, to be
+        // filled from host 2; host 2 lost before they registered takes
+        // their state with it.
+        let mut c = ring();
+        assert_eq!(
+            c.host_lost(1, true, &[1]),
+            placed(vec![2, 3], Some(3), vec![])
+        );
+        assert_eq!(
+            c.host_lost(2, true, &[1, 2]),
+            placed(vec![4, 5], None, vec![2, 3])
+        );
+        // Once filled they are safe on the standby.
+        let mut c = ring();
+        c.host_lost(1, true, &[1]);
+        c.registered(3, 2);
+        c.registered(3, 3);
+        // (A rank registered by a host that does not hold it changes
+        // nothing.)
+        c.registered(2, 4);
+        assert_eq!(
+            c.host_lost(2, false, &[1, 2]),
+            placed(vec![4, 5], None, vec![])
+        );
+
+        // Without replicas every lost rank's state is gone.
+        let mut bare = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+        assert_eq!(
+            bare.host_lost(2, true, &[2]),
+            placed(vec![4, 5], None, vec![4, 5])
+        );
     }
 
     #[test]
@@ -551,6 +684,7 @@ mod tests {
                 rank: 3,
                 checkpoint: true,
             }],
+            held: vec![0, 1],
         };
         let bytes = serde_json::to_vec(&up).unwrap();
         assert_eq!(serde_json::from_slice::<Up>(&bytes).unwrap(), up);

@@ -439,7 +439,7 @@ async fn run_with(
         .filter(|f| {
             f.kind == hatrain_shared::control::FaultKind::HostLost && f.recovery_s.is_none()
         })
-        .map(|f| format!("ranks {:?}: {}", f.ranks, f.detail))
+        .map(|f| format!("ranks {:?}: {}; {}", f.ranks, f.detail, f.reason))
         .collect();
     let controls = matches!(d.decider, Decider::Controller(_));
     if outcome != Outcome::Succeeded && d.peers.is_some() && controls && lost_hosts.is_empty() {
@@ -449,10 +449,8 @@ async fn run_with(
         // here.
         let deadline = Instant::now() + cfg.ha.host_timeout + Duration::from_millis(500);
         while lost_hosts.is_empty() && Instant::now() < deadline {
-            for e in d.take_lost_hosts() {
-                if let Event::HostLost { ranks, detail, .. } = e {
-                    lost_hosts.push(format!("ranks {ranks:?}: {detail}"));
-                }
+            for l in d.take_lost_hosts() {
+                lost_hosts.push(format!("ranks {:?}: {}", l.ranks, l.detail));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -673,9 +671,8 @@ impl Driver<'_> {
         for e in self.take_rebuild_failures(sup) {
             self.feed(sup, e);
         }
-        for e in self.take_lost_hosts() {
-            self.on_host_lost(sup, e);
-        }
+        let lost = self.take_lost_hosts();
+        self.on_hosts_lost(sup, lost);
         self.shutdown_unanswered();
         self.fill_adopted(sup);
         self.tick_views(sup);

@@ -8,7 +8,7 @@
 
 use super::decider::{Adopt, CONTROLLER, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up};
 use super::{Collected, Driver, log};
-use crate::recovery::{Command, Event, Outcome, RankView};
+use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{FaultKind, FaultRecord, Response};
 use std::collections::{BTreeMap, VecDeque};
@@ -117,15 +117,20 @@ impl Driver<'_> {
         let Decider::Follower(f) = &mut self.decider else {
             return;
         };
+        let held = held_replicas(self.peers.as_ref());
         let stale = f
             .last
             .as_ref()
-            .is_none_or(|(at, v)| *v != views || at.elapsed() >= REPORT_EVERY);
+            .is_none_or(|(at, v, h)| *v != views || *h != held || at.elapsed() >= REPORT_EVERY);
         if !(force || stale || !events.is_empty()) {
             return;
         }
-        f.last = Some((Instant::now(), views.clone()));
-        self.send_up(&Up::Report { views, events });
+        f.last = Some((Instant::now(), views.clone(), held.clone()));
+        self.send_up(&Up::Report {
+            views,
+            events,
+            held,
+        });
     }
 
     fn send_up(&self, up: &Up) {
@@ -195,7 +200,12 @@ impl Driver<'_> {
             return;
         }
         match up {
-            Up::Report { views, events } => {
+            Up::Report {
+                views,
+                events,
+                held,
+            } => {
+                c.note_held(from, held);
                 if let Some(v) = views.iter().find(|v| !c.holds(from, v.rank)) {
                     tracing::warn!(
                         node = from,
@@ -214,7 +224,8 @@ impl Driver<'_> {
                         _ => None,
                     };
                     self.decide(sup, e);
-                    if let (Some(rank), Decider::Controller(c)) = (rank, &self.decider) {
+                    if let (Some(rank), Decider::Controller(c)) = (rank, &mut self.decider) {
+                        c.registered(from, rank);
                         registered.push((rank, c.machine.start_mode()));
                     }
                 }
@@ -294,100 +305,118 @@ impl Driver<'_> {
         }
     }
 
-    /// A lost host: the controller decides; a follower that lost the
-    /// controller's host stops, since nobody decides for it any more.
-    pub(super) fn on_host_lost(&mut self, sup: &mut Supervisor, e: Event) {
-        match &mut self.decider {
-            Decider::Controller(c) => {
-                let Event::HostLost { node, detail, .. } = e else {
-                    return;
-                };
-                let Some((ranks, spare)) = c.host_lost(node, self.cfg.ha.modes.recover) else {
-                    tracing::warn!(node, "a standby host is lost");
-                    return;
-                };
-                if let Some(to) = spare {
-                    tracing::warn!(
-                        node,
-                        ?ranks,
-                        standby = to,
-                        "host lost: its ranks go to a standby host, filled from their peer replicas"
-                    );
-                    let others: Vec<u64> = c.others().filter(|&n| n != to).collect();
-                    let adopt = Adopt {
-                        node,
-                        ranks: ranks.clone(),
+    /// Lost hosts: the controller decides (all of them known at once, so
+    /// that a host lost with the holder of its replicas is named so); a
+    /// follower that lost the controller's host stops, since nobody decides
+    /// for it any more.
+    pub(super) fn on_hosts_lost(&mut self, sup: &mut Supervisor, lost: Vec<HostLoss>) {
+        if lost.is_empty() {
+            return;
+        }
+        let gone: Vec<u64> = self.lost.clone();
+        let own = held_replicas(self.peers.as_ref());
+        let on_disk = self.persister.as_ref().map(|p| OnDisk {
+            dir: p.dir().to_path_buf(),
+            iteration: hatrain_shared::checkpoint::read_tracker(p.dir()).ok(),
+        });
+        for loss in lost {
+            match &mut self.decider {
+                Decider::Controller(c) => {
+                    let node = loss.node;
+                    c.note_held(c.node, own.iter().copied());
+                    let reboot = self.cfg.ha.modes.recover;
+                    let Some(placed) = c.host_lost(node, reboot, &gone) else {
+                        tracing::warn!(node, "a standby host is lost");
+                        continue;
                     };
-                    let give = Give { node, to };
-                    self.send_down(
-                        to,
-                        Down {
-                            adopt: Some(adopt),
-                            ..Down::default()
-                        },
-                    );
-                    for n in others {
-                        let give = Some(give.clone());
-                        self.send_down(
-                            n,
-                            Down {
-                                give,
-                                ..Down::default()
-                            },
-                        );
+                    if let Some(to) = placed.spare {
+                        self.send_to_standby(node, to, &placed.ranks);
                     }
-                    self.give(&give);
+                    let loss = HostLoss {
+                        ranks: placed.ranks,
+                        spare: placed.spare,
+                        state_lost: placed.state_lost,
+                        on_disk: on_disk.clone(),
+                        ..loss
+                    };
+                    self.feed(sup, Event::HostLost(loss));
                 }
-                self.feed(
-                    sup,
-                    Event::HostLost {
+                Decider::Follower(f) => {
+                    if loss.node != CONTROLLER || f.ended {
+                        // The controller decides about the others.
+                        continue;
+                    }
+                    let HostLoss {
                         node,
                         ranks,
                         detail,
-                        spare,
-                    },
-                );
-            }
-            Decider::Follower(f) => {
-                let Event::HostLost {
-                    node,
-                    ranks,
-                    detail,
-                    ..
-                } = e
-                else {
-                    return;
-                };
-                if node != CONTROLLER || f.ended {
-                    // The controller decides about the others.
-                    return;
+                        ..
+                    } = loss;
+                    tracing::error!(
+                        node,
+                        ?ranks,
+                        detail,
+                        "the controller's host is lost: stopping"
+                    );
+                    let detected = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0.0, |d| d.as_secs_f64());
+                    f.mirror.faults.push(FaultRecord {
+                        id: f.mirror.faults.len() as u64 + 1,
+                        ranks,
+                        kind: FaultKind::HostLost,
+                        detail,
+                        detected_unix_s: detected,
+                        s_star: None,
+                        action: "stop the job".into(),
+                        recovery_s: None,
+                        steps_lost: None,
+                        reason: format!(
+                            "host {node} runs the job's controller: taking over from it needs a successor, which this version does not have"
+                        ),
+                    });
+                    self.outcome = Some(Outcome::RecoveryFailed);
                 }
-                tracing::error!(
-                    node,
-                    ?ranks,
-                    detail,
-                    "the controller's host is lost: stopping"
-                );
-                let detected = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64());
-                f.mirror.faults.push(FaultRecord {
-                    id: f.mirror.faults.len() as u64 + 1,
-                    ranks,
-                    kind: FaultKind::HostLost,
-                    detail,
-                    detected_unix_s: detected,
-                    s_star: None,
-                    action: "stop the job".into(),
-                    recovery_s: None,
-                    steps_lost: None,
-                    reason: format!(
-                        "host {node} runs the job's controller: taking over from it needs a successor, which this version does not have"
-                    ),
-                });
-                self.outcome = Some(Outcome::RecoveryFailed);
             }
         }
+    }
+
+    /// Lost host `node`'s `ranks` go to standby `to`: it takes them, and
+    /// every host holding their replicas streams them there.
+    fn send_to_standby(&self, node: u64, to: u64, ranks: &[usize]) {
+        let Decider::Controller(c) = &self.decider else {
+            return;
+        };
+        tracing::warn!(
+            node,
+            ?ranks,
+            standby = to,
+            "host lost: its ranks go to a standby host, filled from their peer replicas"
+        );
+        let others: Vec<u64> = c.others().filter(|&n| n != to).collect();
+        let adopt = Adopt {
+            node,
+            ranks: ranks.to_vec(),
+        };
+        let give = Give { node, to };
+        self.send_down(
+            to,
+            Down {
+                adopt: Some(adopt),
+                ..Down::default()
+            },
+        );
+        for n in others {
+            let give = Some(give.clone());
+            self.send_down(
+                n,
+                Down {
+                    give,
+                    ..Down::default()
+                },
+            );
+        }
+        self.give(&give);
     }
 
     /// A follower whose shutdown the controller did not answer in time
@@ -431,7 +460,7 @@ impl Driver<'_> {
 
     /// Hosts that joined and are not heard any more, each reported once,
     /// with what this host holds of their ranks' state.
-    pub(super) fn take_lost_hosts(&mut self) -> Vec<Event> {
+    pub(super) fn take_lost_hosts(&mut self) -> Vec<HostLoss> {
         let Some(p) = &self.peers else {
             return Vec::new();
         };
@@ -472,15 +501,30 @@ impl Driver<'_> {
                     format!("this host holds the replica of {}", replicas.join(", "))
                 }
             );
-            out.push(Event::HostLost {
+            out.push(HostLoss {
                 node,
                 ranks,
                 detail,
                 spare: None,
+                state_lost: Vec::new(),
+                on_disk: None,
             });
         }
         out
     }
+}
+
+/// The ranks whose peer replicas this host holds, each with a sealed step.
+fn held_replicas(peers: Option<&super::peers::Peers>) -> Vec<usize> {
+    let Some(r) = peers.and_then(|p| p.replicator.as_ref()) else {
+        return Vec::new();
+    };
+    r.report()
+        .held
+        .into_iter()
+        .filter(|h| !h.steps.is_empty())
+        .map(|h| h.rank as usize)
+        .collect()
 }
 
 /// The next control message from another agent; never, without peers.

@@ -35,7 +35,7 @@ use super::policy::{
     out_of_memory_again, uce_action,
 };
 use super::watchdog::{HangPolicy, Watch};
-use super::{Command, Event, ExitCause, Level, Note, Outcome, RankView, Written};
+use super::{Command, Event, ExitCause, HostLoss, Level, Note, Outcome, RankView, Written};
 use crate::reaper::ExitStatus;
 use hatrain_shared::control::{FaultKind, FaultRecord, StartMode};
 use hatrain_shared::ha::HaModes;
@@ -204,12 +204,7 @@ impl Machine {
             }
             Event::Collected { epoch, steps } => self.collected(now, epoch, steps),
             Event::Written { epoch, result } => self.written(now, epoch, result),
-            Event::HostLost {
-                node,
-                ranks,
-                detail,
-                spare,
-            } => self.host_lost(now, node, ranks, detail, spare),
+            Event::HostLost(loss) => self.host_lost(now, loss),
             Event::DumpRequested => self.dump_requested(now),
             Event::Shutdown => self.shutdown(now),
         }

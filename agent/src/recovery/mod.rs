@@ -125,19 +125,55 @@ pub enum Event {
         epoch: u64,
         result: Result<Written, String>,
     },
-    /// Another host of the job is gone, with its `ranks`; `spare`, a
-    /// standby host that can take them (their stores filled from their
-    /// peer replicas).
-    HostLost {
-        node: u64,
-        ranks: Vec<usize>,
-        detail: String,
-        spare: Option<u64>,
-    },
+    /// Another host of the job is gone.
+    HostLost(HostLoss),
     /// `agentctl dump`: a last-words checkpoint now, then carry on.
     DumpRequested,
     /// The agent is asked to stop (SIGTERM).
     Shutdown,
+}
+
+/// A host of the job that is gone, as the controller found it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostLoss {
+    pub node: u64,
+    /// The ranks it held.
+    pub ranks: Vec<usize>,
+    /// How the loss was seen.
+    pub detail: String,
+    /// A standby host that takes the ranks (their stores filled from their
+    /// peer replicas).
+    pub spare: Option<u64>,
+    /// Ranks whose state is gone: no surviving host holds a replica of
+    /// them (this host's, or those of an earlier loss still being filled
+    /// from a host lost now).
+    pub state_lost: Vec<usize>,
+    /// The checkpoint directory and the newest complete checkpoint in it,
+    /// when a rank registered one.
+    pub on_disk: Option<OnDisk>,
+}
+
+/// The newest complete checkpoint in a save directory, as its tracker
+/// says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OnDisk {
+    pub dir: PathBuf,
+    /// `None` when the directory holds no complete checkpoint.
+    pub iteration: Option<u64>,
+}
+
+impl std::fmt::Display for OnDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.iteration {
+            Some(it) => write!(
+                f,
+                "iteration {it} in {} (resume with --load {})",
+                self.dir.display(),
+                self.dir.display()
+            ),
+            None => write!(f, "none (nothing complete in {})", self.dir.display()),
+        }
+    }
 }
 
 /// What else the agent knows of why a worker ended.

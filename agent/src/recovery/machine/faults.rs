@@ -441,15 +441,18 @@ impl Machine {
     /// and the job recovers as from a crash of all of them at once.
     /// Otherwise the job stops, saying so (shrinking the group is not
     /// built yet); no last-words checkpoint is written: no persister holds
-    /// every rank.
-    pub(super) fn host_lost(
-        &mut self,
-        now: Duration,
-        node: u64,
-        ranks: Vec<usize>,
-        detail: String,
-        spare: Option<u64>,
-    ) {
+    /// every rank. When some rank's state is gone with every replica of it,
+    /// the job stops at once, naming those ranks and the newest complete
+    /// checkpoint on disk: nothing can claim a later step.
+    pub(super) fn host_lost(&mut self, now: Duration, loss: HostLoss) {
+        let HostLoss {
+            node,
+            ranks,
+            detail,
+            spare,
+            state_lost,
+            on_disk,
+        } = loss;
         if matches!(
             self.state,
             State::Done(_)
@@ -466,8 +469,21 @@ impl Machine {
             .copied()
             .filter(|r| !self.protected.contains(r))
             .collect();
-        let standby = spare.filter(|_| self.cfg.modes.recover && unprotected.is_empty());
+        let standby = spare
+            .filter(|_| self.cfg.modes.recover && unprotected.is_empty() && state_lost.is_empty());
+        let newest = on_disk.map_or_else(
+            || "none (no rank registered a checkpoint directory)".to_string(),
+            |d| d.to_string(),
+        );
         let (level, text, action, reason) = match (standby, spare) {
+            _ if !state_lost.is_empty() => (
+                Level::Error,
+                format!("host {node} lost with every replica of ranks {state_lost:?}"),
+                "stop the job".into(),
+                format!(
+                    "the state of ranks {state_lost:?} is lost: host {node} and every host holding their peer replicas are gone, so no checkpoint of a later step can be complete; the newest complete checkpoint on disk is {newest}"
+                ),
+            ),
             (Some(s), _) => (
                 Level::Warn,
                 format!("host {node} lost: recovering on a standby host"),
@@ -507,7 +523,9 @@ impl Machine {
             text,
         });
         let f = self.record_fault(now, first, FaultKind::HostLost, detail, action, reason);
-        self.faults[f].ranks.clone_from(&ranks);
+        let mut named: BTreeSet<usize> = ranks.iter().copied().collect();
+        named.extend(&state_lost);
+        self.faults[f].ranks = named.into_iter().collect();
         if standby.is_none() {
             self.finish(Outcome::RecoveryFailed);
             return;

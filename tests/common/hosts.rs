@@ -1,0 +1,97 @@
+//! Agents of a job of several hosts on one machine: each host is an agent
+//! with its own shared-memory root on its own loopback address
+//! (127.0.0.x).
+
+use super::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A job secret (mode 0600) in `dir`.
+pub fn secret_file(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("secret");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap();
+    std::io::Write::write_all(&mut f, "5a".repeat(32).as_bytes()).unwrap();
+    path
+}
+
+/// Nothing of the job is left in the shm root `root`.
+pub fn assert_nothing_left(root: &Path) {
+    let left: Vec<_> = std::fs::read_dir(root)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.is_empty(),
+        "left behind in {}: {left:?}",
+        root.display()
+    );
+}
+
+/// Trainer arguments for 60 steps of a global batch six ranks share, and
+/// the log of that run on one host with six ranks.
+pub fn six_ranks_reference(dir: &Path) -> (Vec<String>, Vec<serde_json::Value>) {
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let log = dir.join("ref.jsonl");
+    let mut args = train.clone();
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    assert_success(&run_launch(6, "six-ref", &args), "one host, six ranks");
+    (train, read_log(&log))
+}
+
+/// A host's agent as a job of the test's.
+pub fn host_job(cmd: Command, job: &str, k: usize) -> Job {
+    Job::spawn(cmd, &format!("{job}-h{k}"))
+}
+
+/// Agent `k` of `nodes`, `per_node` ranks each, with worker reboot.
+#[allow(clippy::too_many_arguments)]
+pub fn reboot_node(
+    k: usize,
+    nodes: usize,
+    per_node: usize,
+    shm: &Path,
+    job: &str,
+    ports: (u16, u16),
+    secret: &Path,
+    train: &[String],
+    extra: &[&str],
+) -> Command {
+    let mut c = Command::new(agent());
+    c.args(["launch", "--nnodes", &nodes.to_string()])
+        .args(["--nproc-per-node", &per_node.to_string()])
+        .args(["--node-rank", &k.to_string(), "--job-id", job])
+        .args(["--master-addr", "127.0.0.1"])
+        .args(["--master-port", &ports.0.to_string()])
+        .args(["--rdzv-port", &ports.1.to_string()])
+        .args(["--local-addr", &format!("127.0.0.{}", k + 1)])
+        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+        .args(["--hang-timeout-secs", "3"])
+        .arg("--enable-high-availability")
+        .arg("--enable-worker-reboot")
+        .arg("--secret-file")
+        .arg(secret)
+        .arg("--shm-root")
+        .arg(shm)
+        .args(extra)
+        .arg("--")
+        .arg(trainer())
+        .args(train)
+        .env_remove("SLURM_JOB_ID")
+        .env("RUST_LOG", "info");
+    c
+}

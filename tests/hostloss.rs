@@ -1,0 +1,243 @@
+//! Whole hosts lost from a job of three hosts of two ranks each (agents on
+//! 127.0.0.1–3, each with its own shared-memory root) and its standby
+//! agents. A host vanishes as a machine would: its agent and workers
+//! SIGKILLed, its shared memory deleted. While it happens the job stands
+//! still (rank 0 naps in step 30), so every replica has caught up.
+//!
+//! - One host lost: recovered on the standby from its peer replicas.
+//! - Two hosts lost at once with `--replicas 2`: recovered on two standbys.
+//! - A host lost with the only holder of its replicas: the job stops at
+//!   once, naming the ranks whose state is gone and the newest complete
+//!   checkpoint on disk; nothing claims a later step.
+//!
+//! Every run that recovers ends with every step's loss and the final
+//! checksum of one host with six ranks; nothing is left in any root.
+
+mod common;
+use common::hosts::*;
+use common::*;
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::Duration;
+
+/// Rank 0 naps in step 30's forward pass: the job stands still meanwhile.
+const NAP: &str = "0:30:forward:sleep4000";
+
+/// Three hosts of two ranks and their standbys, running.
+struct Cluster {
+    shm: Vec<PathBuf>,
+    job: String,
+    agents: Vec<Job>,
+    log: PathBuf,
+    /// Dropped last, once every agent is gone.
+    _tmp: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Starts the hosts and `standbys` standby agents, each with `extra`
+    /// flags, training with `train` (and a log of its own).
+    fn start(
+        tmp: tempfile::TempDir,
+        name: &str,
+        standbys: usize,
+        extra: &[&str],
+        train: &[String],
+    ) -> Self {
+        let secret = secret_file(tmp.path());
+        let shm: Vec<PathBuf> = (0..3 + standbys)
+            .map(|k| tmp.path().join(format!("host{k}")))
+            .collect();
+        let job = job_id(name);
+        let ports = (free_port(), free_port());
+        let log = tmp.path().join("run.jsonl");
+        let mut args = train.to_vec();
+        args.extend(["--log-jsonl".into(), log.display().to_string()]);
+        let spares = standbys.to_string();
+        let agents = (0..3 + standbys)
+            .map(|k| {
+                let mut flags = vec!["--standby-nodes", spares.as_str()];
+                flags.extend(extra);
+                if k >= 3 {
+                    flags.push("--standby");
+                }
+                let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &flags);
+                c.env("HATRAIN_FAULT_PLAN", NAP);
+                host_job(c, &job, k)
+            })
+            .collect();
+        Self {
+            shm,
+            job,
+            agents,
+            log,
+            _tmp: tmp,
+        }
+    }
+
+    /// Waits until host `k` holds the replicas of `ranks` at step 29 or
+    /// later, where the job stands still.
+    fn wait_held(&self, k: usize, ranks: &[u64]) {
+        let socket = self.shm[k].join(&self.job).join("agent.sock");
+        let caught_up = poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
+            let held = v["status"]["replicas"]["held"].as_array()?;
+            let at = |rank: u64| {
+                held.iter()
+                    .any(|h| h["rank"] == rank && h["steps"][0].as_u64().is_some_and(|s| s >= 29))
+            };
+            ranks.iter().all(|&r| at(r)).then_some(())
+        });
+        assert!(
+            caught_up.is_some(),
+            "host {k} never held the replicas of ranks {ranks:?} at step 29"
+        );
+    }
+
+    /// Hosts `hosts` vanish at once.
+    fn vanish(&mut self, hosts: &[usize]) {
+        for &k in hosts {
+            kill_job(&format!("{}-h{k}", self.job));
+        }
+        for &k in hosts {
+            let _ = self.agents[k].wait_output(Duration::from_secs(30));
+            std::fs::remove_dir_all(&self.shm[k]).unwrap();
+        }
+    }
+
+    /// How the agents of `hosts` ended.
+    fn ends(&mut self, hosts: &[usize]) -> Vec<(usize, Output)> {
+        hosts
+            .iter()
+            .map(|&k| (k, self.agents[k].wait_output(Duration::from_secs(300))))
+            .collect()
+    }
+}
+
+fn stderr(outs: &[(usize, Output)], k: usize) -> String {
+    outs.iter()
+        .find(|(h, _)| *h == k)
+        .map(|(_, o)| String::from_utf8_lossy(&o.stderr).into_owned())
+        .unwrap_or_default()
+}
+
+/// Every survivor succeeded, the run equals the reference, and nothing is
+/// left in their roots.
+fn assert_recovered(c: &Cluster, outs: &[(usize, Output)], reference: &[serde_json::Value]) {
+    for (k, out) in outs {
+        assert_success(out, &format!("host {k}"));
+    }
+    let run = read_log(&c.log);
+    assert_eq!(
+        final_losses(&run),
+        final_losses(reference),
+        "every step's loss"
+    );
+    assert_eq!(final_checksum(&run), final_checksum(reference));
+    for (k, _) in outs {
+        assert_nothing_left(&c.shm[*k]);
+    }
+}
+
+/// Host 1 vanishes; the controller gives its ranks to the standby, whose
+/// stores are filled from their replicas on host 2 ((1 + 1) mod 3); every
+/// rank resumes from s\*.
+#[test]
+fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let mut c = Cluster::start(tmp, "standby", 1, &[], &train);
+    c.wait_held(2, &[2, 3]);
+    c.vanish(&[1]);
+    let outs = c.ends(&[0, 2, 3]);
+    let controller = stderr(&outs, 0);
+    assert!(
+        controller.contains("host 1 lost: recovering on a standby host")
+            && controller.contains("ranks=[2, 3] s_star="),
+        "the controller recovered host 1's ranks on the standby:\n{controller}"
+    );
+    let standby = stderr(&outs, 3);
+    for rank in [2, 3] {
+        assert!(
+            standby.contains(&format!("store filled from the peer replica rank={rank}")),
+            "the standby filled rank {rank} from its replica:\n{standby}"
+        );
+    }
+    assert_recovered(&c, &outs, &reference);
+}
+
+/// With `--replicas 2`, host 0 holds the replicas of hosts 1 and 2; both
+/// vanish at once and each one's ranks go to a standby of its own.
+#[test]
+fn two_hosts_lost_at_once_are_recovered_on_two_standbys_with_two_replicas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let mut c = Cluster::start(tmp, "twolost", 2, &["--replicas", "2"], &train);
+    c.wait_held(0, &[2, 3, 4, 5]);
+    c.vanish(&[1, 2]);
+    let outs = c.ends(&[0, 3, 4]);
+    let controller = stderr(&outs, 0);
+    for (node, ranks) in [(1, "[2, 3]"), (2, "[4, 5]")] {
+        assert!(
+            controller.contains(&format!("host {node} lost: recovering on a standby host"))
+                && controller.contains(&format!("ranks={ranks} s_star=")),
+            "the controller recovered host {node}'s ranks on a standby:\n{controller}"
+        );
+    }
+    let filled: usize = [3, 4]
+        .iter()
+        .map(|&k| {
+            stderr(&outs, k)
+                .matches("store filled from the peer replica")
+                .count()
+        })
+        .sum();
+    assert_eq!(filled, 4, "the standbys filled all four lost ranks");
+    assert_recovered(&c, &outs, &reference);
+}
+
+/// With one replica each, host 1's is on host 2: both vanish at once. No
+/// surviving host holds the state of ranks 2 and 3, so the controller stops
+/// the job at once (not after the pause timeout), naming them and the
+/// newest complete checkpoint on disk; nothing on disk claims a later step,
+/// and the standby is left unused.
+#[test]
+fn a_host_lost_with_the_only_holder_of_its_replicas_stops_naming_the_lost_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let save = tmp.path().join("ckpt");
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    train.extend(s(&["--save-interval", "10", "--save"]));
+    train.push(save.display().to_string());
+    let mut c = Cluster::start(tmp, "gone", 1, &[], &train);
+    c.wait_held(0, &[4, 5]);
+    c.vanish(&[1, 2]);
+    let outs = c.ends(&[0, 3]);
+    let controller = stderr(&outs, 0);
+    assert_eq!(
+        code(&outs[0].1.status),
+        Some(3),
+        "the controller stops: recovery failed\n{controller}"
+    );
+    let newest = hatrain_shared::checkpoint::read_tracker(&save).unwrap();
+    assert_eq!(newest, 20, "the trainer saved 10 and 20 before step 30");
+    assert!(
+        controller.contains("the state of ranks [2, 3] is lost")
+            && controller.contains(&format!(
+                "the newest complete checkpoint on disk is iteration 20 in {}",
+                save.display()
+            )),
+        "the controller names the lost ranks and the checkpoint to resume from:\n{controller}"
+    );
+    assert!(
+        !controller.contains("recovering on a standby host"),
+        "no standby is sent to wait for state that is gone:\n{controller}"
+    );
+    for it in 21..=60 {
+        let dir = hatrain_shared::checkpoint::iter_dir(&save, it);
+        assert!(!dir.exists(), "{} claims a later step", dir.display());
+    }
+    assert!(!outs[1].1.status.success(), "the standby ends with the job");
+    for k in [0, 3] {
+        assert_nothing_left(&c.shm[k]);
+    }
+}
