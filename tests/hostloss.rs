@@ -5,6 +5,8 @@
 //! still (rank 0 naps in step 30), so every replica has caught up.
 //!
 //! - One host lost: recovered on the standby from its peer replicas.
+//! - The controller's host lost: a successor takes over and recovers it
+//!   the same way.
 //! - Two hosts lost at once with `--replicas 2`: recovered on two standbys.
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
@@ -20,8 +22,9 @@ use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
-/// Rank 0 naps in step 30's forward pass: the job stands still meanwhile.
-const NAP: &str = "0:30:forward:sleep4000";
+/// Rank 0 naps in step 30's forward pass: the job stands still meanwhile
+/// (the hang bound is longer than the nap).
+const NAP: &str = "0:30:forward:sleep8000";
 
 /// Three hosts of two ranks and their standbys, running.
 struct Cluster {
@@ -55,7 +58,12 @@ impl Cluster {
         let spares = standbys.to_string();
         let agents = (0..3 + standbys)
             .map(|k| {
-                let mut flags = vec!["--standby-nodes", spares.as_str()];
+                let mut flags = vec![
+                    "--standby-nodes",
+                    spares.as_str(),
+                    "--hang-timeout-secs",
+                    "20",
+                ];
                 flags.extend(extra);
                 if k >= 3 {
                     flags.push("--standby");
@@ -164,6 +172,43 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
     assert_recovered(&c, &outs, &reference);
 }
 
+/// Host 0 runs the controller, and vanishes. The survivors agree on a
+/// successor (node 1, the lowest), whose agent takes over from what the
+/// old controller had told it and what every host reports; it gives host
+/// 0's ranks to the standby, filled from their replicas on host 1; the
+/// workers meet in the successor's store from then on.
+#[test]
+fn the_loss_of_the_controllers_host_is_recovered_on_a_standby_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let mut c = Cluster::start(tmp, "ctlloss", 1, &[], &train);
+    c.wait_held(1, &[0, 1]);
+    c.vanish(&[0]);
+    let outs = c.ends(&[1, 2, 3]);
+    let successor = stderr(&outs, 1);
+    assert!(
+        successor.contains("taking over as the job's controller")
+            && successor.contains("host 0 lost: recovering on a standby host")
+            && successor.contains("ranks=[0, 1] s_star="),
+        "node 1 took over and recovered host 0's ranks on the standby:\n{successor}"
+    );
+    let follower = stderr(&outs, 2);
+    assert!(
+        (follower.contains("reporting to the successor")
+            || follower.contains("following the controller that took over"))
+            && follower.contains("the controller ended the job"),
+        "node 2 follows the successor to the end:\n{follower}"
+    );
+    let standby = stderr(&outs, 3);
+    for rank in [0, 1] {
+        assert!(
+            standby.contains(&format!("store filled from the peer replica rank={rank}")),
+            "the standby filled rank {rank} from its replica:\n{standby}"
+        );
+    }
+    assert_recovered(&c, &outs, &reference);
+}
+
 /// With `--replicas 2`, host 0 holds the replicas of hosts 1 and 2; both
 /// vanish at once and each one's ranks go to a standby of its own.
 #[test]
@@ -198,7 +243,7 @@ fn two_hosts_lost_at_once_are_recovered_on_two_standbys_with_two_replicas() {
 /// surviving host holds the state of ranks 2 and 3, so the controller stops
 /// the job at once (not after the pause timeout), naming them and the
 /// newest complete checkpoint on disk; nothing on disk claims a later step,
-/// and the standby is left unused.
+/// and no standby waits for their state.
 #[test]
 fn a_host_lost_with_the_only_holder_of_its_replicas_stops_naming_the_lost_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -228,10 +273,15 @@ fn a_host_lost_with_the_only_holder_of_its_replicas_stops_naming_the_lost_ranks(
             )),
         "the controller names the lost ranks and the checkpoint to resume from:\n{controller}"
     );
-    assert!(
-        !controller.contains("recovering on a standby host"),
-        "no standby is sent to wait for state that is gone:\n{controller}"
-    );
+    // (Host 2's ranks may have gone to the standby first, when its loss
+    // was seen first: their replicas are on host 0.)
+    let standby = stderr(&outs, 3);
+    for rank in [2, 3] {
+        assert!(
+            !standby.contains(&format!("store filled from the peer replica rank={rank}")),
+            "no standby takes rank {rank}, whose state is gone:\n{standby}"
+        );
+    }
     for it in 21..=60 {
         let dir = hatrain_shared::checkpoint::iter_dir(&save, it);
         assert!(!dir.exists(), "{} claims a later step", dir.display());

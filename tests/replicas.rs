@@ -335,7 +335,8 @@ fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
     args.extend(["--log-jsonl".into(), log.display().to_string()]);
     let mut agents: Vec<Job> = (0..3)
         .map(|k| {
-            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &[]);
+            let extra = ["--hang-timeout-secs", "3"];
+            let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &extra);
             // Rank 3 (host 1) dies at step 15, rank 4 (host 2) hangs at
             // step 30, rank 0 (host 0, the controller's) dies at step 45.
             c.env(

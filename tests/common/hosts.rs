@@ -58,7 +58,8 @@ pub fn host_job(cmd: Command, job: &str, k: usize) -> Job {
     Job::spawn(cmd, &format!("{job}-h{k}"))
 }
 
-/// Agent `k` of `nodes`, `per_node` ranks each, with worker reboot.
+/// Agent `k` of `nodes`, `per_node` ranks each, with worker reboot, and
+/// `extra` flags.
 #[allow(clippy::too_many_arguments)]
 pub fn reboot_node(
     k: usize,
@@ -80,7 +81,6 @@ pub fn reboot_node(
         .args(["--rdzv-port", &ports.1.to_string()])
         .args(["--local-addr", &format!("127.0.0.{}", k + 1)])
         .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--hang-timeout-secs", "3"])
         .arg("--enable-high-availability")
         .arg("--enable-worker-reboot")
         .arg("--secret-file")

@@ -92,6 +92,10 @@ pub(crate) struct Dist {
     pub(crate) env: DistEnv,
     _server: Option<StoreServer>,
     store: Option<StoreClient>,
+    /// Where the store is, and whether a communicator was built over the
+    /// connection to it (the next one opens a new connection).
+    at: Option<SocketAddr>,
+    used: bool,
     /// The job's secret, when the launcher gave one: the store and the ring
     /// then speak only to its holders.
     secret: Option<Secret>,
@@ -108,6 +112,8 @@ impl Dist {
                 env,
                 _server: None,
                 store: None,
+                at: None,
+                used: false,
                 secret,
             });
         };
@@ -130,6 +136,8 @@ impl Dist {
             env,
             _server: server,
             store: Some(store),
+            at: Some(at),
+            used: false,
             secret,
         })
     }
@@ -139,6 +147,18 @@ impl Dist {
         epoch: u64,
         cancel: &dyn Fn() -> bool,
     ) -> Result<Communicator, TrainError> {
+        // Each rebuild meets the others over a new connection: the store
+        // may have moved with the job's controller (the agent's relay
+        // passes a new connection to the one in use now), and a connection
+        // the last rebuild broke is not reused.
+        if let (true, Some(at)) = (self.used, self.at) {
+            self.store = Some(StoreClient::connect(
+                at,
+                CONNECT_TIMEOUT,
+                self.secret.clone(),
+            )?);
+        }
+        self.used = true;
         match self.store.as_mut() {
             None => Ok(Communicator::single(epoch)),
             Some(store) => Ok(Communicator::connect(

@@ -17,7 +17,9 @@
 //! - **Whom an agent follows.** The controller it followed while that one
 //!   lives (no churn when a lower node returns), else the live node most
 //!   live nodes follow (so a returning agent joins the controller chosen
-//!   meanwhile), else the lowest live node, itself included. Following is a lease: every heartbeat to the
+//!   meanwhile), else the lowest live node, itself included; an agent
+//!   that never followed anyone waits for node 0 instead, whose agent runs
+//!   the job's controller from the start. Following is a lease: every heartbeat to the
 //!   followed node echoes the newest stamp (the sender's clock) heard from
 //!   it, and an agent that stops following a node follows nobody until
 //!   `lease` has passed since it last heard from that node.
@@ -143,6 +145,8 @@ pub struct Embedded {
     follows: Option<u64>,
     /// Following nobody until then: the lease to the last one runs out.
     bound_until: Duration,
+    /// It has followed some node.
+    followed: bool,
     acting: bool,
     term: u64,
 }
@@ -165,6 +169,7 @@ impl Embedded {
             their_follows: vec![None; n],
             follows: None,
             bound_until: Duration::ZERO,
+            followed: false,
             acting: false,
             term: 0,
         }
@@ -187,8 +192,10 @@ impl Embedded {
     /// acting for nobody): the live node most other live nodes follow (a
     /// controller already chosen, which a returning agent joins), the
     /// lowest on a tie; with nobody following another, the lowest live
-    /// node.
-    fn successor(&self, now: Duration) -> u64 {
+    /// node. An agent that never followed anyone, while nobody follows
+    /// another, waits for node 0: a job starts with node 0's controller,
+    /// the one its agents run from the start.
+    fn successor(&self, now: Duration) -> Option<u64> {
         let mut votes = vec![0u32; self.cfg.nodes as usize];
         for k in (0..self.cfg.nodes).filter(|&k| k != self.cfg.node && self.alive(now, k)) {
             // A node following itself is no vote: that is where every
@@ -200,9 +207,11 @@ impl Embedded {
             }
         }
         let best = votes.iter().copied().max().unwrap_or(0);
+        if best == 0 && !self.followed {
+            return self.alive(now, 0).then_some(0);
+        }
         (0..self.cfg.nodes)
             .find(|&k| self.alive(now, k) && (best == 0 || votes[k as usize] == best))
-            .expect("an agent is alive to itself")
     }
 
     /// Re-decides whom to follow and whether to act.
@@ -218,12 +227,12 @@ impl Embedded {
             .count() as u64;
         let majority = 2 * (followed_by + 1) > self.cfg.nodes;
         let choice = match self.follows {
-            Some(c) if c == me && majority => c,
+            Some(c) if c == me && majority => Some(c),
             // A node that follows another is no controller to stay with.
-            Some(c) if c != me && self.alive(now, c) && self.candidate(c) => c,
+            Some(c) if c != me && self.alive(now, c) && self.candidate(c) => Some(c),
             _ => self.successor(now),
         };
-        if self.follows != Some(choice) {
+        if self.follows != choice {
             if let Some(old) = self.follows.filter(|&o| o != me) {
                 // Keep the word given to `old` for a lease from the last
                 // time it was heard. (Following itself binds nobody else:
@@ -233,7 +242,8 @@ impl Embedded {
             }
             self.follows = None;
             if now >= self.bound_until {
-                self.follows = Some(choice);
+                self.follows = choice;
+                self.followed |= choice.is_some();
             }
         }
         let acting = self.follows == Some(me) && majority;

@@ -164,6 +164,21 @@ fn the_lowest_node_leads_and_its_loss_hands_over_to_the_next() {
 }
 
 #[test]
+fn a_job_starts_with_node_0_leading_even_when_its_agent_starts_last() {
+    let mut net = Net::new(4, Duration::from_millis(20), &[0, 500, 900, 0]);
+    net.up[0] = false;
+    net.run(Duration::from_secs(5));
+    assert!(net.acting().is_empty(), "nobody leads before node 0 comes");
+    assert_eq!(net.view(2).follows, None);
+    net.restart(0);
+    net.run(Duration::from_secs(3));
+    assert_eq!(net.acting(), vec![0]);
+    for k in 1..4 {
+        assert_eq!(net.view(k).follows, Some(0), "node {k}");
+    }
+}
+
+#[test]
 fn a_dropped_connection_is_a_lost_host_at_once() {
     let mut net = Net::new(3, Duration::from_millis(5), &[]);
     net.run(Duration::from_secs(2));

@@ -26,7 +26,7 @@
 //! controller's routing and placement, and each role's state;
 //! [`super::orders`] carries them between the hosts.
 
-use crate::recovery::{Command, Event, Machine, RankView, Written};
+use crate::recovery::{Command, Event, HostLoss, Inherited, Machine, RankView, Written};
 use hatrain_shared::control::{FaultRecord, StartMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -37,7 +37,7 @@ pub(super) use crate::coordinator::wire::Inbox;
 /// A follower reports its views at least this often, changed or not.
 pub const REPORT_EVERY: Duration = Duration::from_millis(250);
 
-/// The node whose agent hosts the controller.
+/// The node whose agent hosts the controller when the job starts.
 pub const CONTROLLER: u64 = 0;
 
 /// A follower to the controller.
@@ -111,6 +111,35 @@ pub(super) struct Mirror {
     pub protected: BTreeSet<usize>,
     pub last_words: Option<Written>,
     pub group_restarts: u32,
+    /// What a successor needs to take over: when the job started, whether
+    /// a rank registered a checkpoint layout, and where the ranks are.
+    #[serde(default)]
+    pub started_unix_s: f64,
+    #[serde(default)]
+    pub checkpoint: bool,
+    #[serde(default)]
+    pub members: BTreeSet<u64>,
+    #[serde(default)]
+    pub spares: BTreeSet<u64>,
+    #[serde(default)]
+    pub placement: BTreeMap<usize, u64>,
+}
+
+impl Mirror {
+    /// What a machine taking over from the controller that sent this
+    /// inherits.
+    pub fn inherited(&self) -> Inherited {
+        Inherited {
+            started_unix_s: self.started_unix_s,
+            epoch: self.epoch,
+            faults: self.faults.clone(),
+            restarts: self.restarts.clone(),
+            protected: self.protected.clone(),
+            checkpoint: self.checkpoint,
+            last_words: self.last_words.clone(),
+            group_restarts: self.group_restarts,
+        }
+    }
 }
 
 /// Where a command is carried out.
@@ -153,7 +182,24 @@ pub(super) struct Controller {
     /// Ranks a standby took and has not registered yet: their stores are
     /// still being filled from their replicas.
     filling: BTreeSet<usize>,
+    /// A controller that took over decides on lost hosts only once every
+    /// live host has reported (what replicas it holds) or this deadline
+    /// passed; until then the losses wait here.
+    pub settling: Option<Settling>,
 }
+
+/// A controller that took over, waiting for the first reports.
+#[derive(Debug)]
+pub(super) struct Settling {
+    pub until: Instant,
+    /// Hosts not heard since the take-over.
+    pub waiting: BTreeSet<u64>,
+    pub losses: Vec<HostLoss>,
+}
+
+/// How long a controller that took over waits for every host's first
+/// report before it decides on lost hosts anyway.
+pub const SETTLE: Duration = Duration::from_secs(2);
 
 /// A host lost, as the controller places its ranks.
 #[derive(Debug, PartialEq)]
@@ -196,7 +242,50 @@ impl Controller {
             ended: BTreeSet::new(),
             held: BTreeMap::new(),
             filling: BTreeSet::new(),
+            settling: None,
         }
+    }
+
+    /// The controller of a job of `nodes` hosts of `per_node` ranks that
+    /// node `node` takes over from one that is gone, as the old one had
+    /// told it (`from`); hosts in `gone` are lost with it. It decides on
+    /// lost hosts once every other live host has reported.
+    pub fn take_over(
+        machine: Machine,
+        (nodes, per_node): (usize, usize),
+        node: u64,
+        from: &Mirror,
+        gone: &[u64],
+    ) -> Self {
+        let mut c = Self::new(machine, nodes, node as usize, per_node, 0);
+        if !from.members.is_empty() {
+            c.members.clone_from(&from.members);
+        }
+        c.members.insert(node);
+        c.spares.clone_from(&from.spares);
+        c.placement.clone_from(&from.placement);
+        let waiting = c.everyone().filter(|n| !gone.contains(n)).collect();
+        c.settling = Some(Settling {
+            until: Instant::now() + SETTLE,
+            waiting,
+            losses: Vec::new(),
+        });
+        c
+    }
+
+    /// Host `node` reported; the losses that waited for the take-over to
+    /// settle, once it has (every live host heard, or the deadline passed).
+    pub fn settle(&mut self, node: Option<u64>) -> Vec<HostLoss> {
+        let Some(s) = &mut self.settling else {
+            return Vec::new();
+        };
+        if let Some(n) = node {
+            s.waiting.remove(&n);
+        }
+        if !s.waiting.is_empty() && Instant::now() < s.until {
+            return Vec::new();
+        }
+        self.settling.take().map(|s| s.losses).unwrap_or_default()
     }
 
     /// Host `node` holds replicas of `ranks` (each with a sealed step).
@@ -375,6 +464,11 @@ impl Controller {
             protected: ranks.filter(|&r| m.protected(r)).collect(),
             last_words: m.last_words().cloned(),
             group_restarts: m.group_restarts(),
+            started_unix_s: m.started_unix_s(),
+            checkpoint: m.checkpoint(),
+            members: self.members.clone(),
+            spares: self.spares.clone(),
+            placement: self.placement.clone(),
         }
     }
 }
@@ -382,6 +476,11 @@ impl Controller {
 /// A host that follows the controller.
 #[derive(Debug)]
 pub(super) struct Follower {
+    /// The node whose controller it follows.
+    pub leader: u64,
+    /// When its controller's host was lost: it waits for a successor
+    /// (itself, or another) until the deadline, then stops.
+    pub orphaned: Option<Instant>,
     pub mirror: Mirror,
     /// The newest controller term seen.
     pub term: u64,
@@ -392,16 +491,22 @@ pub(super) struct Follower {
     pub shutdown_by: Option<Instant>,
     /// The controller ended the job.
     pub ended: bool,
+    /// Every host loss it heard of: a successor taking over decides on
+    /// those its predecessor had not.
+    pub losses: Vec<HostLoss>,
 }
 
 impl Follower {
     pub fn new() -> Self {
         Self {
+            leader: CONTROLLER,
+            orphaned: None,
             mirror: Mirror::default(),
             term: 0,
             last: None,
             shutdown_by: None,
             ended: false,
+            losses: Vec::new(),
         }
     }
 }
@@ -433,8 +538,8 @@ impl Decider {
             Self::Controller(c) => c.machine.activity(),
             Self::Follower(f) if f.mirror.activity.is_empty() => "following the controller".into(),
             Self::Follower(f) => format!(
-                "{} (the controller on node {CONTROLLER})",
-                f.mirror.activity
+                "{} (the controller on node {})",
+                f.mirror.activity, f.leader
             ),
         }
     }

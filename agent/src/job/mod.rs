@@ -29,8 +29,10 @@ mod decider;
 mod observe;
 mod orders;
 mod peers;
+mod relay;
 mod requests;
 mod standby;
+mod takeover;
 
 use decider::{Controller, Decider, Follower};
 use orders::recv;
@@ -159,7 +161,9 @@ struct Driver<'a> {
     dump_waiters: Vec<oneshot::Sender<Response>>,
     collected: mpsc::UnboundedSender<Collected>,
     outcome: Option<Outcome>,
-    /// The rendezvous store, on node 0: it outlives every worker.
+    /// The store this agent hosts (the job's, on node 0; with several
+    /// hosts every agent hosts one, in use while it controls the job): it
+    /// outlives every worker.
     store: Option<StoreServer>,
     /// The workers' memory cgroups, to tell an OOM kill.
     oom: OomWatch,
@@ -223,7 +227,7 @@ async fn run_with(
     // The rendezvous store lives as long as this function: it outlives every
     // worker. On one node it listens on loopback only, on a port of its own:
     // the workers' MASTER_PORT is theirs.
-    let (store, store_addr) = if cfg.node_rank == 0 {
+    let (mut store, store_addr) = if cfg.node_rank == 0 {
         let host = if cfg.nnodes == 1 {
             "127.0.0.1"
         } else {
@@ -238,10 +242,32 @@ async fn run_with(
         let port = cfg.store_port().expect("validated: set with several nodes");
         (None, crate::launch::resolve(&cfg.master_addr, port)?)
     };
-    let peers = if cfg.nnodes > 1 && cfg.ha.modes.any() {
-        Some(peers::start(cfg, &secret, dir.path(), store_addr)?)
+    let relay_stop = CancellationToken::new();
+    let (peers, workers_store) = if cfg.nnodes > 1 && cfg.ha.modes.any() {
+        let ip = peers::local_ip(cfg, store_addr)?;
+        // Every agent hosts a store: the one in use is the controller's,
+        // which the workers reach through this agent's relay.
+        let own = match &store {
+            Some(s) => s.local_addr(),
+            None => {
+                let s = StoreServer::bind(std::net::SocketAddr::new(ip, 0), Some(secret.clone()))
+                    .map_err(LaunchError::Store)?;
+                let a = s.local_addr();
+                store = Some(s);
+                a
+            }
+        };
+        let p = peers::start(cfg, &secret, dir.path(), (store_addr, own), ip)?;
+        let relay = relay::start(ip, p.controller_store(), relay_stop.clone())
+            .await
+            .map_err(|source| LaunchError::Io {
+                path: PathBuf::from(format!("store relay on {ip}")),
+                source,
+            })?;
+        tracing::info!(relay = %relay, "the workers reach the controller's store through this agent");
+        (Some(p), relay)
     } else {
-        None
+        (None, store_addr)
     };
     let master_port = match cfg.master_port {
         Some(p) => p,
@@ -264,10 +290,13 @@ async fn run_with(
         Box::new(move |node| {
             let mut of = cfg.clone();
             of.node_rank = node;
-            let mut specs =
-                of.worker_specs(&cfg.master_addr, master_port, store_addr, &run_dir, |k| {
-                    std::env::var(k).ok()
-                });
+            let mut specs = of.worker_specs(
+                &cfg.master_addr,
+                master_port,
+                workers_store,
+                &run_dir,
+                |k| std::env::var(k).ok(),
+            );
             for s in &mut specs {
                 s.env
                     .push((hatrain_shared::control::ENV_SOCKET.into(), socket.clone()));
@@ -320,18 +349,7 @@ async fn run_with(
     } else {
         sup.ranks().to_vec()
     };
-    let machine = Machine::new(
-        MachineConfig {
-            modes: cfg.ha.modes,
-            restart: cfg.ha.policy,
-            hang: cfg.ha.hang,
-            pause_timeout: cfg.ha.pause_timeout,
-            group_restarts: cfg.group_restarts,
-            register_timeout: cfg.ha.register_timeout,
-        },
-        ranks,
-        unix_now(),
-    );
+    let machine = Machine::new(machine_config(cfg), ranks, unix_now());
     let decider = if !joined {
         Decider::Controller(Box::new(Controller::new(
             machine,
@@ -469,6 +487,7 @@ async fn run_with(
         p.stop();
     }
     reaper_stop.cancel();
+    relay_stop.cancel();
     ctl_stop.cancel();
     for w in d.dump_waiters.drain(..) {
         let _ = w.send(Response::Error {
@@ -485,6 +504,18 @@ async fn run_with(
         root_cause,
         lost_hosts,
     })
+}
+
+/// The recovery machine's configuration, from the launch's.
+fn machine_config(cfg: &LaunchConfig) -> MachineConfig {
+    MachineConfig {
+        modes: cfg.ha.modes,
+        restart: cfg.ha.policy,
+        hang: cfg.ha.hang,
+        pause_timeout: cfg.ha.pause_timeout,
+        group_restarts: cfg.group_restarts,
+        register_timeout: cfg.ha.register_timeout,
+    }
 }
 
 impl Driver<'_> {
@@ -673,6 +704,7 @@ impl Driver<'_> {
         }
         let lost = self.take_lost_hosts();
         self.on_hosts_lost(sup, lost);
+        self.follow_successor(sup);
         self.shutdown_unanswered();
         self.fill_adopted(sup);
         self.tick_views(sup);

@@ -6,11 +6,11 @@
 //! frames on the heartbeat sessions; a message that does not parse is
 //! dropped and logged.
 
-use super::decider::{Adopt, CONTROLLER, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up};
+use super::decider::{Adopt, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up};
 use super::{Collected, Driver, log};
 use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
 use crate::supervisor::Supervisor;
-use hatrain_shared::control::{FaultKind, FaultRecord, Response};
+use hatrain_shared::control::Response;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -66,7 +66,7 @@ impl Driver<'_> {
 
     /// Sends each follower its commands, and to every follower the
     /// machine's state when it changed.
-    fn send_orders(&mut self, mut orders: BTreeMap<u64, Vec<Command>>) {
+    pub(super) fn send_orders(&mut self, mut orders: BTreeMap<u64, Vec<Command>>) {
         let Decider::Controller(c) = &mut self.decider else {
             return;
         };
@@ -134,11 +134,11 @@ impl Driver<'_> {
     }
 
     fn send_up(&self, up: &Up) {
-        let Some(peers) = &self.peers else {
+        let (Some(peers), Decider::Follower(f)) = (&self.peers, &self.decider) else {
             return;
         };
         match serde_json::to_vec(up) {
-            Ok(bytes) => peers.membership.send(CONTROLLER, &bytes),
+            Ok(bytes) => peers.membership.send(f.leader, &bytes),
             Err(e) => tracing::error!(error = %e, "report not encoded"),
         }
     }
@@ -173,20 +173,36 @@ impl Driver<'_> {
 
     /// A control message from another agent.
     pub(super) fn on_peer(&mut self, sup: &mut Supervisor, from: u64, bytes: &[u8]) {
-        match &self.decider {
+        match &mut self.decider {
             Decider::Controller(_) => match serde_json::from_slice::<Up>(bytes) {
                 Ok(up) => self.on_up(sup, from, up),
                 Err(e) => tracing::warn!(node = from, error = %e, "a host's report refused"),
             },
-            Decider::Follower(_) if from != CONTROLLER => {
-                tracing::warn!(
+            Decider::Follower(f) => match serde_json::from_slice::<Down>(bytes) {
+                Ok(down) if from == f.leader => self.on_down(sup, down),
+                // A controller of a newer term took over.
+                Ok(down) if down.term > f.term => {
+                    tracing::warn!(
+                        node = from,
+                        term = down.term,
+                        "following the controller that took over"
+                    );
+                    f.leader = from;
+                    f.orphaned = None;
+                    self.on_down(sup, down);
+                }
+                Ok(_) => tracing::warn!(
                     node = from,
                     "orders from a node that is not the controller refused"
-                );
-            }
-            Decider::Follower(_) => match serde_json::from_slice::<Down>(bytes) {
-                Ok(down) => self.on_down(sup, down),
-                Err(e) => tracing::warn!(error = %e, "the controller's orders refused"),
+                ),
+                // A host that already reports to this one as the successor,
+                // before it took over: it reports again.
+                Err(_) if from != f.leader && serde_json::from_slice::<Up>(bytes).is_ok() => {
+                    tracing::debug!(node = from, "a report before this host took over, dropped");
+                }
+                Err(e) => {
+                    tracing::warn!(node = from, error = %e, "the controller's orders refused")
+                }
             },
         }
     }
@@ -206,6 +222,7 @@ impl Driver<'_> {
                 held,
             } => {
                 c.note_held(from, held);
+                let settled = c.settle(Some(from));
                 if let Some(v) = views.iter().find(|v| !c.holds(from, v.rank)) {
                     tracing::warn!(
                         node = from,
@@ -236,6 +253,7 @@ impl Driver<'_> {
                     };
                     self.send_down(from, down);
                 }
+                self.on_hosts_lost(sup, settled);
             }
             Up::Collected { epoch, steps } => {
                 let steps = steps
@@ -321,6 +339,11 @@ impl Driver<'_> {
         });
         for loss in lost {
             match &mut self.decider {
+                Decider::Controller(c) if c.settling.is_some() => {
+                    if let Some(s) = &mut c.settling {
+                        s.losses.push(loss);
+                    }
+                }
                 Decider::Controller(c) => {
                     let node = loss.node;
                     c.note_held(c.node, own.iter().copied());
@@ -342,40 +365,18 @@ impl Driver<'_> {
                     self.feed(sup, Event::HostLost(loss));
                 }
                 Decider::Follower(f) => {
-                    if loss.node != CONTROLLER || f.ended {
+                    f.losses.push(loss.clone());
+                    if loss.node != f.leader || f.ended || f.orphaned.is_some() {
                         // The controller decides about the others.
                         continue;
                     }
-                    let HostLoss {
-                        node,
-                        ranks,
-                        detail,
-                        ..
-                    } = loss;
-                    tracing::error!(
-                        node,
-                        ?ranks,
-                        detail,
-                        "the controller's host is lost: stopping"
+                    tracing::warn!(
+                        node = loss.node,
+                        ranks = ?loss.ranks,
+                        detail = loss.detail,
+                        "the controller's host is lost: waiting for a successor"
                     );
-                    let detected = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0.0, |d| d.as_secs_f64());
-                    f.mirror.faults.push(FaultRecord {
-                        id: f.mirror.faults.len() as u64 + 1,
-                        ranks,
-                        kind: FaultKind::HostLost,
-                        detail,
-                        detected_unix_s: detected,
-                        s_star: None,
-                        action: "stop the job".into(),
-                        recovery_s: None,
-                        steps_lost: None,
-                        reason: format!(
-                            "host {node} runs the job's controller: taking over from it needs a successor, which this version does not have"
-                        ),
-                    });
-                    self.outcome = Some(Outcome::RecoveryFailed);
+                    f.orphaned = Some(Instant::now() + super::takeover::SUCCESSOR_WAIT);
                 }
             }
         }

@@ -46,6 +46,19 @@ pub(super) struct Peers {
     pub replicator: Option<Arc<Replicator>>,
     /// Where the standby agents take replicas, as they publish it.
     pub standbys: Arc<Mutex<BTreeMap<u64, String>>>,
+    /// The store each agent hosts, as it publishes it.
+    pub stores: Arc<Mutex<BTreeMap<u64, SocketAddr>>>,
+}
+
+impl Peers {
+    /// The store of the controller this agent follows now.
+    pub fn controller_store(&self) -> impl Fn() -> Option<SocketAddr> + Send + Sync + 'static {
+        let (membership, stores) = (Arc::clone(&self.membership), Arc::clone(&self.stores));
+        move || {
+            let node = membership.seen().view.follows?;
+            stores.lock().expect("not poisoned").get(&node).copied()
+        }
+    }
 }
 
 impl Peers {
@@ -57,23 +70,30 @@ impl Peers {
     }
 }
 
-/// Starts the heartbeats, the replicator, and the exchange that connects
-/// them to the other agents.
-pub(super) fn start(
-    cfg: &LaunchConfig,
-    secret: &Secret,
-    dir: &Path,
-    store: SocketAddr,
-) -> Result<Peers, LaunchError> {
-    let bind = cfg
-        .ha
+/// The address this agent takes heartbeats, replicas and store
+/// connections on: `--local-addr`, else the one that routes to the job's
+/// store.
+pub(super) fn local_ip(cfg: &LaunchConfig, store: SocketAddr) -> Result<IpAddr, LaunchError> {
+    cfg.ha
         .local_addr
         .or_else(|| route_to(store))
         .ok_or_else(|| {
             LaunchError::Config(format!(
                 "no local address routes to the store at {store}: give --local-addr"
             ))
-        })?;
+        })
+}
+
+/// Starts the heartbeats, the replicator, and the exchange that connects
+/// them to the other agents, on address `bind`; `own_store` is the store
+/// this agent hosts (the job's, at `store`, on node 0).
+pub(super) fn start(
+    cfg: &LaunchConfig,
+    secret: &Secret,
+    dir: &Path,
+    (store, own_store): (SocketAddr, SocketAddr),
+    bind: IpAddr,
+) -> Result<Peers, LaunchError> {
     let membership = Membership::start(MembershipConfig {
         secret: secret.clone(),
         coordinator: EmbeddedConfig::with_timeout(
@@ -98,10 +118,15 @@ pub(super) fn start(
         None
     };
     let standbys = Arc::new(Mutex::new(BTreeMap::new()));
+    let stores = Arc::new(Mutex::new(BTreeMap::from([(
+        cfg.node_rank as u64,
+        own_store,
+    )])));
     let peers = Peers {
         membership: Arc::clone(&membership),
         replicator: replicator.clone(),
         standbys: Arc::clone(&standbys),
+        stores: Arc::clone(&stores),
     };
     let (node, nnodes, replicas) = (cfg.node_rank, cfg.nnodes, cfg.ha.replicas);
     let spares = cfg.ha.standby_nodes;
@@ -114,6 +139,8 @@ pub(super) fn start(
                 membership: &membership,
                 replicator: replicator.as_deref(),
                 standbys: &standbys,
+                stores: &stores,
+                own_store,
             };
             if let Err(e) = x.run(store, secret, node, (nnodes, spares), replicas, &domain) {
                 tracing::error!(error = %e, "not connected to the other agents: no heartbeats, no peer replicas");
@@ -130,6 +157,8 @@ struct Exchange<'a> {
     membership: &'a Membership,
     replicator: Option<&'a Replicator>,
     standbys: &'a Mutex<BTreeMap<u64, String>>,
+    stores: &'a Mutex<BTreeMap<u64, SocketAddr>>,
+    own_store: SocketAddr,
 }
 
 impl Exchange<'_> {
@@ -161,6 +190,7 @@ impl Exchange<'_> {
             .map_err(|e| e.to_string())?;
         let key = |k: usize, what: &str| format!("peer/node{k}/{what}");
         c.set(&key(node, "domain"), domain)
+            .and_then(|()| c.set(&key(node, "store"), &self.own_store.to_string()))
             .and_then(|()| c.set(&key(node, "heartbeats"), self.membership.endpoint()))
             .and_then(|()| match self.replicator {
                 Some(r) => c.set(&key(node, "replicas"), r.endpoint()),
@@ -170,6 +200,21 @@ impl Exchange<'_> {
         for k in (0..nnodes + spares).filter(|&k| k != node) {
             let endpoint = self.wait_for(&mut c, &key(k, "heartbeats"))?;
             self.membership.connect(k as u64, endpoint);
+        }
+        // Where each agent's store is, for when it controls the job.
+        for k in (0..nnodes + spares).filter(|&k| k != node) {
+            let at = self.wait_for(&mut c, &key(k, "store"))?;
+            match at.parse::<SocketAddr>() {
+                Ok(a) => {
+                    self.stores
+                        .lock()
+                        .expect("not poisoned")
+                        .insert(k as u64, a);
+                }
+                Err(_) => {
+                    tracing::warn!(node = k, store = at, "a store address that does not parse")
+                }
+            }
         }
         let Some(repl) = self.replicator else {
             return Ok(());

@@ -105,6 +105,20 @@ enum State {
     Done(Outcome),
 }
 
+/// What a machine taking over a job inherits from the controller before
+/// it ([`Machine::take_over`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Inherited {
+    pub started_unix_s: f64,
+    pub epoch: u64,
+    pub faults: Vec<FaultRecord>,
+    pub restarts: BTreeMap<usize, u32>,
+    pub protected: BTreeSet<usize>,
+    pub checkpoint: bool,
+    pub last_words: Option<Written>,
+    pub group_restarts: u32,
+}
+
 /// What one [`Machine::step`] decided.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Step {
@@ -184,6 +198,42 @@ impl Machine {
             group_restarts: 0,
             out: Step::default(),
         }
+    }
+
+    /// A machine that takes over the job from a controller that is gone,
+    /// from what it had told the others (`from`): the epoch (the next
+    /// recovery takes a newer one than any the old controller could have
+    /// started), the faults, the restarts, which ranks registered. Ranks
+    /// are seen through the reports that come next.
+    pub fn take_over(cfg: MachineConfig, ranks: Vec<usize>, from: Inherited) -> Self {
+        let mut m = Self::new(cfg, ranks, from.started_unix_s);
+        m.epoch = from.epoch + 1;
+        m.detected = vec![Duration::ZERO; from.faults.len()];
+        m.faults = from.faults;
+        for (rank, restarts) in from.restarts {
+            m.history.entry(rank).or_default().restarts = restarts;
+        }
+        for &r in &from.protected {
+            if let Some(v) = m.views.get_mut(&r) {
+                v.registered = true;
+                v.alive = true;
+            }
+        }
+        m.protected = from.protected;
+        m.checkpoint = from.checkpoint;
+        m.last_words = from.last_words;
+        m.group_restarts = from.group_restarts;
+        m
+    }
+
+    /// When the job started (seconds since the Unix epoch).
+    pub fn started_unix_s(&self) -> f64 {
+        self.started_unix_s
+    }
+
+    /// Whether some rank registered a checkpoint layout.
+    pub fn checkpoint(&self) -> bool {
+        self.checkpoint
     }
 
     /// Advances the machine by one event; returns what to do and why.

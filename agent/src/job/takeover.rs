@@ -1,0 +1,124 @@
+//! Any host may be lost, the controller's included. When a follower's
+//! controller is lost, the agents agree on a successor through the
+//! coordinator (whom each follows, and who acts: only an agent that a
+//! strict majority of the job's agents follow). The successor's agent
+//! turns from follower into controller: its machine inherits what the old
+//! controller had told every host (epoch, faults, restarts, registered
+//! ranks, placement), it hears every live host's report (their control
+//! pages are the truth), and then decides on the lost hosts, its
+//! predecessor's first. The others follow it once its first orders, under
+//! a newer term, arrive. A follower that sees no successor act within
+//! [`SUCCESSOR_WAIT`] (no majority: a minority side of a partition) stops.
+
+use super::decider::{Controller, Decider};
+use super::{Driver, machine_config};
+use crate::recovery::{Event, Machine, Outcome};
+use crate::supervisor::Supervisor;
+use hatrain_shared::control::{FaultKind, FaultRecord};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// How long a follower whose controller is lost waits for a successor.
+pub const SUCCESSOR_WAIT: Duration = Duration::from_secs(10);
+
+impl Driver<'_> {
+    /// On a tick: a follower whose controller is lost follows whom the
+    /// coordinator names, takes over when it acts itself, or stops when
+    /// nobody acts in time; a controller that took over decides on lost
+    /// hosts once it has heard every live host.
+    pub(super) fn follow_successor(&mut self, sup: &mut Supervisor) {
+        let Some(view) = self.peers.as_ref().map(|p| p.membership.seen().view) else {
+            return;
+        };
+        let me = self.cfg.node_rank as u64;
+        match &mut self.decider {
+            Decider::Controller(c) => {
+                let settled = c.settle(None);
+                self.on_hosts_lost(sup, settled);
+            }
+            Decider::Follower(f) => {
+                let Some(deadline) = f.orphaned else {
+                    return;
+                };
+                match view.follows {
+                    Some(n) if n == me && view.acting => self.take_over(sup, view.term),
+                    Some(n) if n != me && n != f.leader && !self.lost.contains(&n) => {
+                        tracing::info!(node = n, "reporting to the successor");
+                        f.leader = n;
+                    }
+                    _ if Instant::now() >= deadline => self.no_successor(),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// This agent becomes the job's controller, under `term`.
+    fn take_over(&mut self, sup: &mut Supervisor, term: u64) {
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
+        let cfg = self.cfg;
+        let machine = Machine::take_over(
+            machine_config(cfg),
+            (0..cfg.world_size()).collect(),
+            f.mirror.inherited(),
+        );
+        let mut c = Controller::take_over(
+            machine,
+            (cfg.nnodes, cfg.nproc_per_node),
+            cfg.node_rank as u64,
+            &f.mirror,
+            &self.lost,
+        );
+        if let Some(s) = &mut c.settling {
+            s.losses = std::mem::take(&mut f.losses);
+        }
+        tracing::warn!(
+            term,
+            lost = ?self.lost,
+            "taking over as the job's controller: the previous one is lost"
+        );
+        self.decider = Decider::Controller(Box::new(c));
+        let views = self.views(sup);
+        self.feed(sup, Event::Tick(views));
+        // Every host hears of the new controller at once.
+        self.send_orders(BTreeMap::new());
+    }
+
+    /// Nobody took over in time: this host stops.
+    fn no_successor(&mut self) {
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
+        let leader = f.leader;
+        let lost = f.losses.iter().find(|l| l.node == leader);
+        let (ranks, detail) = lost.map_or((Vec::new(), String::new()), |l| {
+            (l.ranks.clone(), l.detail.clone())
+        });
+        tracing::error!(
+            node = leader,
+            ?ranks,
+            "the controller's host is lost and no successor acts: stopping"
+        );
+        let detected = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        f.mirror.faults.push(FaultRecord {
+            id: f.mirror.faults.len() as u64 + 1,
+            ranks,
+            kind: FaultKind::HostLost,
+            detail,
+            detected_unix_s: detected,
+            s_star: None,
+            action: "stop the job".into(),
+            recovery_s: None,
+            steps_lost: None,
+            reason: format!(
+                "host {leader} ran the job's controller, and no successor acted within {} s: a controller needs a strict majority of the job's agents, and this host does not hear one",
+                SUCCESSOR_WAIT.as_secs()
+            ),
+        });
+        self.outcome = Some(Outcome::RecoveryFailed);
+    }
+}
