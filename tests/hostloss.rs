@@ -34,7 +34,11 @@ struct Cluster {
     log: PathBuf,
     /// Dropped last, once every agent is gone.
     _tmp: tempfile::TempDir,
+    /// One cluster at a time: eleven processes each on a small machine.
+    _one: std::sync::MutexGuard<'static, ()>,
 }
+
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Cluster {
     /// Starts the hosts and `standbys` standby agents, each with `extra`
@@ -46,6 +50,7 @@ impl Cluster {
         extra: &[&str],
         train: &[String],
     ) -> Self {
+        let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let secret = secret_file(tmp.path());
         let shm: Vec<PathBuf> = (0..3 + standbys)
             .map(|k| tmp.path().join(format!("host{k}")))
@@ -79,6 +84,7 @@ impl Cluster {
             agents,
             log,
             _tmp: tmp,
+            _one: one,
         }
     }
 
