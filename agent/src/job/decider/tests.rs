@@ -1,0 +1,229 @@
+//! The controller's routing, placement and messages.
+
+use super::*;
+use crate::recovery::{HangPolicy, MachineConfig, Outcome, RestartPolicy};
+use hatrain_shared::ha::HaModes;
+use hatrain_shared::shm::Directive;
+
+fn controller(nodes: usize, per_node: usize) -> Controller {
+    let cfg = MachineConfig {
+        modes: HaModes {
+            dump: true,
+            retry: false,
+            recover: true,
+            elastic: false,
+        },
+        restart: RestartPolicy::default(),
+        hang: HangPolicy::default(),
+        pause_timeout: Duration::from_secs(1),
+        group_restarts: 0,
+        register_timeout: Duration::from_secs(3),
+    };
+    let machine = Machine::new(cfg, (0..nodes * per_node).collect(), 0.0);
+    Controller::new(machine, nodes, 0, per_node, 0)
+}
+
+#[test]
+fn commands_go_to_the_host_of_their_rank_and_the_job_wide_ones_everywhere() {
+    let mut c = controller(3, 2);
+    let post = |rank| Command::Post {
+        rank,
+        directive: Directive::Pause { epoch: 1 },
+    };
+    assert_eq!(c.route(post(1)), vec![Routed::Here(post(1))]);
+    assert_eq!(c.route(post(4)), vec![Routed::There(2, post(4))]);
+    assert_eq!(
+        c.route(Command::Kill { rank: 3 }),
+        vec![Routed::There(1, Command::Kill { rank: 3 })]
+    );
+    let end = Command::Finish(Outcome::Succeeded);
+    assert_eq!(
+        c.route(end.clone()),
+        vec![
+            Routed::There(1, end.clone()),
+            Routed::There(2, end.clone()),
+            Routed::Here(end)
+        ]
+    );
+    // A checkpoint is written by this host's persister alone, which
+    // refuses one without every rank.
+    let write = Command::Write { epoch: 2, step: 9 };
+    assert_eq!(c.route(write.clone()), vec![Routed::Here(write)]);
+    // One host: everything is here.
+    let mut one = controller(1, 4);
+    assert_eq!(one.route(post(3)), vec![Routed::Here(post(3))]);
+    // A host of several that decides for itself alone (no mode on):
+    // likewise, and its collection is its own.
+    let mut own = Controller::new(controller(1, 2).machine, 1, 2, 2, 0);
+    let end = Command::Finish(Outcome::Interrupted);
+    assert_eq!(own.route(end.clone()), vec![Routed::Here(end)]);
+    own.route(Command::Collect { epoch: 1 });
+    assert!(own.gathered(2, 1, vec![(4, vec![3])]).is_some());
+}
+
+fn placed(ranks: Vec<usize>, spare: Option<u64>, state_lost: Vec<usize>) -> Option<Placed> {
+    Some(Placed {
+        ranks,
+        spare,
+        state_lost,
+    })
+}
+
+/// A 3×2 controller with a standby, each host holding the replicas of
+/// the host before it.
+fn ring() -> Controller {
+    let mut c = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+    c.note_held(0, [4, 5]);
+    c.note_held(1, [0, 1]);
+    c.note_held(2, [2, 3]);
+    c
+}
+
+#[test]
+fn a_lost_hosts_ranks_move_to_a_standby_until_none_is_left() {
+    let mut c = ring();
+    // A standby holds nothing: its loss moves no rank.
+    let mut spare_lost = ring();
+    assert_eq!(spare_lost.host_lost(3, true, &[3]), None);
+    assert_eq!(
+        spare_lost.host_lost(1, true, &[1]),
+        placed(vec![2, 3], None, vec![])
+    );
+
+    assert_eq!(
+        c.host_lost(1, true, &[1]),
+        placed(vec![2, 3], Some(3), vec![])
+    );
+    assert_eq!(c.node_of(2), 3);
+    assert_eq!(c.ranks_on(3), vec![2, 3]);
+    assert_eq!(c.ranks_on(1), Vec::<usize>::new());
+    let kill = Command::Kill { rank: 3 };
+    assert_eq!(c.route(kill.clone()), vec![Routed::There(3, kill)]);
+    // A collection now waits for the standby, not the lost host.
+    c.route(Command::Collect { epoch: 1 });
+    assert_eq!(c.gathered(0, 1, vec![(0, vec![5]), (1, vec![5])]), None);
+    assert_eq!(c.gathered(2, 1, vec![(4, vec![5]), (5, vec![5])]), None);
+    assert!(c.gathered(3, 1, vec![(2, vec![5]), (3, vec![5])]).is_some());
+    c.registered(3, 2);
+    c.registered(3, 3);
+    // The standby lost in turn: nobody is left to take its ranks.
+    assert_eq!(
+        c.host_lost(3, true, &[1, 3]),
+        placed(vec![2, 3], None, vec![])
+    );
+    // Without worker reboot no standby is used.
+    let mut off = ring();
+    assert_eq!(
+        off.host_lost(2, false, &[2]),
+        placed(vec![4, 5], None, vec![])
+    );
+}
+
+#[test]
+fn a_host_lost_with_the_holder_of_its_replicas_names_the_ranks_whose_state_is_gone() {
+    // Hosts 1 and 2 at once: host 1's replicas were on host 2.
+    let mut c = ring();
+    assert_eq!(
+        c.host_lost(1, true, &[1, 2]),
+        placed(vec![2, 3], None, vec![2, 3])
+    );
+    // Host 2's ranks still have their replicas on host 0.
+    assert_eq!(
+        c.host_lost(2, true, &[1, 2]),
+        placed(vec![4, 5], Some(3), vec![])
+    );
+
+    // One after the other: host 1's ranks go to the standby, to be
+    // filled from host 2; host 2 lost before they registered takes
+    // their state with it.
+    let mut c = ring();
+    assert_eq!(
+        c.host_lost(1, true, &[1]),
+        placed(vec![2, 3], Some(3), vec![])
+    );
+    assert_eq!(
+        c.host_lost(2, true, &[1, 2]),
+        placed(vec![4, 5], None, vec![2, 3])
+    );
+    // Once filled they are safe on the standby.
+    let mut c = ring();
+    c.host_lost(1, true, &[1]);
+    c.registered(3, 2);
+    c.registered(3, 3);
+    // (A rank registered by a host that does not hold it changes
+    // nothing.)
+    c.registered(2, 4);
+    assert_eq!(
+        c.host_lost(2, false, &[1, 2]),
+        placed(vec![4, 5], None, vec![])
+    );
+
+    // Without replicas every lost rank's state is gone.
+    let mut bare = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+    assert_eq!(
+        bare.host_lost(2, true, &[2]),
+        placed(vec![4, 5], None, vec![4, 5])
+    );
+}
+
+#[test]
+fn a_collection_is_whole_once_every_host_verified_its_ranks() {
+    let mut c = controller(3, 1);
+    let routed = c.route(Command::Collect { epoch: 4 });
+    assert_eq!(routed.len(), 3, "{routed:?}");
+    assert_eq!(c.gathered(1, 4, vec![(1, vec![9, 8])]), None);
+    // Another epoch's answer is stale, and changes nothing.
+    assert_eq!(c.gathered(2, 3, vec![(2, vec![7])]), None);
+    assert_eq!(c.gathered(0, 4, vec![(0, vec![9])]), None);
+    let whole = c.gathered(2, 4, vec![(2, vec![9, 8])]);
+    assert_eq!(
+        whole,
+        Some(Event::Collected {
+            epoch: 4,
+            steps: vec![(0, vec![9]), (1, vec![9, 8]), (2, vec![9, 8])]
+        })
+    );
+    // Done: a late answer starts nothing.
+    assert_eq!(c.gathered(1, 4, vec![(1, vec![9])]), None);
+}
+
+#[test]
+fn messages_round_trip_and_garbage_is_an_error() {
+    let up = Up::Report {
+        views: vec![RankView::absent(3)],
+        events: vec![Event::Registered {
+            rank: 3,
+            checkpoint: true,
+        }],
+        held: vec![0, 1],
+    };
+    let bytes = serde_json::to_vec(&up).unwrap();
+    assert_eq!(serde_json::from_slice::<Up>(&bytes).unwrap(), up);
+    let down = Down {
+        term: 2,
+        mirror: Some(controller(2, 1).mirror()),
+        commands: vec![Command::Respawn {
+            rank: 1,
+            restarts: 1,
+        }],
+        registered: vec![(1, StartMode::AwaitDirective)],
+        adopt: Some(Adopt {
+            node: 1,
+            ranks: vec![1],
+        }),
+        give: Some(Give { node: 1, to: 2 }),
+    };
+    let bytes = serde_json::to_vec(&down).unwrap();
+    assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);
+    for junk in [&b""[..], b"{}", b"[1,2]", b"\xff\xfe", b"{\"report\":{}}"] {
+        assert!(serde_json::from_slice::<Up>(junk).is_err());
+    }
+}
+
+proptest::proptest! {
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoders(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+        let _ = serde_json::from_slice::<Up>(&bytes);
+        let _ = serde_json::from_slice::<Down>(&bytes);
+    }
+}
