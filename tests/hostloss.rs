@@ -133,6 +133,17 @@ fn stderr(outs: &[(usize, Output)], k: usize) -> String {
         .unwrap_or_default()
 }
 
+/// The standby's log `standby` says it filled each of `ranks` from its
+/// replica.
+fn assert_filled(standby: &str, ranks: &[usize]) {
+    for rank in ranks {
+        assert!(
+            standby.contains(&format!("store filled from the peer replica rank={rank}")),
+            "the standby filled rank {rank} from its replica:\n{standby}"
+        );
+    }
+}
+
 /// Every survivor succeeded, the run equals the reference, and nothing is
 /// left in their roots.
 fn assert_recovered(c: &Cluster, outs: &[(usize, Output)], reference: &[serde_json::Value]) {
@@ -168,13 +179,7 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
             && controller.contains("ranks=[2, 3] s_star="),
         "the controller recovered host 1's ranks on the standby:\n{controller}"
     );
-    let standby = stderr(&outs, 3);
-    for rank in [2, 3] {
-        assert!(
-            standby.contains(&format!("store filled from the peer replica rank={rank}")),
-            "the standby filled rank {rank} from its replica:\n{standby}"
-        );
-    }
+    assert_filled(&stderr(&outs, 3), &[2, 3]);
     assert_recovered(&c, &outs, &reference);
 }
 
@@ -205,13 +210,7 @@ fn the_loss_of_the_controllers_host_is_recovered_on_a_standby_too() {
             && follower.contains("the controller ended the job"),
         "node 2 follows the successor to the end:\n{follower}"
     );
-    let standby = stderr(&outs, 3);
-    for rank in [0, 1] {
-        assert!(
-            standby.contains(&format!("store filled from the peer replica rank={rank}")),
-            "the standby filled rank {rank} from its replica:\n{standby}"
-        );
-    }
+    assert_filled(&stderr(&outs, 3), &[0, 1]);
     assert_recovered(&c, &outs, &reference);
 }
 

@@ -3,7 +3,8 @@
 //! One recovery machine decides for the whole job. On one node it runs in
 //! the host's own agent over the host's ranks; on several nodes (with a
 //! high-availability mode on) it runs in node 0's agent over every rank of
-//! the job, and every other agent follows it. The event loop is the same
+//! the job (in a successor's, once node 0's host is lost: see
+//! [`super::takeover`]), and every other agent follows it. The event loop is the same
 //! in both roles: it gathers events and carries commands out on its own
 //! ranks. What differs is where events go and where commands come from:
 //!
@@ -19,8 +20,9 @@
 //!   they changed (and every [`REPORT_EVERY`] anyway); it carries out the
 //!   orders ([`Down`]) on its ranks, refusing any of a term older than the
 //!   newest it has seen (a fencing token: a controller that lost its place
-//!   cannot act). It stops with the controller's outcome, or on its own
-//!   when the controller's host is lost.
+//!   cannot act). It stops with the controller's outcome; when the
+//!   controller's host is lost it follows the successor, or stops when
+//!   none acts in time.
 //!
 //! This module holds what is decided, without I/O: the messages, the
 //! controller's routing and placement, and each role's state;
