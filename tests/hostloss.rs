@@ -126,6 +126,13 @@ impl Cluster {
     }
 }
 
+/// Every host's log, for a failure's message.
+fn logs(outs: &[(usize, Output)]) -> String {
+    outs.iter()
+        .map(|(k, o)| format!("--- host {k}\n{}", String::from_utf8_lossy(&o.stderr)))
+        .collect()
+}
+
 fn stderr(outs: &[(usize, Output)], k: usize) -> String {
     outs.iter()
         .find(|(h, _)| *h == k)
@@ -229,7 +236,8 @@ fn two_hosts_lost_at_once_are_recovered_on_two_standbys_with_two_replicas() {
         assert!(
             controller.contains(&format!("host {node} lost: recovering on a standby host"))
                 && controller.contains(&format!("ranks={ranks} s_star=")),
-            "the controller recovered host {node}'s ranks on a standby:\n{controller}"
+            "the controller recovered host {node}'s ranks on a standby:\n{}",
+            logs(&outs)
         );
     }
     let filled: usize = [3, 4]
@@ -240,7 +248,12 @@ fn two_hosts_lost_at_once_are_recovered_on_two_standbys_with_two_replicas() {
                 .count()
         })
         .sum();
-    assert_eq!(filled, 4, "the standbys filled all four lost ranks");
+    assert_eq!(
+        filled,
+        4,
+        "the standbys filled all four lost ranks:\n{}",
+        logs(&outs)
+    );
     assert_recovered(&c, &outs, &reference);
 }
 

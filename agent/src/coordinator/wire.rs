@@ -532,11 +532,14 @@ impl Driver {
         let beat = self.heartbeat();
         let p = &mut self.peers[i];
         while let Ok(wire) = p.sock.recv_bytes(zmq::DONTWAIT) {
-            if let Some((pending, _)) = p.pending.take() {
+            if let Some((pending, _)) = &p.pending {
+                // A welcome to an earlier hello (answered late) is refused;
+                // this hello's own may still come.
                 match pending.welcomed(&wire) {
                     // A heartbeat first: the peer counts this agent as
                     // joined before any control message of it arrives.
                     Ok((s, _)) if s.peer == p.node => {
+                        p.pending = None;
                         p.session = Some(s);
                         p.beat(&beat);
                         p.flush();

@@ -140,6 +140,13 @@ impl Inbox {
         let f = match session.open(wire) {
             Ok(f) => f,
             Err(e) => {
+                // A sender that heard no welcome (or lost its session) says
+                // hello again on the same connection: a new session.
+                if peer::decode(wire).is_ok_and(|f| f.kind == Kind::Hello)
+                    && let Ok(back) = self.rehello(peer, wire, nonce)
+                {
+                    return back;
+                }
                 tracing::debug!(error = %e, "peer frame refused");
                 self.rejected.count(&e);
                 return Vec::new();
@@ -172,31 +179,39 @@ impl Inbox {
         wire: &[u8],
         nonce: impl FnOnce() -> [u8; NONCE_LEN],
     ) -> Vec<Vec<u8>> {
-        match Session::accept(
+        self.rehello(peer, wire, nonce).unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "peer hello refused");
+            self.rejected.count(&e);
+            Vec::new()
+        })
+    }
+
+    /// Opens a session on connection `peer` from a hello, in place of any
+    /// session it had; the welcome to send back.
+    fn rehello(
+        &mut self,
+        peer: &[u8],
+        wire: &[u8],
+        nonce: impl FnOnce() -> [u8; NONCE_LEN],
+    ) -> Result<Vec<Vec<u8>>, PeerError> {
+        let (session, welcome) = Session::accept(
             self.secret.clone(),
             self.host,
             0,
             wire,
             nonce(),
             self.credit,
-        ) {
-            Ok((session, welcome)) => {
-                tracing::info!(peer = session.peer, "replica stream opened");
-                if self.order.len() >= MAX_SESSIONS
-                    && let Some(old) = self.order.pop_front()
-                {
-                    self.sessions.remove(&old);
-                }
-                self.order.push_back(peer.to_vec());
-                self.sessions.insert(peer.to_vec(), session);
-                vec![welcome]
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "peer hello refused");
-                self.rejected.count(&e);
-                Vec::new()
-            }
+        )?;
+        tracing::info!(peer = session.peer, "replica stream opened");
+        self.order.retain(|o| o != peer);
+        if self.order.len() >= MAX_SESSIONS
+            && let Some(old) = self.order.pop_front()
+        {
+            self.sessions.remove(&old);
         }
+        self.order.push_back(peer.to_vec());
+        self.sessions.insert(peer.to_vec(), session);
+        Ok(vec![welcome])
     }
 
     /// Takes one chunk from node `from`; a receipt when a snapshot was
@@ -415,6 +430,30 @@ mod tests {
         let (p, hello) = Pending::hello(secret(), host, [n; NONCE_LEN]);
         let back = inbox.handle(id, &hello, || [n + 100; NONCE_LEN]);
         p.welcomed(&back[0]).unwrap().0
+    }
+
+    /// A sender whose welcome came late says hello again on the same
+    /// connection: the new session replaces the old one, whose frames are
+    /// refused from then on.
+    #[test]
+    fn a_second_hello_on_a_connection_opens_a_new_session_in_place_of_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inbox = Inbox::new(secret(), 1, dir.path().into(), 2, 4, |_, _| true);
+        let src = source(0, 3, 1000);
+        let frame = &chunks(&src, 3, 4096)[0];
+        let mut first = open(&mut inbox, b"a", 0, 1);
+        let mut second = open(&mut inbox, b"a", 0, 2);
+        assert!(
+            inbox
+                .handle(b"a", &first.seal(Kind::Chunk, &[frame]), || unreachable!())
+                .is_empty(),
+            "the first session is gone"
+        );
+        let back = inbox.handle(b"a", &second.seal(Kind::Chunk, &[frame]), || unreachable!());
+        let kinds: Vec<Kind> = back.iter().map(|b| second.open(b).unwrap().kind).collect();
+        assert_eq!(kinds, vec![Kind::Credit, Kind::Stored]);
+        assert_eq!(inbox.rejected.forged, 1);
+        assert_eq!(inbox.sessions.len(), 1);
     }
 
     #[test]

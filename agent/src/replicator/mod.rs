@@ -671,15 +671,18 @@ fn send(
         if poll(&sock, zmq::POLLIN, SCAN)? > 0 {
             while let Ok(wire) = sock.recv_bytes(zmq::DONTWAIT) {
                 heard = Instant::now();
-                if let Some((p, _)) = pending.take() {
+                if let Some((p, _)) = &pending {
+                    // A welcome to an earlier hello (answered late) is
+                    // refused; this hello's own may still come.
                     match p.welcomed(&wire) {
                         Ok((s, w)) => {
                             tracing::info!(node = s.peer, "replica stream open");
                             outbox.reset();
                             outbox.credit(w.credit);
                             session = Some(s);
+                            pending = None;
                         }
-                        Err(e) => tracing::warn!(error = %e, "replica welcome refused"),
+                        Err(e) => tracing::debug!(error = %e, "replica welcome refused"),
                     }
                     continue;
                 }

@@ -362,8 +362,10 @@ impl Pending {
         )
     }
 
-    /// Checks the acceptor's welcome; the session is open.
-    pub fn welcomed(self, wire: &[u8]) -> Result<(Session, Welcome), PeerError> {
+    /// Checks the acceptor's welcome; the session is open. A refused
+    /// welcome (one to an earlier hello, late) leaves this end waiting for
+    /// its own.
+    pub fn welcomed(&self, wire: &[u8]) -> Result<(Session, Welcome), PeerError> {
         let f = decode(wire)?;
         if f.kind != Kind::Welcome {
             return Err(PeerError::Unexpected {
@@ -390,7 +392,7 @@ impl Pending {
         let credit = u32_at(f.payload, 2 * NONCE_LEN);
         Ok((
             Session {
-                secret: self.secret,
+                secret: self.secret.clone(),
                 role: Role::Initiator,
                 key,
                 host: self.host,
