@@ -8,6 +8,8 @@
 //! - The controller's host lost: a successor takes over and recovers it
 //!   the same way.
 //! - Two hosts lost at once with `--replicas 2`: recovered on two standbys.
+//! - Two hosts lost one after the other, the controller's second: the
+//!   replicas follow the first standby, and the second recovers from them.
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
 //!   checkpoint on disk; nothing claims a later step.
@@ -50,6 +52,18 @@ impl Cluster {
         extra: &[&str],
         train: &[String],
     ) -> Self {
+        Self::start_with_plan(tmp, name, standbys, extra, train, NAP)
+    }
+
+    /// [`Cluster::start`] with the fault plan `plan`.
+    fn start_with_plan(
+        tmp: tempfile::TempDir,
+        name: &str,
+        standbys: usize,
+        extra: &[&str],
+        train: &[String],
+        plan: &str,
+    ) -> Self {
         let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let secret = secret_file(tmp.path());
         let shm: Vec<PathBuf> = (0..3 + standbys)
@@ -74,7 +88,7 @@ impl Cluster {
                     flags.push("--standby");
                 }
                 let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &flags);
-                c.env("HATRAIN_FAULT_PLAN", NAP);
+                c.env("HATRAIN_FAULT_PLAN", plan);
                 host_job(c, &job, k)
             })
             .collect();
@@ -91,18 +105,24 @@ impl Cluster {
     /// Waits until host `k` holds the replicas of `ranks` at step 29 or
     /// later, where the job stands still.
     fn wait_held(&self, k: usize, ranks: &[u64]) {
+        self.wait_held_at(k, ranks, 29);
+    }
+
+    /// Waits until host `k` holds the replicas of `ranks` at step `step`
+    /// or later.
+    fn wait_held_at(&self, k: usize, ranks: &[u64], step: u64) {
         let socket = self.shm[k].join(&self.job).join("agent.sock");
         let caught_up = poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
             let held = v["status"]["replicas"]["held"].as_array()?;
             let at = |rank: u64| {
                 held.iter()
-                    .any(|h| h["rank"] == rank && h["steps"][0].as_u64().is_some_and(|s| s >= 29))
+                    .any(|h| h["rank"] == rank && h["steps"][0].as_u64().is_some_and(|s| s >= step))
             };
             ranks.iter().all(|&r| at(r)).then_some(())
         });
         assert!(
             caught_up.is_some(),
-            "host {k} never held the replicas of ranks {ranks:?} at step 29"
+            "host {k} never held the replicas of ranks {ranks:?} at step {step}"
         );
     }
 
@@ -187,6 +207,36 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
         "the controller recovered host 1's ranks on the standby:\n{controller}"
     );
     assert_filled(&stderr(&outs, 3), &[2, 3]);
+    assert_recovered(&c, &outs, &reference);
+}
+
+/// Hosts lost one after the other: host 1, then host 0, the controller.
+/// The replicas follow the standby that took host 1's ranks: host 0
+/// streams its ranks to it (host 1 held them), and it streams the ranks it
+/// took to host 2. So when host 0 goes, its ranks are on standby 3: node
+/// 2 takes over and gives them to standby 4. Rank 2, on standby 3 by then,
+/// naps in step 45 so that the replicas catch up.
+#[test]
+fn hosts_lost_one_after_the_other_are_recovered_as_the_replicas_follow_the_standbys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let plan = format!("{NAP};2:45:forward:sleep8000:*");
+    let mut c = Cluster::start_with_plan(tmp, "onebyone", 2, &[], &train, &plan);
+    c.wait_held(2, &[2, 3]);
+    c.vanish(&[1]);
+    c.wait_held_at(3, &[0, 1], 44);
+    c.wait_held_at(2, &[2, 3], 44);
+    c.vanish(&[0]);
+    let outs = c.ends(&[2, 3, 4]);
+    let successor = stderr(&outs, 2);
+    assert!(
+        successor.contains("host 0 lost: recovering on a standby host")
+            && successor.contains("ranks=[0, 1] s_star="),
+        "node 2 took over and recovered host 0's ranks on a standby:\n{}",
+        logs(&outs)
+    );
+    assert_filled(&stderr(&outs, 3), &[2, 3]);
+    assert_filled(&stderr(&outs, 4), &[0, 1]);
     assert_recovered(&c, &outs, &reference);
 }
 

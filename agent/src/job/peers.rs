@@ -219,29 +219,18 @@ impl Exchange<'_> {
         let Some(repl) = self.replicator else {
             return Ok(());
         };
-        // A standby holds and streams nothing until it takes a lost host's
-        // ranks.
-        if node < nnodes {
-            self.place(&mut c, repl, node, nnodes, replicas, domain)?;
-        }
-        // Where the standbys take replicas, to fill them.
-        for k in nnodes..nnodes + spares {
-            let endpoint = self.wait_for(&mut c, &key(k, "replicas"))?;
-            self.standbys
-                .lock()
-                .expect("not poisoned")
-                .insert(k as u64, endpoint);
-        }
-        Ok(())
+        self.place(&mut c, repl, node, (nnodes, spares), replicas, domain)
     }
 
-    /// Whose replicas this host holds, and where it streams its own.
+    /// The placement, and where every host takes replicas. A standby
+    /// holds and streams nothing until it takes a lost host's ranks; then
+    /// it plays that host's node ([`Replicator::replace`]).
     fn place(
         &self,
         c: &mut StoreClient,
         repl: &Replicator,
         node: usize,
-        nnodes: usize,
+        (nnodes, spares): (usize, usize),
         replicas: usize,
         domain: &str,
     ) -> Result<(), String> {
@@ -251,24 +240,33 @@ impl Exchange<'_> {
             let d = self.wait_for(c, &key(k, "domain"))?;
             domains.push((!d.is_empty()).then_some(d));
         }
-        for k in (0..nnodes).filter(|&k| k != node) {
-            if replicator::targets(k, &domains, replicas).contains(&node) {
-                repl.hold_for(k as u64);
+        if node < nnodes {
+            let mine = replicator::targets(node, &domains, replicas);
+            if mine.len() < replicas {
+                tracing::warn!(
+                    replicas,
+                    placed = mine.len(),
+                    domain,
+                    "fewer hosts outside this host's failure domain than --replicas asks for"
+                );
             }
         }
-        let mine = replicator::targets(node, &domains, replicas);
-        if mine.len() < replicas {
-            tracing::warn!(
-                replicas,
-                placed = mine.len(),
-                domain,
-                "fewer hosts outside this host's failure domain than --replicas asks for"
-            );
+        repl.set_ring(domains, replicas);
+        for k in (0..nnodes + spares).filter(|&k| k != node) {
+            let endpoint = self.wait_for(c, &key(k, "replicas"))?;
+            repl.know(k as u64, endpoint.clone());
+            if k >= nnodes {
+                self.standbys
+                    .lock()
+                    .expect("not poisoned")
+                    .insert(k as u64, endpoint);
+            }
         }
-        for t in mine {
-            let endpoint = self.wait_for(c, &key(t, "replicas"))?;
-            tracing::info!(node = t, endpoint = %endpoint, "streaming this host's snapshots");
-            repl.stream_to(t as u64, endpoint);
+        if node < nnodes {
+            repl.play(node as u64);
+        } else {
+            // Ranks taken meanwhile are streamed now.
+            repl.arrange();
         }
         Ok(())
     }

@@ -16,6 +16,8 @@ impl Driver<'_> {
         let Some(r) = &p.replicator else {
             return;
         };
+        // The standby plays the lost node from now on.
+        r.replace(g.node, g.to);
         let held: Vec<u64> = r
             .report()
             .held
@@ -61,6 +63,9 @@ impl Driver<'_> {
             for &rank in &a.ranks {
                 r.adopt_rank(rank as u64);
             }
+            // It streams the ranks it takes where the lost host streamed
+            // its own, and holds what the lost host held.
+            r.replace(a.node, r.node());
         }
         self.adopted.extend(a.ranks);
     }

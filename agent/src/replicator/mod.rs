@@ -24,6 +24,8 @@
 
 pub mod inbox;
 pub mod outbox;
+mod ring;
+use ring::{Ring, resolve};
 
 use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::control::{HeldReport, RankReplicaReport, ReplicaReport, StreamReport};
@@ -31,7 +33,7 @@ use hatrain_shared::peer::{self, ChunkHeader, Kind, Pending, Session};
 use hatrain_shared::shm::Store;
 use inbox::Inbox;
 use outbox::{Offer, Outbox};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -131,6 +133,9 @@ pub struct Replicator {
     /// Ranks of a lost host this (standby) agent takes over: their
     /// replicas are taken from whichever host of the job holds them.
     adopted: Arc<RwLock<HashSet<u64>>>,
+    /// Which host plays a lost node now (a standby that took its ranks).
+    replaced: Arc<RwLock<HashMap<u64, u64>>>,
+    ring: Mutex<Ring>,
     /// The local ranks' stores, for streams started later.
     ranks: Mutex<Vec<(u64, Arc<Store>)>>,
     feeds: Mutex<Vec<mpsc::Sender<RankStore>>>,
@@ -210,6 +215,8 @@ impl Replicator {
             shared: Arc::new(Mutex::new(Shared::default())),
             sources: Arc::new(RwLock::new(HashSet::new())),
             adopted: Arc::new(RwLock::new(HashSet::new())),
+            replaced: Arc::new(RwLock::new(HashMap::new())),
+            ring: Mutex::new(Ring::default()),
             ranks: Mutex::new(Vec::new()),
             feeds: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
@@ -218,6 +225,7 @@ impl Replicator {
         });
         let sources = Arc::clone(&r.sources);
         let adopted = Arc::clone(&r.adopted);
+        let replaced = Arc::clone(&r.replaced);
         let per_node = r.cfg.ranks_per_node.max(1) as u64;
         let inbox = Inbox::new(
             r.cfg.secret.clone(),
@@ -226,7 +234,11 @@ impl Replicator {
             r.cfg.slots,
             r.cfg.window,
             move |from, rank| {
-                (rank / per_node == from && sources.read().is_ok_and(|s| s.contains(&from)))
+                // A rank's snapshots come from the host that plays its
+                // node now.
+                let node = rank / per_node;
+                (sources.read().is_ok_and(|s| s.contains(&node))
+                    && replaced.read().is_ok_and(|m| resolve(&m, node) == from))
                     || adopted.read().is_ok_and(|a| a.contains(&rank))
             },
         );
@@ -241,6 +253,11 @@ impl Replicator {
         r.threads.lock().expect("not poisoned").push(t);
         tracing::info!(endpoint = %r.endpoint, "taking peer replicas");
         Ok(r)
+    }
+
+    /// This agent's node rank.
+    pub fn node(&self) -> u64 {
+        self.cfg.node
     }
 
     /// Where this agent takes replicas (`tcp://ADDR:PORT`).
@@ -265,6 +282,11 @@ impl Replicator {
 
     /// Starts streaming this host's snapshots to node `node` at `endpoint`.
     pub fn stream_to(&self, node: u64, endpoint: String) {
+        self.ring
+            .lock()
+            .expect("not poisoned")
+            .streaming
+            .insert(node);
         let (tx, rx) = mpsc::channel();
         for (rank, store) in self.ranks.lock().expect("not poisoned").iter() {
             let _ = tx.send((*rank, Arc::clone(store)));
