@@ -164,7 +164,7 @@ enum Script {
     ResumeFrom(&'static str),
 }
 
-fn shm_root(args: &DemoArgs) -> PathBuf {
+pub(crate) fn shm_root(args: &DemoArgs) -> PathBuf {
     args.shm_root
         .clone()
         .unwrap_or_else(hatrain_shared::trust::default_shm_root)
@@ -172,9 +172,9 @@ fn shm_root(args: &DemoArgs) -> PathBuf {
 
 /// The binaries a run starts.
 #[derive(Debug, Clone)]
-struct Bins {
-    agent: PathBuf,
-    train: PathBuf,
+pub(crate) struct Bins {
+    pub agent: PathBuf,
+    pub train: PathBuf,
 }
 
 fn launch_command(
@@ -308,7 +308,7 @@ fn signal_agent(pid: u32) {
 }
 
 /// One request to a run's agent (none while its socket is not up yet).
-async fn query(socket: &Path, request: Request) -> Option<Response> {
+pub(crate) async fn query(socket: &Path, request: Request) -> Option<Response> {
     let socket = socket.to_path_buf();
     tokio::task::spawn_blocking(move || {
         hatrain_shared::control::request(&socket, &request, Duration::from_secs(5)).ok()
@@ -395,10 +395,31 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<()> {
         bail!("the resumed run failed (agent exit {:?})", resumed.code);
     }
     summarise(args, &kills, &reference, &faulty, &resumed, last_words)?;
+    println!("\n=== a host lost: three hosts of two ranks and a standby ===");
+    let lost = crate::hostloss::run(args, &bins, &shutdown).await?;
+    match &lost.fault {
+        Some(f) => println!(
+            "host loss: ranks {:?}: {}; recovered from step {} in {} ({} step(s) computed again)",
+            f.ranks,
+            f.action,
+            f.s_star.map_or("?".into(), |s| s.to_string()),
+            f.recovery_s.map_or("?".into(), |s| format!("{s:.2} s")),
+            f.steps_lost.map_or("?".into(), |s| s.to_string()),
+        ),
+        None => println!("host loss: the controller recorded no host loss"),
+    }
+    println!(
+        "host loss: every step's loss and the final weights equal to one host of six ranks: {} ({:.1} s)",
+        if lost.identical { "yes" } else { "NO" },
+        lost.seconds
+    );
+    if !lost.identical || lost.fault.is_none() {
+        bail!("the job that lost a host did not end as the one-host run did");
+    }
     Ok(())
 }
 
-fn read_events(log: &Path) -> Result<Vec<serde_json::Value>> {
+pub(crate) fn read_events(log: &Path) -> Result<Vec<serde_json::Value>> {
     let text =
         std::fs::read_to_string(log).with_context(|| format!("cannot read {}", log.display()))?;
     text.lines()
@@ -407,8 +428,17 @@ fn read_events(log: &Path) -> Result<Vec<serde_json::Value>> {
         .with_context(|| format!("{} is not JSON lines", log.display()))
 }
 
+/// The checksum of the final weights, from a run's log.
+pub(crate) fn final_checksum(ev: &[serde_json::Value]) -> Option<String> {
+    ev.iter()
+        .rev()
+        .find(|e| e["event"] == "final")
+        .and_then(|e| e["param_xxh3"].as_str())
+        .map(String::from)
+}
+
 /// The last logged loss of every step (a step redone is logged again).
-fn losses(ev: &[serde_json::Value]) -> Vec<(u64, f64)> {
+pub(crate) fn losses(ev: &[serde_json::Value]) -> Vec<(u64, f64)> {
     let m: std::collections::BTreeMap<u64, f64> = ev
         .iter()
         .filter(|e| e["event"] == "step")
