@@ -73,6 +73,9 @@ fn run(command: Command) -> Result<ExitCode> {
                 for lost in &report.lost_hosts {
                     say(format_args!("hatrain-agent: a host of the job was lost: {lost}"));
                 }
+                if let Some(why) = &report.stop_reason {
+                    say(format_args!("hatrain-agent: {why}"));
+                }
                 if let Some((rank, why)) = &report.root_cause {
                     say(format_args!(
                         "hatrain-agent: root cause (rank {rank}'s error file): {why}"

@@ -59,7 +59,7 @@ pub fn host_job(cmd: Command, job: &str, k: usize) -> Job {
 }
 
 /// Agent `k` of `nodes`, `per_node` ranks each, with worker reboot, and
-/// `extra` flags.
+/// `extra` flags, on 127.0.0.(k+1).
 #[allow(clippy::too_many_arguments)]
 pub fn reboot_node(
     k: usize,
@@ -72,14 +72,53 @@ pub fn reboot_node(
     train: &[String],
     extra: &[&str],
 ) -> Command {
-    let mut c = Command::new(agent());
+    let at = Place {
+        netns: None,
+        master: "127.0.0.1".into(),
+        local: format!("127.0.0.{}", k + 1),
+    };
+    reboot_node_at(
+        &at, k, nodes, per_node, shm, job, ports, secret, train, extra,
+    )
+}
+
+/// Where an agent runs: in a network namespace (or not), its master's
+/// address and its own.
+pub struct Place {
+    pub netns: Option<String>,
+    pub master: String,
+    pub local: String,
+}
+
+/// [`reboot_node`] at `at`.
+#[allow(clippy::too_many_arguments)]
+pub fn reboot_node_at(
+    at: &Place,
+    k: usize,
+    nodes: usize,
+    per_node: usize,
+    shm: &Path,
+    job: &str,
+    ports: (u16, u16),
+    secret: &Path,
+    train: &[String],
+    extra: &[&str],
+) -> Command {
+    let mut c = match &at.netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(agent());
+            c
+        }
+        None => Command::new(agent()),
+    };
     c.args(["launch", "--nnodes", &nodes.to_string()])
         .args(["--nproc-per-node", &per_node.to_string()])
         .args(["--node-rank", &k.to_string(), "--job-id", job])
-        .args(["--master-addr", "127.0.0.1"])
+        .args(["--master-addr", &at.master])
         .args(["--master-port", &ports.0.to_string()])
         .args(["--rdzv-port", &ports.1.to_string()])
-        .args(["--local-addr", &format!("127.0.0.{}", k + 1)])
+        .args(["--local-addr", &at.local])
         .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
         .arg("--enable-high-availability")
         .arg("--enable-worker-reboot")

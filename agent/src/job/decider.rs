@@ -188,6 +188,8 @@ pub(super) struct Controller {
     /// live host has reported (what replicas it holds) or this deadline
     /// passed; until then the losses wait here.
     pub settling: Option<Settling>,
+    /// Host losses held back while no majority follows this controller.
+    pub cut_off: Option<super::minority::CutOff>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -245,6 +247,7 @@ impl Controller {
             held: BTreeMap::new(),
             filling: BTreeSet::new(),
             settling: None,
+            cut_off: None,
         }
     }
 

@@ -26,6 +26,7 @@
 //! - [`standby`]: a standby taking a lost host's ranks.
 
 mod decider;
+mod minority;
 mod observe;
 mod orders;
 mod peers;
@@ -79,6 +80,8 @@ pub struct JobReport {
     pub root_cause: Option<(usize, String)>,
     /// Other hosts of the job that were lost, in words.
     pub lost_hosts: Vec<String>,
+    /// Why this host stopped, when no fault record says it.
+    pub stop_reason: Option<String>,
 }
 
 /// Tick period while the job runs, and while a recovery or dump is in
@@ -161,6 +164,8 @@ struct Driver<'a> {
     dump_waiters: Vec<oneshot::Sender<Response>>,
     collected: mpsc::UnboundedSender<Collected>,
     outcome: Option<Outcome>,
+    /// Why this host stopped, when no fault record says it.
+    stop_reason: Option<String>,
     /// The store this agent hosts (the job's, on node 0; with several
     /// hosts every agent hosts one, in use while it controls the job): it
     /// outlives every worker.
@@ -381,6 +386,7 @@ async fn run_with(
         dump_waiters: Vec::new(),
         collected: collected_tx,
         outcome: None,
+        stop_reason: None,
         store,
         oom: OomWatch::default(),
         group_restart: None,
@@ -503,6 +509,7 @@ async fn run_with(
         group_restarts: d.decider.group_restarts(),
         root_cause,
         lost_hosts,
+        stop_reason: d.stop_reason.take(),
     })
 }
 

@@ -337,7 +337,12 @@ impl Driver<'_> {
             dir: p.dir().to_path_buf(),
             iteration: hatrain_shared::checkpoint::read_tracker(p.dir()).ok(),
         });
+        let acting = self.acting();
         for loss in lost {
+            if !acting && matches!(&self.decider, Decider::Controller(c) if c.settling.is_none()) {
+                self.hold_back(loss);
+                continue;
+            }
             match &mut self.decider {
                 Decider::Controller(c) if c.settling.is_some() => {
                     if let Some(s) = &mut c.settling {

@@ -35,21 +35,43 @@ impl Driver<'_> {
             Decider::Controller(c) => {
                 let settled = c.settle(None);
                 self.on_hosts_lost(sup, settled);
+                self.mend_or_stop(sup);
             }
             Decider::Follower(f) => {
                 let Some(deadline) = f.orphaned else {
                     return;
                 };
                 match view.follows {
-                    Some(n) if n == me && view.acting => self.take_over(sup, view.term),
+                    Some(n) if n == me && view.acting => {
+                        self.take_over(sup, view.term);
+                        self.register_again(sup);
+                    }
                     Some(n) if n != me && n != f.leader && !self.lost.contains(&n) => {
                         tracing::info!(node = n, "reporting to the successor");
                         f.leader = n;
+                        self.register_again(sup);
                     }
                     _ if Instant::now() >= deadline => self.no_successor(),
                     _ => {}
                 }
             }
+        }
+    }
+
+    /// Registrations the lost controller never answered go to its
+    /// successor (this agent's own machine, when it took over), so that
+    /// their workers do not wait for an answer that cannot come.
+    fn register_again(&mut self, sup: &mut Supervisor) {
+        let ranks: Vec<usize> = self.unanswered.keys().copied().collect();
+        for rank in ranks {
+            let checkpoint = self.maps.get(&rank).is_some_and(|m| m.checkpoint.is_some());
+            tracing::info!(rank, "registration sent again, to the successor");
+            if matches!(self.decider, Decider::Controller(_)) {
+                if let Some((reply, answer)) = self.unanswered.remove(&rank) {
+                    let _ = reply.send(answer);
+                }
+            }
+            self.feed(sup, Event::Registered { rank, checkpoint });
         }
     }
 

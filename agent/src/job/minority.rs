@@ -1,0 +1,105 @@
+//! A controller cut off from the majority of the job's agents decides
+//! nothing. Hosts it stops hearing may be alive on the other side of a
+//! partition, where a successor that a majority follows takes over (and
+//! may declare this host lost, giving its ranks to a standby): deciding on
+//! them here would make two controllers. So their losses wait. When this
+//! agent acts again (the partition mended before anyone took over), it
+//! decides on them; when another agent acts under a newer term, or nobody
+//! does within [`SUCCESSOR_WAIT`], this host stops, saying why. Its ranks
+//! wait meanwhile, their collectives held up by the hosts they lost.
+
+use super::Driver;
+use super::decider::Decider;
+use super::takeover::SUCCESSOR_WAIT;
+use crate::recovery::{HostLoss, Outcome};
+use crate::supervisor::Supervisor;
+use std::time::Instant;
+
+/// Host losses a controller without a majority holds back.
+#[derive(Debug)]
+pub(super) struct CutOff {
+    pub since: Instant,
+    pub losses: Vec<HostLoss>,
+}
+
+impl Driver<'_> {
+    /// Whether this agent may decide: one host alone, or a strict majority
+    /// of the job's agents follows it.
+    pub(super) fn acting(&self) -> bool {
+        self.peers
+            .as_ref()
+            .is_none_or(|p| p.membership.seen().view.acting)
+    }
+
+    /// Holds back `loss`: this controller is cut off from the majority.
+    pub(super) fn hold_back(&mut self, loss: HostLoss) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        tracing::warn!(
+            node = loss.node,
+            ranks = ?loss.ranks,
+            "this host hears no majority of the job's agents: deciding nothing on the hosts it lost; its ranks wait"
+        );
+        c.cut_off
+            .get_or_insert_with(|| CutOff {
+                since: Instant::now(),
+                losses: Vec::new(),
+            })
+            .losses
+            .push(loss);
+    }
+
+    /// On a tick: a controller that was cut off decides once it acts
+    /// again, and stops when another acts or nobody does in time.
+    pub(super) fn mend_or_stop(&mut self, sup: &mut Supervisor) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        let Some(since) = c.cut_off.as_ref().map(|x| x.since) else {
+            return;
+        };
+        let me = c.node;
+        let Some(view) = self.peers.as_ref().map(|p| p.membership.seen().view) else {
+            return;
+        };
+        if view.acting {
+            let losses = c.cut_off.take().map(|x| x.losses).unwrap_or_default();
+            tracing::warn!("this host hears a majority of the job's agents again: deciding");
+            self.on_hosts_lost(sup, losses);
+            return;
+        }
+        let unheard: Vec<String> = c
+            .cut_off
+            .iter()
+            .flat_map(|x| &x.losses)
+            .map(|l| format!("host {} (ranks {:?})", l.node, l.ranks))
+            .collect();
+        let unheard = unheard.join(", ");
+        let newest = self
+            .persister
+            .as_ref()
+            .and_then(|p| {
+                let it = hatrain_shared::checkpoint::read_tracker(p.dir()).ok()?;
+                Some(format!(
+                    "; the newest complete checkpoint on disk is iteration {it} in {}",
+                    p.dir().display()
+                ))
+            })
+            .unwrap_or_default();
+        let reason = match view.follows {
+            Some(n) if n != me => format!(
+                "this host ran the job's controller and was cut off from the majority of the job's agents, which follow node {n} now (term {}): the job goes on without this host",
+                view.term
+            ),
+            _ if since.elapsed() >= SUCCESSOR_WAIT => format!(
+                "this host ran the job's controller and has heard no majority of the job's agents for {} s: a controller needs a strict majority, so it decided nothing on the hosts it does not hear ({unheard}){newest}",
+                SUCCESSOR_WAIT.as_secs()
+            ),
+            _ => return,
+        };
+        tracing::error!(reason, "stopping");
+        self.stop_reason = Some(reason);
+        self.outcome = Some(Outcome::RecoveryFailed);
+    }
+}
