@@ -66,10 +66,10 @@ impl Driver<'_> {
         for rank in ranks {
             let checkpoint = self.maps.get(&rank).is_some_and(|m| m.checkpoint.is_some());
             tracing::info!(rank, "registration sent again, to the successor");
-            if matches!(self.decider, Decider::Controller(_)) {
-                if let Some((reply, answer)) = self.unanswered.remove(&rank) {
-                    let _ = reply.send(answer);
-                }
+            if matches!(self.decider, Decider::Controller(_))
+                && let Some((reply, answer)) = self.unanswered.remove(&rank)
+            {
+                let _ = reply.send(answer);
             }
             self.feed(sup, Event::Registered { rank, checkpoint });
         }
