@@ -8,8 +8,9 @@
 //! which acts and recovers host 0's ranks on the standby from their
 //! replicas; host 0, cut off, never acts while it is (its agent says so in
 //! `agentctl status` while the successor acts), decides nothing on the
-//! hosts it lost, and once its link is back and it hears that the others
-//! follow another controller, stops saying why. The job ends as one host
+//! hosts it lost, and stops saying why: once its link is back and it hears
+//! that the others follow another controller, or when nobody acted for it
+//! within 10 s, whichever it sees first. The job ends as one host
 //! of six ranks does. Every namespace, process and shm file is gone after.
 
 mod common;

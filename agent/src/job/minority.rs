@@ -73,7 +73,10 @@ impl Driver<'_> {
             .cut_off
             .iter()
             .flat_map(|x| &x.losses)
-            .map(|l| format!("host {} (ranks {:?})", l.node, l.ranks))
+            .map(|l| match l.ranks.is_empty() {
+                true => format!("host {} (a standby)", l.node),
+                false => format!("host {} (ranks {:?})", l.node, l.ranks),
+            })
             .collect();
         let unheard = unheard.join(", ");
         let newest = self
@@ -93,7 +96,7 @@ impl Driver<'_> {
                 view.term
             ),
             _ if since.elapsed() >= SUCCESSOR_WAIT => format!(
-                "this host ran the job's controller and has heard no majority of the job's agents for {} s: a controller needs a strict majority, so it decided nothing on the hosts it does not hear ({unheard}){newest}",
+                "this host ran the job's controller and was cut off from the majority of the job's agents for {} s: a controller needs a strict majority, so it decided nothing on the hosts it does not hear ({unheard}){newest}",
                 SUCCESSOR_WAIT.as_secs()
             ),
             _ => return,
