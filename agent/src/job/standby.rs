@@ -91,6 +91,11 @@ impl Driver<'_> {
                     self.filled.insert(rank);
                     self.unanswered.insert(rank, (reply, answer));
                     self.feed(sup, Event::Registered { rank, checkpoint });
+                    if self.adopted.iter().all(|r| self.filled.contains(r))
+                        && let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref())
+                    {
+                        r.filled();
+                    }
                 }
                 Err(e) => tracing::debug!(rank, error = %e, "replica not ready to fill from"),
             }

@@ -20,6 +20,9 @@ pub(super) struct Ring {
     pub(super) role: Option<u64>,
     /// The hosts this agent streams to.
     pub(super) streaming: HashSet<u64>,
+    /// A standby filling the ranks it took holds nobody's replicas yet:
+    /// the fill is what the paused job waits for.
+    pub(super) filling: bool,
 }
 
 /// The host that plays node `node` now, following replacements.
@@ -64,10 +67,18 @@ impl Replicator {
             m.insert(lost, by);
         }
         if by == self.cfg.node {
+            self.ring.lock().expect("not poisoned").filling = true;
             self.play(lost);
         } else {
             self.arrange();
         }
+    }
+
+    /// The ranks this standby took are filled: it holds the replicas of
+    /// the node it plays from now on (their next snapshots come here).
+    pub fn filled(&self) {
+        self.ring.lock().expect("not poisoned").filling = false;
+        self.arrange();
     }
 
     /// Opens the streams and takes the sources the placement asks of the
@@ -84,7 +95,7 @@ impl Replicator {
             if n == 0 {
                 return;
             }
-            for j in (0..n).filter(|&j| j as u64 != role) {
+            for j in (0..n).filter(|&j| j as u64 != role && !ring.filling) {
                 if targets(j, &ring.domains, ring.replicas).contains(&(role as usize)) {
                     self.hold_for(j as u64);
                 }
