@@ -1,7 +1,9 @@
 //! The main job end to end, shortened: `hatrain-demo` on the tiny
 //! model runs three real agents (reference; faults and SIGTERM; resume
 //! from the last-words checkpoint), and must end bit-identical, with its
-//! loss curve drawn and nothing left running.
+//! loss curve drawn and nothing left running; then three hosts and a
+//! standby on loopback, one host lost and recovered on the standby,
+//! bit-identical to one host of six ranks.
 
 mod common;
 use common::*;
@@ -39,6 +41,13 @@ fn demo_repairs_every_fault_and_resumes_from_its_last_words() {
         "{stdout}"
     );
     assert!((55..=60).contains(&it), "last words at {it}");
+    assert!(
+        stdout.contains("restart ranks [2, 3] on standby host 3; recovered from step")
+            && stdout.contains(
+                "host loss: every step's loss and the final weights equal to one host of six ranks: yes"
+            ),
+        "the host lost is recovered on the standby, bit-identical:\n{stdout}"
+    );
     let png = std::fs::read(work.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     for name in ["reference", "faulty", "resumed"] {

@@ -249,8 +249,14 @@ async fn train_once(
         cmd.arg("--load")
             .arg(work.with_file_name(from).join("checkpoints"));
     }
-    if !kills.is_empty() {
-        let plan: Vec<String> = kills.iter().map(Kill::entry).collect();
+    let mut plan: Vec<String> = kills.iter().map(Kill::entry).collect();
+    if let Script::SigtermAt { stop_at, .. } = script {
+        // Rank 0 pauses 1 s (under the 2 s hang bound) in the step after
+        // `stop_at`: a fast model would otherwise finish before the demo
+        // sees `stop_at` and signals.
+        plan.push(format!("0:{}:forward:sleep1000:*", stop_at + 1));
+    }
+    if !plan.is_empty() {
         cmd.env(ENV_FAULT_PLAN, plan.join(";"));
     }
     let t = Instant::now();
@@ -346,7 +352,7 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<()> {
         "demo: training the {} model on {} local ranks for {} steps, with worker reboot, \
          step repair, the hang watchdog and the last-words dump on, checkpoints every {} steps \
          written by the agent:\n  1. without faults, for reference\n  2. with {} faults:\n     {}\n     \
-         and SIGTERM to the agent after step {stop_at}: a last-words checkpoint\n  3. resumed from that checkpoint to the end",
+         and SIGTERM to the agent after step {stop_at} (rank 0 pauses 1 s in step {} so that the job still runs when it lands): a last-words checkpoint\n  3. resumed from that checkpoint to the end",
         args.model_size,
         args.nproc,
         args.steps,
@@ -356,7 +362,8 @@ pub async fn run(args: &DemoArgs, shutdown: CancellationToken) -> Result<()> {
             .iter()
             .map(Kill::describe)
             .collect::<Vec<_>>()
-            .join("\n     ")
+            .join("\n     "),
+        stop_at + 1
     );
     println!("\n=== run 1: no faults ===");
     let reference = train_once(args, &bins, "reference", &[], Script::Plain, &shutdown).await?;
