@@ -1,6 +1,8 @@
 //! A network partition, for real: each host of the job (three of two ranks
 //! and a standby) runs in a network namespace of its own, the four joined
-//! by a bridge in a fifth (10.77.0.1–4, reachable only inside them). The
+//! by a bridge in a fifth (10.77.0.1–4, which exist only inside them:
+//! the agents and workers are the only ones to use them, from inside their
+//! namespaces; the test reaches the agents by their control sockets). The
 //! link of host 0, whose agent runs the job's controller, is taken down
 //! while the job stands still, then restored.
 //!
@@ -16,7 +18,6 @@
 mod common;
 use common::hosts::*;
 use common::*;
-use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -137,15 +138,14 @@ fn a_partition_never_makes_two_controllers_and_the_cut_off_side_decides_nothing(
     let (train, reference) = six_ranks_reference(tmp.path());
     let net = Net::new(4);
     let prefix = net.prefix.clone();
-    let secret = secret_file(tmp.path());
-    let shm: Vec<PathBuf> = (0..4)
-        .map(|k| tmp.path().join(format!("host{k}")))
-        .collect();
-    let job = job_id("partition");
-    let ports = (free_port(), free_port());
-    let log = tmp.path().join("run.jsonl");
-    let mut args = train.clone();
-    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    let JobParts {
+        secret,
+        shm,
+        job,
+        ports,
+        log,
+        args,
+    } = job_parts(tmp.path(), "partition", 4, &train);
     let mut agents: Vec<Job> = (0..4)
         .map(|k| {
             let at = Place {

@@ -324,15 +324,14 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
 fn workers_are_rebooted_in_place_on_any_host_by_one_controller() {
     let tmp = tempfile::tempdir().unwrap();
     let (train, reference) = six_ranks_reference(tmp.path());
-    let secret = secret_file(tmp.path());
-    let shm: Vec<PathBuf> = (0..3)
-        .map(|k| tmp.path().join(format!("host{k}")))
-        .collect();
-    let job = job_id("reboot");
-    let ports = (free_port(), free_port());
-    let log = tmp.path().join("run.jsonl");
-    let mut args = train.clone();
-    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    let JobParts {
+        secret,
+        shm,
+        job,
+        ports,
+        log,
+        args,
+    } = job_parts(tmp.path(), "reboot", 3, &train);
     let mut agents: Vec<Job> = (0..3)
         .map(|k| {
             let extra = ["--hang-timeout-secs", "3"];

@@ -134,3 +134,31 @@ pub fn reboot_node_at(
         .env("RUST_LOG", "info");
     c
 }
+
+/// What the hosts of one test job share: the secret, each host's shm
+/// root, the job id, the ports, the log, and the trainer's arguments
+/// writing that log.
+pub struct JobParts {
+    pub secret: PathBuf,
+    pub shm: Vec<PathBuf>,
+    pub job: String,
+    pub ports: (u16, u16),
+    pub log: PathBuf,
+    pub args: Vec<String>,
+}
+
+/// [`JobParts`] of job `name` of `hosts` agents in `dir`, training with
+/// `train`.
+pub fn job_parts(dir: &Path, name: &str, hosts: usize, train: &[String]) -> JobParts {
+    let log = dir.join("run.jsonl");
+    let mut args = train.to_vec();
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    JobParts {
+        secret: secret_file(dir),
+        shm: (0..hosts).map(|k| dir.join(format!("host{k}"))).collect(),
+        job: job_id(name),
+        ports: (free_port(), free_port()),
+        log,
+        args,
+    }
+}
