@@ -95,7 +95,7 @@ impl Pair {
             )
             .unwrap(),
         );
-        sender.add_rank(0, Arc::clone(&store));
+        sender.add_rank(0, Arc::clone(&store), None);
         sender.stream_to(1, holder.endpoint().to_string());
         Self {
             _dirs: dirs,

@@ -10,6 +10,9 @@
 //! - Two hosts lost at once with `--replicas 2`: recovered on two standbys.
 //! - Two hosts lost one after the other, the controller's second: the
 //!   replicas follow the first standby, and the second recovers from them.
+//! - A host lost with no standby left (dump on): the last-words checkpoint
+//!   takes its ranks from their replicas, each host writing its share;
+//!   resuming from it on one host of six ranks ends bit-identically.
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
 //!   checkpoint on disk; nothing claims a later step.
@@ -360,5 +363,63 @@ fn a_host_lost_with_the_only_holder_of_its_replicas_stops_naming_the_lost_ranks(
     assert!(!outs[1].1.status.success(), "the standby ends with the job");
     for k in [0, 3, 4] {
         assert_nothing_left(&c.shm[k]);
+    }
+}
+
+/// No standby: host 1 vanishes while the job stands still in step 30.
+/// The job stops with its last words: host 2 writes ranks 2 and 3 from
+/// their replicas beside its own, host 0 its own, and the controller
+/// commits. Resumed with `--load` on one host of six ranks, the run ends
+/// with the losses and the checksum of the run without faults.
+#[test]
+fn with_no_standby_the_last_words_take_a_lost_hosts_ranks_from_their_replicas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let save = tmp.path().join("ckpt");
+    let resumed = tmp.path().join("resumed.jsonl");
+    let mut saving = train.clone();
+    // The trainer saves nothing itself before the end: only the last
+    // words can be on disk.
+    saving.extend(s(&["--save", save.to_str().unwrap()]));
+    let mut c = Cluster::start(tmp, "lastwords", 0, &[], &saving);
+    c.wait_held(2, &[2, 3]);
+    c.vanish(&[1]);
+    let outs = c.ends(&[0, 2]);
+    let controller = stderr(&outs, 0);
+    assert_eq!(
+        code(&outs[0].1.status),
+        Some(3),
+        "the job stops: no standby takes host 1's ranks\n{controller}"
+    );
+    let it = hatrain_shared::checkpoint::read_tracker(&save)
+        .unwrap_or_else(|e| panic!("no checkpoint on disk ({e}):\n{}", logs(&outs)));
+    assert!(
+        (29..=30).contains(&it),
+        "the last words are of the step the job stood still at, not {it}"
+    );
+    assert!(
+        controller.contains(&format!("last-words checkpoint of iteration {it} written")),
+        "the controller says where the last words are:\n{controller}"
+    );
+    let holder = stderr(&outs, 2);
+    assert!(
+        holder.contains("writing this host's share of the checkpoint")
+            && holder.contains("ranks=[2, 3, 4, 5]"),
+        "host 2 writes the lost ranks from their replicas beside its own:\n{holder}"
+    );
+    for k in [0, 2] {
+        assert_nothing_left(&c.shm[k]);
+    }
+
+    let mut args = train;
+    args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
+    args.push(resumed.display().to_string());
+    assert_success(&run_launch(6, "lastwords-resume", &args), "the resumed run");
+    let run = read_log(&resumed);
+    assert_eq!(run[0]["resumed_from"], it);
+    assert_eq!(final_checksum(&run), final_checksum(&reference));
+    let want = final_losses(&reference);
+    for (step, loss) in final_losses(&run) {
+        assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
     }
 }

@@ -61,6 +61,17 @@ pub(super) enum Up {
     Collected {
         epoch: u64,
         steps: Vec<(usize, Vec<u64>)>,
+        /// The verified steps of the peer replicas it holds of lost hosts'
+        /// ranks (with their state maps): what a checkpoint takes those
+        /// ranks from.
+        #[serde(default)]
+        replicas: Vec<(usize, Vec<u64>)>,
+    },
+    /// Its share of the checkpoint of `epoch` is written (in seconds), or
+    /// why not.
+    Wrote {
+        epoch: u64,
+        result: Result<f64, String>,
     },
     /// The end of the job arrived: the follower stops its workers and
     /// leaves.
@@ -85,6 +96,23 @@ pub(super) struct Down {
     /// the standby that takes them.
     #[serde(default)]
     pub give: Option<Give>,
+    /// Write these ranks of a checkpoint several hosts write.
+    #[serde(default)]
+    pub write: Option<WritePart>,
+    /// Ranks no live host holds (a lost host's, with no standby to take
+    /// them): a collection verifies the replicas held of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub orphans: Vec<usize>,
+}
+
+/// A host's share of a checkpoint: the directories of `ranks` (its own,
+/// or replicas it holds of a lost host's) of iteration `step`, into the
+/// `_tmp` directory the controller made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct WritePart {
+    pub epoch: u64,
+    pub step: u64,
+    pub ranks: Vec<usize>,
 }
 
 /// A standby takes the ranks of a lost host.
@@ -156,6 +184,8 @@ pub(super) enum Routed {
 struct Gather {
     epoch: u64,
     got: BTreeMap<u64, Vec<(usize, Vec<u64>)>>,
+    /// Per rank, the replica holders that verified theirs, and the steps.
+    replicas: BTreeMap<usize, Vec<(u64, Vec<u64>)>>,
 }
 
 /// The job's recovery machine, and what it needs to reach every host.
@@ -190,6 +220,12 @@ pub(super) struct Controller {
     pub settling: Option<Settling>,
     /// Host losses held back while no majority follows this controller.
     pub cut_off: Option<super::minority::CutOff>,
+    /// The replicas of ranks no live host holds (a lost host's, with no
+    /// standby to take them), as the last collection found them: per rank,
+    /// the holders and their verified steps.
+    replica_steps: BTreeMap<usize, Vec<(u64, Vec<u64>)>>,
+    /// A checkpoint the hosts are writing, each its share.
+    pub writing: Option<super::lastwords::SharedWrite>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -248,6 +284,8 @@ impl Controller {
             filling: BTreeSet::new(),
             settling: None,
             cut_off: None,
+            replica_steps: BTreeMap::new(),
+            writing: None,
         }
     }
 
@@ -406,6 +444,7 @@ impl Controller {
                 self.gather = Some(Gather {
                     epoch,
                     got: BTreeMap::new(),
+                    replicas: BTreeMap::new(),
                 });
                 let mut out: Vec<Routed> =
                     self.others().map(|n| Routed::There(n, c.clone())).collect();
@@ -427,24 +466,80 @@ impl Controller {
         }
     }
 
-    /// Node `node`'s verified steps for the collection of `epoch`; the
-    /// whole collection once every host's are in.
+    /// Node `node`'s verified steps for the collection of `epoch` (its
+    /// ranks', and the replicas' it holds of lost hosts' ranks); the whole
+    /// collection once every host's are in. A rank no live host holds
+    /// counts with the steps any holder of its replica verified.
     pub fn gathered(
         &mut self,
         node: u64,
         epoch: u64,
         steps: Vec<(usize, Vec<u64>)>,
+        replicas: Vec<(usize, Vec<u64>)>,
     ) -> Option<Event> {
         let g = self.gather.as_mut().filter(|g| g.epoch == epoch)?;
         g.got.insert(node, steps);
+        for (rank, s) in replicas {
+            g.replicas.entry(rank).or_default().push((node, s));
+        }
         if self.members.iter().any(|n| !g.got.contains_key(n)) {
             return None;
         }
         let g = self.gather.take()?;
-        Some(Event::Collected {
-            epoch,
-            steps: g.got.into_values().flatten().collect(),
-        })
+        let orphans: BTreeMap<usize, Vec<(u64, Vec<u64>)>> = g
+            .replicas
+            .into_iter()
+            .filter(|(r, _)| {
+                *r < self.nodes as usize * self.per_node
+                    && !self.members.contains(&self.node_of(*r))
+            })
+            .collect();
+        let mut steps: Vec<(usize, Vec<u64>)> = g.got.into_values().flatten().collect();
+        for (rank, held) in &orphans {
+            let mut any: Vec<u64> = held.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+            any.sort_unstable_by(|a, b| b.cmp(a));
+            any.dedup();
+            steps.push((*rank, any));
+        }
+        self.replica_steps = orphans;
+        Some(Event::Collected { epoch, steps })
+    }
+
+    /// Ranks no live host holds: a lost host's, with no standby to take
+    /// them.
+    pub fn orphans(&self) -> Vec<usize> {
+        (0..self.nodes as usize * self.per_node)
+            .filter(|&r| !self.members.contains(&self.node_of(r)))
+            .collect()
+    }
+
+    /// Who writes each rank of a checkpoint of `step`: the host holding
+    /// it, or for a rank no live host holds, a holder of its replica that
+    /// verified that step. `Err` names the ranks nobody can write.
+    pub fn shares(&self, step: u64) -> Result<BTreeMap<u64, Vec<usize>>, Vec<usize>> {
+        let mut shares: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        let mut missing = Vec::new();
+        for rank in 0..self.nodes as usize * self.per_node {
+            let home = self.node_of(rank);
+            let by = if self.members.contains(&home) {
+                Some(home)
+            } else {
+                self.replica_steps.get(&rank).and_then(|held| {
+                    held.iter()
+                        .find(|(n, s)| self.members.contains(n) && s.contains(&step))
+                        .map(|(n, _)| *n)
+                })
+            };
+            match by {
+                Some(n) => shares.entry(n).or_default().push(rank),
+                None => missing.push(rank),
+            }
+        }
+        if missing.is_empty() {
+            Ok(shares)
+        } else {
+            Err(missing)
+        }
     }
 
     /// Whether every follower took the end of the job, or is lost.
@@ -499,6 +594,8 @@ pub(super) struct Follower {
     /// Every host loss it heard of: a successor taking over decides on
     /// those its predecessor had not.
     pub losses: Vec<HostLoss>,
+    /// Ranks no live host holds, as the controller last said.
+    pub orphans: Vec<usize>,
 }
 
 impl Follower {
@@ -512,6 +609,7 @@ impl Follower {
             shutdown_by: None,
             ended: false,
             losses: Vec::new(),
+            orphans: Vec::new(),
         }
     }
 }

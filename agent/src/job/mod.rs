@@ -26,6 +26,7 @@
 //! - [`standby`]: a standby taking a lost host's ranks.
 
 mod decider;
+mod lastwords;
 mod minority;
 mod observe;
 mod orders;
@@ -147,6 +148,8 @@ pub fn root_cause(path: &std::path::Path) -> Option<String> {
 struct Collected {
     epoch: u64,
     steps: Vec<(usize, Vec<u64>)>,
+    /// The replicas held of lost hosts' ranks, verified.
+    replicas: Vec<(usize, Vec<u64>)>,
     rejected: Vec<(usize, String)>,
 }
 
@@ -572,12 +575,15 @@ impl Driver<'_> {
                 self.collect(epoch);
                 None
             }
+            Command::Write { epoch, step } if self.controls_hosts() => {
+                self.write_shared(epoch, step)
+            }
             Command::Write { epoch, step } => {
                 let sources: Vec<persister::OwnedSource> =
                     sup.ranks().iter().filter_map(|&r| self.source(r)).collect();
                 match self.persister.as_mut() {
                     Some(p) => {
-                        p.dump(epoch, step, sources);
+                        p.dump(epoch, step, sources, persister::Share::Whole);
                         // Started at once when the writer is idle.
                         self.poll_persister(sup)
                     }
@@ -666,18 +672,41 @@ impl Driver<'_> {
             .iter()
             .map(|(r, s)| (*r, Arc::clone(s)))
             .collect();
+        // The replicas held of ranks no live host holds (with their maps):
+        // what a checkpoint takes those ranks from.
+        let orphans = match &self.decider {
+            Decider::Controller(c) => c.orphans(),
+            Decider::Follower(f) => f.orphans.clone(),
+        };
+        let replicas: Vec<(usize, Arc<Store>)> = self
+            .peers
+            .as_ref()
+            .and_then(|p| p.replicator.as_ref())
+            .map(|r| {
+                orphans
+                    .iter()
+                    .filter_map(|&rank| Some((rank, r.replica(rank)?.0)))
+                    .collect()
+            })
+            .unwrap_or_default();
         let tx = self.collected.clone();
         tokio::task::spawn_blocking(move || {
-            let mut steps = Vec::new();
             let mut rejected = Vec::new();
-            for (rank, store) in stores {
-                let (ok, bad) = store.verified_steps();
-                steps.push((rank, ok));
-                rejected.extend(bad.into_iter().map(|e| (rank, e.to_string())));
-            }
+            let mut verify = |stores: Vec<(usize, Arc<Store>)>| {
+                let mut steps = Vec::new();
+                for (rank, store) in stores {
+                    let (ok, bad) = store.verified_steps();
+                    steps.push((rank, ok));
+                    rejected.extend(bad.into_iter().map(|e| (rank, e.to_string())));
+                }
+                steps
+            };
+            let steps = verify(stores);
+            let replicas = verify(replicas);
             let _ = tx.send(Collected {
                 epoch,
                 steps,
+                replicas,
                 rejected,
             });
         });
@@ -693,7 +722,11 @@ impl Driver<'_> {
         let p = self.persister.as_mut()?;
         let done = p.poll(sup.ranks(), |r| sources.get(&r).cloned());
         // One dump runs at a time, so at most one finishes per poll.
-        done.into_iter().next().map(|d| Event::Written {
+        let d = done.into_iter().next()?;
+        if d.part {
+            return self.share_done(d.epoch, d.result.map(|w| w.seconds));
+        }
+        Some(Event::Written {
             epoch: d.epoch,
             result: d.result,
         })

@@ -79,6 +79,7 @@ impl Driver<'_> {
             c.sent = Some(mirror.clone());
         }
         let everyone: Vec<u64> = c.everyone().collect();
+        let orphans = c.orphans();
         for n in everyone {
             let commands = orders.remove(&n).unwrap_or_default();
             if commands.is_empty() && !changed {
@@ -90,6 +91,7 @@ impl Driver<'_> {
                 Down {
                     mirror,
                     commands,
+                    orphans: orphans.clone(),
                     ..Down::default()
                 },
             );
@@ -97,7 +99,7 @@ impl Driver<'_> {
     }
 
     /// Sends `node` the controller's orders, under its term now.
-    fn send_down(&self, node: u64, down: Down) {
+    pub(super) fn send_down(&self, node: u64, down: Down) {
         let Some(peers) = &self.peers else {
             return;
         };
@@ -133,7 +135,7 @@ impl Driver<'_> {
         });
     }
 
-    fn send_up(&self, up: &Up) {
+    pub(super) fn send_up(&self, up: &Up) {
         let (Some(peers), Decider::Follower(f)) = (&self.peers, &self.decider) else {
             return;
         };
@@ -160,13 +162,14 @@ impl Driver<'_> {
         match &mut self.decider {
             Decider::Controller(ctl) => {
                 let node = ctl.node;
-                if let Some(e) = ctl.gathered(node, c.epoch, c.steps) {
+                if let Some(e) = ctl.gathered(node, c.epoch, c.steps, c.replicas) {
                     self.decide(sup, e);
                 }
             }
             Decider::Follower(_) => self.send_up(&Up::Collected {
                 epoch: c.epoch,
                 steps: c.steps,
+                replicas: c.replicas,
             }),
         }
     }
@@ -255,12 +258,21 @@ impl Driver<'_> {
                 }
                 self.on_hosts_lost(sup, settled);
             }
-            Up::Collected { epoch, steps } => {
+            Up::Collected {
+                epoch,
+                steps,
+                replicas,
+            } => {
                 let steps = steps
                     .into_iter()
                     .filter(|(r, _)| c.holds(from, *r))
                     .collect();
-                if let Some(e) = c.gathered(from, epoch, steps) {
+                if let Some(e) = c.gathered(from, epoch, steps, replicas) {
+                    self.decide(sup, e);
+                }
+            }
+            Up::Wrote { epoch, result } => {
+                if let Some(e) = self.share_written(from, epoch, result) {
                     self.decide(sup, e);
                 }
             }
@@ -283,6 +295,9 @@ impl Driver<'_> {
             return;
         }
         f.term = down.term;
+        if !down.orphans.is_empty() {
+            f.orphans = down.orphans;
+        }
         if let Some(m) = down.mirror {
             f.mirror = m;
         }
@@ -291,6 +306,16 @@ impl Driver<'_> {
         }
         if let Some(g) = &down.give {
             self.give(g);
+        }
+        if let Some(w) = down.write {
+            let epoch = w.epoch;
+            if let Err(m) = self.write_part(w) {
+                tracing::error!(reason = %m, "this host's share of the checkpoint cannot be written");
+                self.send_up(&Up::Wrote {
+                    epoch,
+                    result: Err(m),
+                });
+            }
         }
         for (rank, start) in down.registered {
             if let Some((reply, mut answer)) = self.unanswered.remove(&rank) {
@@ -332,6 +357,9 @@ impl Driver<'_> {
             return;
         }
         let gone: Vec<u64> = self.lost.clone();
+        if let Some(e) = self.shares_lost(&gone) {
+            self.feed(sup, e);
+        }
         let own = held_replicas(self.peers.as_ref());
         let on_disk = self.persister.as_ref().map(|p| OnDisk {
             dir: p.dir().to_path_buf(),

@@ -288,11 +288,7 @@ impl Driver<'_> {
             match created {
                 Ok(s) => {
                     tracing::info!(rank, pid, bytes = total, sliced, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
-                    let s = Arc::new(s);
-                    if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
-                        r.add_rank(rank, Arc::clone(&s));
-                    }
-                    self.stores.insert(rank, s);
+                    self.stores.insert(rank, Arc::new(s));
                 }
                 Err(e) => {
                     // Whatever the creation made is gone already.
@@ -303,6 +299,17 @@ impl Driver<'_> {
         }
         let start = self.decider.start_mode();
         tracing::info!(rank, pid, ?start, "worker registered");
+        if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
+            // The replicas go with the map that says what their bytes are
+            // (sent again when a replacement registers).
+            match serde_json::to_vec(&map) {
+                Ok(json) => r.add_rank(rank, Arc::clone(&self.stores[&rank]), Some(json.into())),
+                Err(e) => {
+                    tracing::error!(rank, error = %e, "state map not encoded for the replicas");
+                    r.add_rank(rank, Arc::clone(&self.stores[&rank]), None);
+                }
+            }
+        }
         self.maps.insert(rank, Arc::new(map));
         Ok(Response::Registered {
             store: self.stores[&rank].path().to_path_buf(),

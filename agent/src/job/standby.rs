@@ -36,10 +36,11 @@ impl Driver<'_> {
             return;
         };
         let mut stores = Vec::new();
+        let maps = r.replica_maps();
         for rank in held {
             let path = crate::replicator::inbox::replica_path(self.dir.path(), rank);
             match hatrain_shared::shm::Store::open(&path) {
-                Ok(s) => stores.push((rank, std::sync::Arc::new(s))),
+                Ok(s) => stores.push((rank, std::sync::Arc::new(s), maps.get(&rank).cloned())),
                 Err(e) => {
                     tracing::error!(rank, error = %e, "a replica to hand over cannot be opened")
                 }

@@ -12,7 +12,9 @@
 
 mod write;
 
-pub use write::{OwnedSource, PersistError, RankSource, checkpoint_bytes, write_checkpoint};
+pub use write::{
+    OwnedSource, PersistError, RankSource, checkpoint_bytes, write_checkpoint, write_ranks,
+};
 
 use hatrain_shared::checkpoint;
 use hatrain_shared::control::PersistReport;
@@ -42,8 +44,9 @@ pub struct Persister {
     /// Writes the periodic saves (else only dumps and nothing at the end).
     periodic: bool,
     writing: Option<Writing>,
-    /// A dump waiting for the write in progress: its epoch, step, sources.
-    pending_dump: Option<(u64, u64, Vec<OwnedSource>)>,
+    /// A dump waiting for the write in progress: its epoch, step, sources
+    /// and share.
+    pending_dump: Option<(u64, u64, Vec<OwnedSource>, Share)>,
     last_saved: Option<(u64, f64)>,
     last_started: Option<u64>,
     saves: u64,
@@ -70,7 +73,20 @@ struct Writing {
     started: Instant,
     /// `Some(epoch)` for a dump the recovery machine waits for.
     dump: Option<u64>,
+    /// This host's share of a checkpoint several hosts write.
+    part: bool,
     thread: JoinHandle<Result<PathBuf, PersistError>>,
+}
+
+/// What a dump writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Share {
+    /// The whole checkpoint: every rank's snapshot is on this host.
+    Whole,
+    /// These ranks' directories, into the `_tmp` directory of the
+    /// iteration that the job's controller made; the controller commits
+    /// the checkpoint once every host wrote its share.
+    Part(Vec<usize>),
 }
 
 /// A dump's write that finished: the epoch it was asked for under, and the
@@ -79,6 +95,8 @@ struct Writing {
 pub struct DumpDone {
     pub epoch: u64,
     pub result: Result<Written, String>,
+    /// It wrote this host's share only ([`Share::Part`]).
+    pub part: bool,
 }
 
 /// Save steps listed in a report at most (the newest).
@@ -109,6 +127,11 @@ impl Persister {
         &self.dir
     }
 
+    /// The ranks of the checkpoints it writes.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
     /// The newest iteration written.
     pub fn last_saved(&self) -> Option<u64> {
         self.last_saved.map(|(s, _)| s)
@@ -135,8 +158,8 @@ impl Persister {
     /// Queues a dump of iteration `step` from `sources` (asked for under
     /// `epoch`); it starts once no other write runs, so there is one writer
     /// per directory. Its result comes from [`Persister::poll`].
-    pub fn dump(&mut self, epoch: u64, step: u64, sources: Vec<OwnedSource>) {
-        self.pending_dump = Some((epoch, step, sources));
+    pub fn dump(&mut self, epoch: u64, step: u64, sources: Vec<OwnedSource>, share: Share) {
+        self.pending_dump = Some((epoch, step, sources, share));
     }
 
     /// Collects a finished write, then starts a queued dump, or the next
@@ -161,8 +184,9 @@ impl Persister {
     /// Starts the queued dump, or finishes it at once when the step (or a
     /// newer one) is already on disk.
     fn start_dump(&mut self) -> Option<DumpDone> {
-        let (epoch, step, sources) = self.pending_dump.take()?;
-        if let Some(on_disk) = self.last_saved().filter(|d| *d >= step) {
+        let (epoch, step, sources, share) = self.pending_dump.take()?;
+        let part = share != Share::Whole;
+        if let Some(on_disk) = self.last_saved().filter(|d| *d >= step && !part) {
             return Some(DumpDone {
                 epoch,
                 result: Ok(Written {
@@ -171,6 +195,7 @@ impl Persister {
                     written: false,
                     seconds: 0.0,
                 }),
+                part,
             });
         }
         let bytes = checkpoint_bytes(&sources.iter().map(|s| s.borrow()).collect::<Vec<_>>());
@@ -179,7 +204,13 @@ impl Persister {
             .name("hatrain-dump".into())
             .spawn(move || {
                 let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
-                write(&borrowed, step, &dir)
+                match share {
+                    Share::Whole => write(&borrowed, step, &dir),
+                    Share::Part(ranks) => {
+                        let tmp = checkpoint::tmp_iter_dir(&dir, step);
+                        write_ranks(&borrowed, &ranks, step, &tmp).map(|()| tmp)
+                    }
+                }
             });
         match spawned {
             Ok(thread) => {
@@ -188,6 +219,7 @@ impl Persister {
                     bytes,
                     started: Instant::now(),
                     dump: Some(epoch),
+                    part,
                     thread,
                 });
                 None
@@ -195,6 +227,7 @@ impl Persister {
             Err(e) => Some(DumpDone {
                 epoch,
                 result: Err(format!("cannot start the writer thread: {e}")),
+                part,
             }),
         }
     }
@@ -256,6 +289,7 @@ impl Persister {
                     bytes,
                     started: Instant::now(),
                     dump: None,
+                    part: false,
                     thread,
                 });
             }
@@ -392,6 +426,11 @@ impl Persister {
         }
         let w = self.writing.take()?;
         let result = match w.thread.join() {
+            Ok(Ok(path)) if w.part => {
+                let secs = w.started.elapsed().as_secs_f64();
+                tracing::info!(step = w.step, path = %path.display(), seconds = secs, "this host's share of the checkpoint written from the snapshots");
+                Ok(secs)
+            }
             Ok(Ok(path)) => Ok(self.saved(w.step, &path, w.bytes, w.started, w.dump.is_none())),
             Ok(Err(e)) => Err(self.fail(w.step, e.to_string())),
             Err(_) => Err(self.fail(w.step, "the writer thread panicked".into())),
@@ -405,6 +444,7 @@ impl Persister {
                 written: true,
                 seconds,
             }),
+            part: w.part,
         })
     }
 

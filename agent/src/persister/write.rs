@@ -214,79 +214,98 @@ pub fn write_checkpoint(
         return Err(PersistError::MissingRanks { world, have });
     }
     let tmp = checkpoint::begin_save(dir, step)?;
-    let written = (|| -> Result<PathBuf, PersistError> {
-        for src in sources {
-            let slot = src
-                .store
-                .find_step(step)
-                .ok_or(PersistError::NoSnapshot {
-                    rank: src.rank,
-                    step,
-                })?
-                .slot;
-            let offsets = src.map.slot_offsets(src.sliced);
-            let total = offsets.last().map_or(0, |r| r.end);
-            // A tensor that reaches beyond this rank's slice of a
-            // replicated part is assembled from the other ranks' slices.
-            let mut borrowed: Vec<Option<(u64, Vec<u8>)>> = vec![None; offsets.len()];
-            for (part, need) in needed(src).into_iter().enumerate() {
-                let held = src.map.held(part, src.sliced);
-                if let Some(need) = need
-                    && (need.start < held.start || need.end > held.end)
-                {
-                    borrowed[part] = Some((need.start, assemble(sources, part, need, step)?));
-                }
-            }
-            // The slot is verified before and after it is written out, so a
-            // slot rewritten meanwhile is caught rather than saved torn.
-            src.store
-                .with_slot(slot, |info, bytes| {
-                    if info.step != step {
-                        return Err(PersistError::Changed {
-                            rank: src.rank,
-                            step,
-                        });
-                    }
-                    if bytes.len() != total {
-                        return Err(PersistError::Disagree {
-                            rank: src.rank,
-                            detail: format!(
-                                "holds a snapshot of {} bytes, its state map {total}",
-                                bytes.len()
-                            ),
-                        });
-                    }
-                    let views: Vec<PartView<'_>> = offsets
-                        .iter()
-                        .enumerate()
-                        .map(|(i, r)| match &borrowed[i] {
-                            Some((first, b)) => PartView {
-                                first: *first,
-                                bytes: b,
-                            },
-                            None => PartView {
-                                first: src.map.held(i, src.sliced).start,
-                                bytes: &bytes[r.clone()],
-                            },
-                        })
-                        .collect();
-                    Ok(checkpoint::write_rank(
-                        &tmp, src.map, src.rank, step, &views,
-                    )?)
-                })
-                .map_err(|_| PersistError::Changed {
-                    rank: src.rank,
-                    step,
-                })??;
-        }
-        Ok(checkpoint::commit_save(dir, step, world)?)
-    })();
+    let written = write_ranks(sources, &have, step, &tmp)
+        .and_then(|()| Ok(checkpoint::commit_save(dir, step, world)?));
     if written.is_err() {
         // A partial checkpoint is not left to fill the disk; the previous
         // one and the tracker were never touched.
         let _ = std::fs::remove_dir_all(&tmp);
     }
     written
+}
+
+/// Writes the directories of `ranks` of iteration `step` into `tmp` (made
+/// by [`checkpoint::begin_save`]) from their snapshots: every rank of a
+/// checkpoint on one host, or the ranks this host holds of one that
+/// several hosts write (whose commit is the controller's). A replicated
+/// part a rank's files need beyond its slice is assembled from the slices
+/// of `sources`.
+pub fn write_ranks(
+    sources: &[RankSource<'_>],
+    ranks: &[usize],
+    step: u64,
+    tmp: &Path,
+) -> Result<(), PersistError> {
+    common_layout(sources)?;
+    for &rank in ranks {
+        let src = sources
+            .iter()
+            .find(|s| s.rank == rank)
+            .ok_or(PersistError::NoSnapshot { rank, step })?;
+        let slot = src
+            .store
+            .find_step(step)
+            .ok_or(PersistError::NoSnapshot {
+                rank: src.rank,
+                step,
+            })?
+            .slot;
+        let offsets = src.map.slot_offsets(src.sliced);
+        let total = offsets.last().map_or(0, |r| r.end);
+        // A tensor that reaches beyond this rank's slice of a
+        // replicated part is assembled from the other ranks' slices.
+        let mut borrowed: Vec<Option<(u64, Vec<u8>)>> = vec![None; offsets.len()];
+        for (part, need) in needed(src).into_iter().enumerate() {
+            let held = src.map.held(part, src.sliced);
+            if let Some(need) = need
+                && (need.start < held.start || need.end > held.end)
+            {
+                borrowed[part] = Some((need.start, assemble(sources, part, need, step)?));
+            }
+        }
+        // The slot is verified before and after it is written out, so a
+        // slot rewritten meanwhile is caught rather than saved torn.
+        src.store
+            .with_slot(slot, |info, bytes| {
+                if info.step != step {
+                    return Err(PersistError::Changed {
+                        rank: src.rank,
+                        step,
+                    });
+                }
+                if bytes.len() != total {
+                    return Err(PersistError::Disagree {
+                        rank: src.rank,
+                        detail: format!(
+                            "holds a snapshot of {} bytes, its state map {total}",
+                            bytes.len()
+                        ),
+                    });
+                }
+                let views: Vec<PartView<'_>> = offsets
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| match &borrowed[i] {
+                        Some((first, b)) => PartView {
+                            first: *first,
+                            bytes: b,
+                        },
+                        None => PartView {
+                            first: src.map.held(i, src.sliced).start,
+                            bytes: &bytes[r.clone()],
+                        },
+                    })
+                    .collect();
+                Ok(checkpoint::write_rank(
+                    tmp, src.map, src.rank, step, &views,
+                )?)
+            })
+            .map_err(|_| PersistError::Changed {
+                rank: src.rank,
+                step,
+            })??;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

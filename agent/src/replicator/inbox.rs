@@ -18,12 +18,17 @@
 //!   (its slot stays torn); a chunk that continues nothing is ignored.
 //! - Every chunk taken, whatever became of it, returns one credit.
 //! - A peer may send only the ranks this agent holds replicas of.
+//! - With each rank's snapshots comes the state map it registered
+//!   ([`Kind::Map`]), kept beside the replica: what the bytes mean, for a
+//!   checkpoint written from the replica once the rank's host is gone.
 
 use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::peer::{self, ChunkHeader, Kind, PeerError, Rejection, Session};
 use hatrain_shared::shm::{Geometry, Receiving, Store};
+use hatrain_shared::statemap::StateMap;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Sessions kept at most; the oldest goes when one more opens.
 pub const MAX_SESSIONS: usize = 64;
@@ -57,7 +62,7 @@ struct Holding {
 }
 
 /// What this agent holds of one remote rank.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Held {
     pub rank: u64,
     /// The node that sent it.
@@ -67,6 +72,8 @@ pub struct Held {
     pub stored: u64,
     pub dropped: u64,
     pub path: PathBuf,
+    /// The state map the rank registered, once its sender sent it.
+    pub map: Option<Arc<StateMap>>,
 }
 
 /// The receiving side.
@@ -80,6 +87,8 @@ pub struct Inbox {
     sessions: HashMap<Vec<u8>, Session>,
     order: VecDeque<Vec<u8>>,
     stores: BTreeMap<u64, Holding>,
+    /// The state map of each remote rank, as its sender last sent it.
+    maps: BTreeMap<u64, Arc<StateMap>>,
     pub rejected: Rejected,
 }
 
@@ -122,6 +131,7 @@ impl Inbox {
             sessions: HashMap::new(),
             order: VecDeque::new(),
             stores: BTreeMap::new(),
+            maps: BTreeMap::new(),
             rejected: Rejected::default(),
         }
     }
@@ -162,6 +172,13 @@ impl Inbox {
                     out.push(session.seal(kind, &[&peer::receipt(rank, step), reason.as_bytes()]));
                 }
                 out
+            }
+            Kind::Map => {
+                if let Err(e) = self.map(from, f.payload) {
+                    tracing::warn!(node = from, error = %e, "a state map refused");
+                    self.rejected.count(&e);
+                }
+                Vec::new()
             }
             other => {
                 self.rejected.count(&PeerError::Payload {
@@ -212,6 +229,28 @@ impl Inbox {
         self.order.push_back(peer.to_vec());
         self.sessions.insert(peer.to_vec(), session);
         Ok(vec![welcome])
+    }
+
+    /// Takes a rank's state map from node `from`: checked like the map of a
+    /// local registration, and only for a rank it sends.
+    fn map(&mut self, from: u64, payload: &[u8]) -> Result<(), PeerError> {
+        let bad = |detail: String| PeerError::Payload {
+            kind: Kind::Map,
+            detail,
+        };
+        let (rank, json) = peer::parse_map(payload)?;
+        if !(self.allowed)(from, rank) {
+            return Err(bad(format!(
+                "node {} holds no replica of rank {rank} from node {from}",
+                self.host
+            )));
+        }
+        let map: StateMap = serde_json::from_slice(json)
+            .map_err(|e| bad(format!("rank {rank}'s state map: {e}")))?;
+        map.validate()
+            .map_err(|e| bad(format!("rank {rank}'s state map: {e}")))?;
+        self.maps.insert(rank, Arc::new(map));
+        Ok(())
     }
 
     /// Takes one chunk from node `from`; a receipt when a snapshot was
@@ -337,6 +376,7 @@ impl Inbox {
                 stored: h.stored,
                 dropped: h.dropped,
                 path: h.store.path().to_path_buf(),
+                map: self.maps.get(rank).cloned(),
             })
             .collect()
     }
@@ -454,6 +494,47 @@ mod tests {
         assert_eq!(kinds, vec![Kind::Credit, Kind::Stored]);
         assert_eq!(inbox.rejected.forged, 1);
         assert_eq!(inbox.sessions.len(), 1);
+    }
+
+    /// A rank's state map is kept beside its replica; one of a rank the
+    /// sender does not send, or that does not parse or validate, is
+    /// refused and counted.
+    #[test]
+    fn a_ranks_state_map_is_kept_beside_its_replica_and_a_bad_one_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inbox = Inbox::new(secret(), 1, dir.path().into(), 2, 4, |from, rank| {
+            from == 0 && rank < 2
+        });
+        let src = source(0, 9, 1000);
+        let mut s = open(&mut inbox, b"a", 0, 1);
+        let map = hatrain_shared::statemap::StateMap {
+            parts: vec![hatrain_shared::statemap::Part {
+                name: "w".into(),
+                dtype: hatrain_shared::statemap::Dtype::U8,
+                len: 1000,
+                sharing: hatrain_shared::statemap::Sharing::Unique,
+            }],
+            checkpoint: None,
+        };
+        let json = serde_json::to_vec(&map).unwrap();
+        let mut frame = |rank: u64, body: &[u8]| s.seal(Kind::Map, &[&rank.to_le_bytes(), body]);
+        let (good, stranger, garbage, invalid) = (
+            frame(0, &json),
+            frame(5, &json),
+            frame(1, b"{not json"),
+            frame(1, br#"{"parts":[]}"#),
+        );
+        for f in [&good, &stranger, &garbage, &invalid] {
+            assert!(inbox.handle(b"a", f, || unreachable!()).is_empty());
+        }
+        assert_eq!(inbox.rejected.malformed, 3, "{:?}", inbox.rejected);
+        for c in chunks(&src, 9, 4096) {
+            let f = s.seal(Kind::Chunk, &[&c]);
+            inbox.handle(b"a", &f, || unreachable!());
+        }
+        let held = inbox.held();
+        assert_eq!(held[0].steps, vec![9]);
+        assert_eq!(held[0].map.as_deref(), Some(&map));
     }
 
     #[test]

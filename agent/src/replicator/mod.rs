@@ -31,6 +31,7 @@ use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::control::{HeldReport, RankReplicaReport, ReplicaReport, StreamReport};
 use hatrain_shared::peer::{self, ChunkHeader, Kind, Pending, Session};
 use hatrain_shared::shm::Store;
+use hatrain_shared::statemap::StateMap;
 use inbox::Inbox;
 use outbox::{Offer, Outbox};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -83,8 +84,9 @@ pub fn targets(node: usize, domains: &[Option<String>], replicas: usize) -> Vec<
         .collect()
 }
 
-/// A local rank and its snapshot store.
-type RankStore = (u64, Arc<Store>);
+/// A rank whose snapshots a stream sends: its store, and the state map it
+/// registered (JSON) when known.
+type RankStore = (u64, Arc<Store>, Option<Arc<[u8]>>);
 
 /// How the replicator runs.
 #[derive(Debug, Clone)]
@@ -136,8 +138,8 @@ pub struct Replicator {
     /// Which host plays a lost node now (a standby that took its ranks).
     replaced: Arc<RwLock<HashMap<u64, u64>>>,
     ring: Mutex<Ring>,
-    /// The local ranks' stores, for streams started later.
-    ranks: Mutex<Vec<(u64, Arc<Store>)>>,
+    /// The local ranks' stores and maps, for streams started later.
+    ranks: Mutex<Vec<RankStore>>,
     feeds: Mutex<Vec<mpsc::Sender<RankStore>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// The last report made, for when the figures are being updated.
@@ -288,8 +290,8 @@ impl Replicator {
             .streaming
             .insert(node);
         let (tx, rx) = mpsc::channel();
-        for (rank, store) in self.ranks.lock().expect("not poisoned").iter() {
-            let _ = tx.send((*rank, Arc::clone(store)));
+        for r in self.ranks.lock().expect("not poisoned").iter() {
+            let _ = tx.send(r.clone());
         }
         self.feeds.lock().expect("not poisoned").push(tx);
         self.open_stream(node, endpoint, rx);
@@ -298,7 +300,7 @@ impl Replicator {
     /// Streams `stores` (replicas this agent holds of a lost host's ranks)
     /// to node `node` at `endpoint`, the standby that takes those ranks,
     /// with the same frames, checks and priority as its own snapshots.
-    pub fn hand_over(&self, node: u64, endpoint: String, stores: Vec<(u64, Arc<Store>)>) {
+    pub fn hand_over(&self, node: u64, endpoint: String, stores: Vec<RankStore>) {
         let (tx, rx) = mpsc::channel();
         for s in stores {
             let _ = tx.send(s);
@@ -337,15 +339,45 @@ impl Replicator {
         self.threads.lock().expect("not poisoned").push(t);
     }
 
-    /// A local rank's snapshot store: streamed from now on.
-    pub fn add_rank(&self, rank: usize, store: Arc<Store>) {
-        let rank = rank as u64;
+    /// A local rank's snapshot store and state map (JSON): streamed from
+    /// now on.
+    pub fn add_rank(&self, rank: usize, store: Arc<Store>, map: Option<Arc<[u8]>>) {
+        let entry: RankStore = (rank as u64, store, map);
         let mut ranks = self.ranks.lock().expect("not poisoned");
-        ranks.retain(|(r, _)| *r != rank);
-        ranks.push((rank, Arc::clone(&store)));
+        ranks.retain(|(r, _, _)| *r != entry.0);
+        ranks.push(entry.clone());
         for f in self.feeds.lock().expect("not poisoned").iter() {
-            let _ = f.send((rank, Arc::clone(&store)));
+            let _ = f.send(entry.clone());
         }
+    }
+
+    /// The replica this agent holds of remote rank `rank` with the state
+    /// map its sender sent: what a checkpoint of the rank is written from
+    /// once its host is gone. `None` when it holds no replica of the rank,
+    /// or not its map.
+    pub fn replica(&self, rank: usize) -> Option<(Arc<Store>, Arc<StateMap>)> {
+        let path = inbox::replica_path(&self.cfg.dir, rank as u64);
+        let map = {
+            let sh = self.shared.lock().expect("not poisoned");
+            sh.held
+                .iter()
+                .find(|h| h.rank == rank as u64)
+                .and_then(|h| h.map.clone())?
+        };
+        let store = Store::open(&path).ok()?;
+        Some((Arc::new(store), map))
+    }
+
+    /// The state map (JSON) each replica held came with, by rank.
+    pub fn replica_maps(&self) -> HashMap<u64, Arc<[u8]>> {
+        let sh = self.shared.lock().expect("not poisoned");
+        sh.held
+            .iter()
+            .filter_map(|h| {
+                let json = serde_json::to_vec(h.map.as_deref()?).ok()?;
+                Some((h.rank, Arc::from(json)))
+            })
+            .collect()
     }
 
     /// What this agent streams and holds, now; the last report again if a
@@ -593,13 +625,20 @@ fn send(
     sock.connect(endpoint)?;
     sock.set_immediate(true)?;
     let mut stores: BTreeMap<u64, Arc<Store>> = BTreeMap::new();
+    // The ranks' state maps, and those sent in this session.
+    let mut maps: BTreeMap<u64, Arc<[u8]>> = BTreeMap::new();
+    let mut maps_sent: HashSet<u64> = HashSet::new();
     let mut outbox = Outbox::new(cfg.chunk as u64);
     let mut session: Option<Session> = None;
     let mut pending: Option<(Pending, Instant)> = None;
     let mut heard = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        while let Ok((rank, store)) = feed.try_recv() {
+        while let Ok((rank, store, map)) = feed.try_recv() {
             stores.insert(rank, store);
+            if let Some(m) = map {
+                maps.insert(rank, m);
+                maps_sent.remove(&rank);
+            }
         }
         if session.is_none()
             && pending
@@ -615,6 +654,28 @@ fn send(
         }
         let mut lost = false;
         if let Some(s) = session.as_mut() {
+            // Each rank's map goes before its snapshots, once a session.
+            let unsent: Vec<u64> = maps
+                .keys()
+                .filter(|r| !maps_sent.contains(r))
+                .copied()
+                .collect();
+            for rank in unsent {
+                let frame = s.seal(Kind::Map, &[&rank.to_le_bytes(), &maps[&rank]]);
+                match send_until(&sock, frame, stop) {
+                    Ok(true) => {
+                        maps_sent.insert(rank);
+                    }
+                    Ok(false) => return Ok(()),
+                    Err(zmq::Error::EAGAIN) => {
+                        lost = true;
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        if let Some(s) = session.as_mut().filter(|_| !lost) {
             for (rank, store) in &stores {
                 if let Some(newest) = store.sealed().into_iter().next() {
                     outbox.offer(Offer {
@@ -689,6 +750,7 @@ fn send(
             session = None;
             pending = None;
             outbox.reset();
+            maps_sent.clear();
         }
         if poll(&sock, zmq::POLLIN, SCAN)? > 0 {
             while let Ok(wire) = sock.recv_bytes(zmq::DONTWAIT) {
@@ -701,6 +763,7 @@ fn send(
                             tracing::info!(node = s.peer, "replica stream open");
                             outbox.reset();
                             outbox.credit(w.credit);
+                            maps_sent.clear();
                             session = Some(s);
                             pending = None;
                         }

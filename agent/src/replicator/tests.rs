@@ -59,7 +59,7 @@ fn snapshots_stream_over_real_sockets_and_are_held_identical() {
         )
         .unwrap(),
     );
-    sender.add_rank(0, Arc::clone(&store));
+    sender.add_rank(0, Arc::clone(&store), None);
     sender.stream_to(1, holder.endpoint().to_string());
     let deadline = Instant::now() + Duration::from_secs(30);
     for step in 1..=5u64 {

@@ -79,6 +79,11 @@ pub enum Kind {
     /// controller (a host's report, or the controller's orders), as JSON
     /// the agent parses.
     Control = 8,
+    /// Initiator → acceptor: the state map a rank registered (rank u64,
+    /// then the map as JSON), sent before that rank's first chunk in a
+    /// session: the holder of a replica needs it to write the rank's
+    /// checkpoint when the rank's host is gone.
+    Map = 9,
 }
 
 impl Kind {
@@ -92,6 +97,7 @@ impl Kind {
             6 => Self::Dropped,
             7 => Self::Heartbeat,
             8 => Self::Control,
+            9 => Self::Map,
             _ => return None,
         })
     }
@@ -669,6 +675,25 @@ pub fn parse_receipt(kind: Kind, payload: &[u8]) -> Result<(u64, u64, String), P
     }
     let reason = String::from_utf8_lossy(&payload[16..]).into_owned();
     Ok((u64_at(payload, 0), u64_at(payload, 8), reason))
+}
+
+/// The largest state map a [`Kind::Map`] frame carries.
+pub const MAX_MAP: usize = 1 << 20;
+
+/// Parses a [`Kind::Map`] payload: the rank, and its map's JSON (not
+/// parsed here).
+pub fn parse_map(payload: &[u8]) -> Result<(u64, &[u8]), PeerError> {
+    if payload.len() < 8 || payload.len() > 8 + MAX_MAP {
+        return Err(PeerError::Payload {
+            kind: Kind::Map,
+            detail: format!(
+                "{} bytes for a state map (8 to {} bytes)",
+                payload.len(),
+                8 + MAX_MAP
+            ),
+        });
+    }
+    Ok((u64_at(payload, 0), &payload[8..]))
 }
 
 /// Parses a [`Kind::Credit`] payload.

@@ -128,6 +128,19 @@ fn chunk_layouts_that_lie_are_refused() {
     assert!(ChunkHeader::parse(&chunk().encode()).is_err(), "no data");
 }
 
+#[test]
+fn a_state_map_frame_names_its_rank_and_bounds_its_size() {
+    let (mut ini, mut acc) = pair();
+    let wire = ini.seal(Kind::Map, &[&7u64.to_le_bytes(), b"{}"]);
+    let f = acc.open(&wire).unwrap();
+    assert_eq!(f.kind, Kind::Map);
+    assert_eq!(parse_map(f.payload).unwrap(), (7, &b"{}"[..]));
+    assert!(parse_map(&[1, 2, 3]).is_err(), "shorter than a rank");
+    let big = vec![b' '; 8 + MAX_MAP + 1];
+    let e = parse_map(&big).unwrap_err().to_string();
+    assert!(e.contains("state map"), "{e}");
+}
+
 proptest! {
     #[test]
     fn every_bit_flip_is_refused(byte in 0usize..(HEADER_LEN + CHUNK_HEADER_LEN + 6 + TAG_LEN), bit in 0u8..8) {
@@ -145,6 +158,7 @@ proptest! {
         let _ = ini.open(&bytes);
         let _ = ChunkHeader::parse(&bytes);
         let _ = parse_credit(&bytes);
+        let _ = parse_map(&bytes);
         let _ = Beat::parse(&bytes);
         let _ = parse_receipt(Kind::Stored, &bytes);
         let _ = parse_receipt(Kind::Dropped, &bytes);

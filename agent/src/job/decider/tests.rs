@@ -45,8 +45,8 @@ fn commands_go_to_the_host_of_their_rank_and_the_job_wide_ones_everywhere() {
             Routed::Here(end)
         ]
     );
-    // A checkpoint is written by this host's persister alone, which
-    // refuses one without every rank.
+    // A checkpoint starts here: the controller shares it out (see
+    // `super::super::lastwords`).
     let write = Command::Write { epoch: 2, step: 9 };
     assert_eq!(c.route(write.clone()), vec![Routed::Here(write)]);
     // One host: everything is here.
@@ -58,7 +58,7 @@ fn commands_go_to_the_host_of_their_rank_and_the_job_wide_ones_everywhere() {
     let end = Command::Finish(Outcome::Interrupted);
     assert_eq!(own.route(end.clone()), vec![Routed::Here(end)]);
     own.route(Command::Collect { epoch: 1 });
-    assert!(own.gathered(2, 1, vec![(4, vec![3])]).is_some());
+    assert!(own.gathered(2, 1, vec![(4, vec![3])], Vec::new()).is_some());
 }
 
 fn placed(ranks: Vec<usize>, spare: Option<u64>, state_lost: Vec<usize>) -> Option<Placed> {
@@ -101,9 +101,18 @@ fn a_lost_hosts_ranks_move_to_a_standby_until_none_is_left() {
     assert_eq!(c.route(kill.clone()), vec![Routed::There(3, kill)]);
     // A collection now waits for the standby, not the lost host.
     c.route(Command::Collect { epoch: 1 });
-    assert_eq!(c.gathered(0, 1, vec![(0, vec![5]), (1, vec![5])]), None);
-    assert_eq!(c.gathered(2, 1, vec![(4, vec![5]), (5, vec![5])]), None);
-    assert!(c.gathered(3, 1, vec![(2, vec![5]), (3, vec![5])]).is_some());
+    assert_eq!(
+        c.gathered(0, 1, vec![(0, vec![5]), (1, vec![5])], Vec::new()),
+        None
+    );
+    assert_eq!(
+        c.gathered(2, 1, vec![(4, vec![5]), (5, vec![5])], Vec::new()),
+        None
+    );
+    assert!(
+        c.gathered(3, 1, vec![(2, vec![5]), (3, vec![5])], Vec::new())
+            .is_some()
+    );
     c.registered(3, 2);
     c.registered(3, 3);
     // The standby lost in turn: nobody is left to take its ranks.
@@ -171,11 +180,11 @@ fn a_collection_is_whole_once_every_host_verified_its_ranks() {
     let mut c = controller(3, 1);
     let routed = c.route(Command::Collect { epoch: 4 });
     assert_eq!(routed.len(), 3, "{routed:?}");
-    assert_eq!(c.gathered(1, 4, vec![(1, vec![9, 8])]), None);
+    assert_eq!(c.gathered(1, 4, vec![(1, vec![9, 8])], Vec::new()), None);
     // Another epoch's answer is stale, and changes nothing.
-    assert_eq!(c.gathered(2, 3, vec![(2, vec![7])]), None);
-    assert_eq!(c.gathered(0, 4, vec![(0, vec![9])]), None);
-    let whole = c.gathered(2, 4, vec![(2, vec![9, 8])]);
+    assert_eq!(c.gathered(2, 3, vec![(2, vec![7])], Vec::new()), None);
+    assert_eq!(c.gathered(0, 4, vec![(0, vec![9])], Vec::new()), None);
+    let whole = c.gathered(2, 4, vec![(2, vec![9, 8])], Vec::new());
     assert_eq!(
         whole,
         Some(Event::Collected {
@@ -184,7 +193,7 @@ fn a_collection_is_whole_once_every_host_verified_its_ranks() {
         })
     );
     // Done: a late answer starts nothing.
-    assert_eq!(c.gathered(1, 4, vec![(1, vec![9])]), None);
+    assert_eq!(c.gathered(1, 4, vec![(1, vec![9])], Vec::new()), None);
 }
 
 #[test]
@@ -212,9 +221,29 @@ fn messages_round_trip_and_garbage_is_an_error() {
             ranks: vec![1],
         }),
         give: Some(Give { node: 1, to: 2 }),
+        write: Some(WritePart {
+            epoch: 3,
+            step: 40,
+            ranks: vec![1, 2],
+        }),
+        orphans: vec![2],
     };
     let bytes = serde_json::to_vec(&down).unwrap();
     assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);
+    for up in [
+        Up::Wrote {
+            epoch: 3,
+            result: Err("disk full".into()),
+        },
+        Up::Collected {
+            epoch: 3,
+            steps: vec![(1, vec![9])],
+            replicas: vec![(2, vec![9, 8])],
+        },
+    ] {
+        let bytes = serde_json::to_vec(&up).unwrap();
+        assert_eq!(serde_json::from_slice::<Up>(&bytes).unwrap(), up);
+    }
     for junk in [&b""[..], b"{}", b"[1,2]", b"\xff\xfe", b"{\"report\":{}}"] {
         assert!(serde_json::from_slice::<Up>(junk).is_err());
     }
@@ -226,4 +255,47 @@ proptest::proptest! {
         let _ = serde_json::from_slice::<Up>(&bytes);
         let _ = serde_json::from_slice::<Down>(&bytes);
     }
+}
+
+/// A host lost with no standby: its ranks are orphans, a collection counts
+/// them with the steps their replica holders verified, and each is written
+/// by a holder that verified the step; a rank nobody holds is named.
+#[test]
+fn a_lost_hosts_ranks_are_written_by_the_holders_of_their_replicas() {
+    let mut c = controller(3, 2);
+    c.note_held(2, [2, 3]);
+    assert_eq!(
+        c.host_lost(1, true, &[1]),
+        Some(Placed {
+            ranks: vec![2, 3],
+            spare: None,
+            state_lost: vec![],
+        })
+    );
+    assert_eq!(c.orphans(), vec![2, 3]);
+    c.route(Command::Collect { epoch: 4 });
+    assert_eq!(
+        c.gathered(0, 4, vec![(0, vec![8, 7]), (1, vec![8, 7])], Vec::new()),
+        None
+    );
+    // Host 2 verified rank 2's replica at 8 and 7, rank 3's at 7 only; a
+    // replica of a rank a live host holds is not counted.
+    let whole = c.gathered(
+        2,
+        4,
+        vec![(4, vec![8, 7]), (5, vec![8, 7])],
+        vec![(2, vec![8, 7]), (3, vec![7]), (0, vec![1])],
+    );
+    let Some(Event::Collected { steps, .. }) = whole else {
+        panic!("the collection is complete: {whole:?}");
+    };
+    let by_rank: BTreeMap<usize, Vec<u64>> = steps.into_iter().collect();
+    assert_eq!(by_rank[&0], vec![8, 7]);
+    assert_eq!(by_rank[&2], vec![8, 7]);
+    assert_eq!(by_rank[&3], vec![7]);
+    assert_eq!(
+        c.shares(7),
+        Ok(BTreeMap::from([(0, vec![0, 1]), (2, vec![2, 3, 4, 5])]))
+    );
+    assert_eq!(c.shares(8), Err(vec![3]), "nobody holds rank 3 at step 8");
 }

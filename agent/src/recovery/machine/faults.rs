@@ -440,8 +440,9 @@ impl Machine {
     /// is started there (its store filled from its replica by the hosts)
     /// and the job recovers as from a crash of all of them at once.
     /// Otherwise the job stops, saying so (shrinking the group is not
-    /// built yet); no last-words checkpoint is written: no persister holds
-    /// every rank. When some rank's state is gone with every replica of it,
+    /// built yet), after its last-words checkpoint when the dump mode is
+    /// on: the hosts holding the lost ranks' replicas write those ranks.
+    /// When some rank's state is gone with every replica of it,
     /// the job stops at once, naming those ranks and the newest complete
     /// checkpoint on disk: nothing can claim a later step.
     pub(super) fn host_lost(&mut self, now: Duration, loss: HostLoss) {
@@ -490,6 +491,14 @@ impl Machine {
                 format!("restart ranks {ranks:?} on standby host {s}"),
                 format!("standby host {s} takes ranks {ranks:?}, filled from their peer replicas"),
             ),
+            (None, None) if self.cfg.modes.dump && unprotected.is_empty() => (
+                Level::Error,
+                format!("host {node} lost"),
+                "write the last-words checkpoint, then stop the job".into(),
+                format!(
+                    "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby; shrinking the group is not supported yet): the last-words checkpoint takes their state from their peer replicas"
+                ),
+            ),
             (None, None) => (
                 Level::Error,
                 format!("host {node} lost"),
@@ -527,7 +536,19 @@ impl Machine {
         named.extend(&state_lost);
         self.faults[f].ranks = named.into_iter().collect();
         if standby.is_none() {
-            self.finish(Outcome::RecoveryFailed);
+            // The lost ranks pause for nothing any more: a last-words
+            // checkpoint (with the dump mode on) takes them from their
+            // replicas.
+            for r in &ranks {
+                if let Some(v) = self.views.get_mut(r) {
+                    v.alive = false;
+                }
+            }
+            if state_lost.is_empty() && unprotected.is_empty() {
+                self.stop_with(now, Outcome::RecoveryFailed);
+            } else {
+                self.finish(Outcome::RecoveryFailed);
+            }
             return;
         }
         for r in ranks {
