@@ -2,9 +2,12 @@
 //! checkpoints from the held snapshots, off the training path; they are the
 //! very bytes the trainer's own collective save writes, also when workers
 //! are killed and rebooted meanwhile, and the foundation's loader reads them
-//! at the same and at another world size.
+//! at the same and at another world size. In a job of two hosts each
+//! agent writes its ranks' share and the controller commits a step only
+//! once every rank's directory is written.
 
 mod common;
+use common::hosts::*;
 use common::*;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -228,4 +231,114 @@ fn agent_saves_are_the_trainers_bytes_and_load_at_any_world_size() {
             assert!(l.last().unwrap().1 < l[0].1 + 0.05, "{l:?}");
         }
     }
+}
+
+/// A job of two hosts of two ranks: each agent writes its ranks' share of
+/// every save step, and the controller commits a step only once every
+/// rank's directory is written. Host 1's share of iteration 20 cannot be
+/// written (a file stands where rank 2's directory goes): 20 is never
+/// committed, and goes once a newer step is; every committed iteration is
+/// the bytes the trainer's own save writes at one host of four ranks.
+#[test]
+fn hosts_write_their_shares_and_a_step_is_committed_only_once_every_rank_is_written() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |n: &str| d.path().join(n);
+    let interval = INTERVAL.to_string();
+    let (ref_log, ref_ckpt) = (p("ref.jsonl"), p("ref-ckpt"));
+    let ref_args = train(
+        &ref_log,
+        &[
+            "--save",
+            ref_ckpt.to_str().unwrap(),
+            "--save-interval",
+            &interval,
+        ],
+    );
+    run("shares-ref", |job| {
+        launch(job, &["--trainer-saves"], &ref_args, None)
+    });
+    let reference = read_log(&ref_log);
+
+    let ckpt = p("ckpt");
+    let tmp20 = hatrain_shared::checkpoint::tmp_iter_dir(&ckpt, 20);
+    std::fs::create_dir_all(&tmp20).unwrap();
+    std::fs::write(
+        hatrain_shared::checkpoint::rank_dir(&tmp20, 2),
+        "in the way",
+    )
+    .unwrap();
+    let mut base = tiny_args(ITERS);
+    base.extend(s(&[
+        "--save",
+        ckpt.to_str().unwrap(),
+        "--save-interval",
+        &interval,
+    ]));
+    let parts = job_parts(d.path(), "shares", 2, &base);
+    let mut hosts: Vec<Job> = (0..2)
+        .map(|k| {
+            let mut c = reboot_node(
+                k,
+                2,
+                2,
+                &parts.shm[k],
+                &parts.job,
+                parts.ports,
+                &parts.secret,
+                &parts.args,
+                &["--snapshot-slots", "3"],
+            );
+            c.env_remove("HATRAIN_FAULT_PLAN");
+            host_job(c, &parts.job, k)
+        })
+        .collect();
+    let outs: Vec<std::process::Output> = hosts
+        .iter_mut()
+        .map(|h| h.wait_output(Duration::from_secs(300)))
+        .collect();
+    let err = |k: usize| String::from_utf8_lossy(&outs[k].stderr).into_owned();
+    for (k, out) in outs.iter().enumerate() {
+        assert_success(out, &format!("host {k}"));
+        assert_nothing_left(&parts.shm[k]);
+    }
+    let out = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(out.contains("written by the agent"), "{out}");
+    assert!(!out.contains("saved iteration"), "the trainer saved: {out}");
+    assert_eq!(
+        final_checksum(&read_log(&parts.log)),
+        final_checksum(&reference)
+    );
+
+    let (controller, blocked) = (err(0), err(1));
+    assert!(
+        blocked.contains("this host's share of a checkpoint") && blocked.contains("step=20"),
+        "host 1 says its share of 20 failed:\n{blocked}"
+    );
+    assert!(
+        controller.contains("a host's share of a checkpoint failed")
+            && controller.contains("checkpoint committed: every host wrote its share"),
+        "{controller}"
+    );
+    let written = iterations(&ckpt);
+    assert!(
+        !written.contains(&20),
+        "20 is committed without rank 2: {written:?}"
+    );
+    assert!(written.contains(&ITERS), "{written:?}");
+    let skipped = |k: usize| err(k).contains("skipping to the newest held step");
+    for it in [10, 30] {
+        assert!(
+            written.contains(&it) || skipped(0) || skipped(1),
+            "iteration {it} neither written nor said skipped: {written:?}"
+        );
+    }
+    for &it in &written {
+        let name = format!("iter_{it:07}");
+        assert_same_checkpoint(&ckpt.join(&name), &ref_ckpt.join(&name));
+    }
+    assert!(
+        !tmp20.exists() || skipped(0),
+        "the uncommitted iteration 20 is left in {}",
+        tmp20.display()
+    );
 }

@@ -67,6 +67,13 @@ pub(super) enum Up {
         #[serde(default)]
         replicas: Vec<(usize, Vec<u64>)>,
     },
+    /// Its share (the directories of `ranks`) of the periodic save of
+    /// `step` is written (in seconds), or why not.
+    Saved {
+        step: u64,
+        ranks: Vec<usize>,
+        result: Result<f64, String>,
+    },
     /// Its share of the checkpoint of `epoch` is written (in seconds), or
     /// why not.
     Wrote {
@@ -103,6 +110,10 @@ pub(super) struct Down {
     /// them): a collection verifies the replicas held of them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub orphans: Vec<usize>,
+    /// The final checkpoint is settled (committed, or failed): a follower
+    /// that sent its share may leave.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub final_done: bool,
 }
 
 /// A host's share of a checkpoint: the directories of `ranks` (its own,
@@ -226,6 +237,11 @@ pub(super) struct Controller {
     replica_steps: BTreeMap<usize, Vec<(u64, Vec<u64>)>>,
     /// A checkpoint the hosts are writing, each its share.
     pub writing: Option<super::lastwords::SharedWrite>,
+    /// The periodic saves being written, each host its share: the ranks
+    /// written of each step.
+    pub saves: BTreeMap<u64, BTreeSet<usize>>,
+    /// The final save the controller waits for at the end of the job.
+    pub final_save: Option<super::saves::FinalSave>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -286,6 +302,8 @@ impl Controller {
             cut_off: None,
             replica_steps: BTreeMap::new(),
             writing: None,
+            saves: BTreeMap::new(),
+            final_save: None,
         }
     }
 
@@ -596,6 +614,8 @@ pub(super) struct Follower {
     pub losses: Vec<HostLoss>,
     /// Ranks no live host holds, as the controller last said.
     pub orphans: Vec<usize>,
+    /// The controller settled the final checkpoint.
+    pub final_done: bool,
 }
 
 impl Follower {
@@ -610,6 +630,7 @@ impl Follower {
             ended: false,
             losses: Vec::new(),
             orphans: Vec::new(),
+            final_done: false,
         }
     }
 }

@@ -33,6 +33,7 @@ mod orders;
 mod peers;
 mod relay;
 mod requests;
+mod saves;
 mod standby;
 mod takeover;
 
@@ -449,7 +450,15 @@ async fn run_with(
     // A job that succeeded ends with its final checkpoint on disk.
     let sources: Vec<persister::OwnedSource> =
         sup.ranks().iter().filter_map(|&r| d.source(r)).collect();
-    let final_save = match d.persister.as_mut() {
+    let mut final_save = match d.persister.as_mut() {
+        Some(p) if outcome == Outcome::Succeeded && p.periodic() && p.in_parts() => {
+            let own = d.final_share(&sources);
+            match &d.decider {
+                Decider::Follower(_) => Some(d.await_final(&mut sup, &mut peer_rx, own).await),
+                // The controller's, once the followers' shares are in.
+                Decider::Controller(_) => None,
+            }
+        }
         Some(p) if outcome == Outcome::Succeeded && p.periodic() => p.finish(&sources).transpose(),
         Some(p) => {
             p.wait();
@@ -459,6 +468,10 @@ async fn run_with(
     };
     sup.stop_all().await;
     d.wait_for_followers(&mut sup, &mut peer_rx).await;
+    if let Some(committed) = d.final_committed() {
+        d.final_settled();
+        final_save = Some(committed);
+    }
     let mut lost_hosts: Vec<String> = d
         .decider
         .faults()
@@ -722,6 +735,10 @@ impl Driver<'_> {
         let p = self.persister.as_mut()?;
         let done = p.poll(sup.ranks(), |r| sources.get(&r).cloned());
         // One dump runs at a time, so at most one finishes per poll.
+        let ranks = sup.ranks().to_vec();
+        for (step, result) in p.take_shares() {
+            self.share_saved(ranks.clone(), step, result);
+        }
         let d = done.into_iter().next()?;
         if d.part {
             return self.share_done(d.epoch, d.result.map(|w| w.seconds));

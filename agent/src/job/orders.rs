@@ -271,6 +271,11 @@ impl Driver<'_> {
                     self.decide(sup, e);
                 }
             }
+            Up::Saved {
+                step,
+                ranks,
+                result,
+            } => self.ranks_saved(from, step, ranks, result),
             Up::Wrote { epoch, result } => {
                 if let Some(e) = self.share_written(from, epoch, result) {
                     self.decide(sup, e);
@@ -298,6 +303,7 @@ impl Driver<'_> {
         if !down.orphans.is_empty() {
             f.orphans = down.orphans;
         }
+        f.final_done |= down.final_done;
         if let Some(m) = down.mirror {
             f.mirror = m;
         }
@@ -466,7 +472,8 @@ impl Driver<'_> {
 
     /// The controller of several hosts waits (at most the host timeout) for
     /// every follower to take the end of the job, so that none is left
-    /// without it when this agent's connections close.
+    /// without it when this agent's connections close; and for every
+    /// host's share of the final checkpoint (see [`super::saves`]).
     pub(super) async fn wait_for_followers(
         &mut self,
         sup: &mut Supervisor,
@@ -482,7 +489,8 @@ impl Driver<'_> {
                 .as_ref()
                 .map(|p| p.membership.seen().lost())
                 .unwrap_or_default();
-            if c.all_ended(&lost) || Instant::now() >= deadline {
+            let ended = c.all_ended(&lost) || Instant::now() >= deadline;
+            if ended && !self.final_pending(&lost) {
                 return;
             }
             tokio::select! {

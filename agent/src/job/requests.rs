@@ -156,22 +156,18 @@ impl Driver<'_> {
     }
 
     /// Whether the agent writes this rank's periodic checkpoints: with a
-    /// checkpoint layout, one host holding every rank, and unless
-    /// `--trainer-saves`. The first layout sets up the persister (which
-    /// also writes the dumps).
+    /// checkpoint layout, unless `--trainer-saves`. The first layout sets
+    /// up the persister (which also writes the dumps); in a job of several
+    /// hosts it writes this host's share of each, which the controller
+    /// commits.
     fn set_up_persister(&mut self, rank: usize, map: &StateMap) -> Result<bool, RequestError> {
         let Some(info) = map.checkpoint.as_ref() else {
             return Ok(false);
         };
-        let periodic = !self.cfg.ha.trainer_saves && self.cfg.nnodes == 1;
-        if self.cfg.nnodes > 1
-            && self.persister.is_none()
-            && rank == self.cfg.node_rank * self.cfg.nproc_per_node
-        {
-            tracing::info!(
-                "checkpoints are saved by the trainer: the agent writes them only when one host holds every rank"
-            );
-        }
+        // Several hosts share a checkpoint through their controller: with
+        // a mode on, or they have none.
+        let periodic =
+            !self.cfg.ha.trainer_saves && (self.cfg.nnodes == 1 || self.cfg.ha.modes.any());
         match &self.persister {
             Some(p) if p.dir() != info.dir => Err(RequestError::SaveDirs {
                 rank,
@@ -187,12 +183,8 @@ impl Driver<'_> {
                         "checkpoints are written by the agent from the snapshots"
                     );
                 }
-                self.persister = Some(Persister::new(
-                    info.dir.clone(),
-                    info.interval,
-                    info.world_size,
-                    periodic,
-                ));
+                let p = Persister::new(info.dir.clone(), info.interval, info.world_size, periodic);
+                self.persister = Some(if self.cfg.nnodes > 1 { p.in_part() } else { p });
                 Ok(periodic)
             }
         }

@@ -43,6 +43,13 @@ pub struct Persister {
     world: usize,
     /// Writes the periodic saves (else only dumps and nothing at the end).
     periodic: bool,
+    /// Writes only this host's share of each periodic save (a job of
+    /// several hosts): its ranks' directories, into the iteration's `_tmp`
+    /// directory, which the job's controller commits once every rank's is
+    /// written.
+    part: bool,
+    /// The periodic shares written (or failed) since last taken.
+    shares_done: Vec<(u64, Result<f64, String>)>,
     writing: Option<Writing>,
     /// A dump waiting for the write in progress: its epoch, step, sources
     /// and share.
@@ -99,6 +106,30 @@ pub struct DumpDone {
     pub part: bool,
 }
 
+/// Writes the directories of every rank of `sources` of iteration `step`
+/// into its `_tmp` directory in `dir`, made if missing: one host's share
+/// of a checkpoint several hosts write, which the job's controller
+/// commits. Its ranks' directories left by an earlier attempt go first.
+fn write_share(sources: &[RankSource<'_>], step: u64, dir: &Path) -> Result<PathBuf, PersistError> {
+    let tmp = checkpoint::tmp_iter_dir(dir, step);
+    let io = |e: std::io::Error| {
+        PersistError::Checkpoint(checkpoint::CheckpointError::Io {
+            path: tmp.clone(),
+            source: e,
+        })
+    };
+    std::fs::create_dir_all(&tmp).map_err(io)?;
+    let ranks: Vec<usize> = sources.iter().map(|s| s.rank).collect();
+    for &r in &ranks {
+        match std::fs::remove_dir_all(checkpoint::rank_dir(&tmp, r)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+            _ => {}
+        }
+    }
+    write_ranks(sources, &ranks, step, &tmp)?;
+    Ok(tmp)
+}
+
 /// Save steps listed in a report at most (the newest).
 const SKIPPED_KEPT: usize = 64;
 
@@ -113,6 +144,8 @@ impl Persister {
             interval,
             world,
             periodic,
+            part: false,
+            shares_done: Vec::new(),
             writing: None,
             pending_dump: None,
             last_saved: None,
@@ -123,8 +156,21 @@ impl Persister {
         }
     }
 
+    /// Writes only this host's share of each periodic save, for the
+    /// controller to commit (a job of several hosts).
+    pub fn in_part(mut self) -> Self {
+        self.part = true;
+        self
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The periodic shares written (each step, and its seconds or why
+    /// not) since the last call.
+    pub fn take_shares(&mut self) -> Vec<(u64, Result<f64, String>)> {
+        std::mem::take(&mut self.shares_done)
     }
 
     /// The ranks of the checkpoints it writes.
@@ -155,6 +201,11 @@ impl Persister {
         self.periodic
     }
 
+    /// Whether it writes only its host's share of each periodic save.
+    pub fn in_parts(&self) -> bool {
+        self.part
+    }
+
     /// Queues a dump of iteration `step` from `sources` (asked for under
     /// `epoch`); it starts once no other write runs, so there is one writer
     /// per directory. Its result comes from [`Persister::poll`].
@@ -174,7 +225,12 @@ impl Persister {
         if self.writing.is_none() {
             done.extend(self.start_dump());
         }
-        if self.writing.is_some() || !self.periodic || ranks.len() != self.world {
+        let all = if self.part {
+            !ranks.is_empty()
+        } else {
+            ranks.len() == self.world
+        };
+        if self.writing.is_some() || !self.periodic || !all {
             return done;
         }
         self.start_periodic(ranks, source);
@@ -268,12 +324,16 @@ impl Persister {
         }
         self.note_skipped(step);
         let bytes = checkpoint_bytes(&sources.iter().map(|s| s.borrow()).collect::<Vec<_>>());
-        let (dir, write) = (self.dir.clone(), Arc::clone(&self.write));
+        let (dir, write, part) = (self.dir.clone(), Arc::clone(&self.write), self.part);
         let spawned = std::thread::Builder::new()
             .name("hatrain-persist".into())
             .spawn(move || {
                 let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
-                let result = write(&borrowed, step, &dir);
+                let result = if part {
+                    write_share(&borrowed, step, &dir)
+                } else {
+                    write(&borrowed, step, &dir)
+                };
                 // The slots are free for the workers again at once.
                 for (store, h) in &claimed {
                     store.page().release_hold(*h);
@@ -289,7 +349,7 @@ impl Persister {
                     bytes,
                     started: Instant::now(),
                     dump: None,
-                    part: false,
+                    part,
                     thread,
                 });
             }
@@ -327,6 +387,43 @@ impl Persister {
             self.last_error = Some(e.to_string());
         }
         result
+    }
+
+    /// At the end of a successful job of several hosts: waits for the
+    /// write in progress, then writes this host's share of the final step
+    /// (every rank of it finished there with a verified snapshot), unless
+    /// it wrote it already. Returns that step; an error when some rank's
+    /// final snapshot is not verified (then the trainer saves it itself).
+    pub fn finish_part(&mut self, sources: &[OwnedSource]) -> Result<u64, PersistError> {
+        self.wait();
+        let per_rank: Vec<Vec<u64>> = sources.iter().map(|s| s.store.verified_steps().0).collect();
+        let last = sources
+            .iter()
+            .map(|s| s.store.page().step())
+            .min()
+            .unwrap_or(0);
+        if crate::recovery::consistent_step(&per_rank) != Some(last) {
+            return Err(PersistError::FinalStepMissing {
+                last,
+                written: self.last_saved().unwrap_or(0),
+                per_rank,
+            });
+        }
+        if self.last_saved() == Some(last) {
+            return Ok(last);
+        }
+        let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
+        let t0 = Instant::now();
+        match write_share(&borrowed, last, &self.dir) {
+            Ok(path) => {
+                self.saved(last, &path, checkpoint_bytes(&borrowed), t0, true);
+                Ok(last)
+            }
+            Err(e) => {
+                let _ = self.fail(last, e.to_string());
+                Err(e)
+            }
+        }
     }
 
     /// Says which save steps between the last write started and `step`
@@ -426,7 +523,7 @@ impl Persister {
         }
         let w = self.writing.take()?;
         let result = match w.thread.join() {
-            Ok(Ok(path)) if w.part => {
+            Ok(Ok(path)) if w.part && w.dump.is_some() => {
                 let secs = w.started.elapsed().as_secs_f64();
                 tracing::info!(step = w.step, path = %path.display(), seconds = secs, "this host's share of the checkpoint written from the snapshots");
                 Ok(secs)
@@ -435,6 +532,9 @@ impl Persister {
             Ok(Err(e)) => Err(self.fail(w.step, e.to_string())),
             Err(_) => Err(self.fail(w.step, "the writer thread panicked".into())),
         };
+        if w.part && w.dump.is_none() {
+            self.shares_done.push((w.step, result.clone()));
+        }
         let epoch = w.dump?;
         Some(DumpDone {
             epoch,
@@ -463,7 +563,8 @@ impl Persister {
             path = %path.display(),
             seconds = secs,
             gb_per_s = bytes as f64 / secs.max(1e-9) / 1e9,
-            "checkpoint written from the snapshots"
+            "{} written from the snapshots",
+            if self.part { "this host's share of a checkpoint" } else { "checkpoint" }
         );
         self.last_saved = Some((step, secs));
         if periodic {
@@ -475,12 +576,20 @@ impl Persister {
 
     /// Records a failed write; returns the message.
     fn fail(&mut self, step: u64, why: String) -> String {
-        tracing::error!(
-            step,
-            reason = %why,
-            previous = ?self.last_saved(),
-            "checkpoint from the snapshots failed; the previous checkpoint is intact"
-        );
+        if self.part {
+            tracing::error!(
+                step,
+                reason = %why,
+                "this host's share of a checkpoint from the snapshots failed; the step is not committed, the previous checkpoint is intact"
+            );
+        } else {
+            tracing::error!(
+                step,
+                reason = %why,
+                previous = ?self.last_saved(),
+                "checkpoint from the snapshots failed; the previous checkpoint is intact"
+            );
+        }
         self.last_error = Some(format!("iteration {step}: {why}"));
         why
     }

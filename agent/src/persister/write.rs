@@ -143,6 +143,8 @@ pub enum PersistError {
         written: u64,
         per_rank: Vec<Vec<u64>>,
     },
+    #[error("the checkpoint of iteration {step} was not committed: {detail}")]
+    NotCommitted { step: u64, detail: String },
     #[error(transparent)]
     Shm(#[from] ShmError),
     #[error(transparent)]

@@ -227,6 +227,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
             ranks: vec![1, 2],
         }),
         orphans: vec![2],
+        final_done: true,
     };
     let bytes = serde_json::to_vec(&down).unwrap();
     assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);

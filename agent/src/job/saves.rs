@@ -1,0 +1,274 @@
+//! The periodic and final checkpoints of a job of several hosts, written
+//! by the agents from the snapshots, off the training path.
+//!
+//! Each host's persister writes its share of a save step (its ranks'
+//! directories, into the iteration's `_tmp` directory) and reports it
+//! ([`Up::Saved`]); the controller commits the iteration (the tracker
+//! names it) only once every rank's directory of that step is written.
+//! A step some share of which failed, or that a newer committed step
+//! overtook, is never committed: its `_tmp` directory is removed. At the
+//! end of a job that succeeded every host writes its share of the final
+//! step, and the controller waits for them (or for the hosts to be lost)
+//! before it commits and ends.
+
+use super::Driver;
+use super::decider::{Decider, Down, Inbox, Up};
+use super::orders::recv;
+use crate::persister::{OwnedSource, PersistError};
+use crate::supervisor::Supervisor;
+use hatrain_shared::checkpoint;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// How long the controller waits at most for every host's share of the
+/// final checkpoint.
+const FINAL_WAIT: Duration = Duration::from_secs(300);
+
+/// Periodic steps tracked at most while their shares come in (the oldest
+/// go first: a newer one is committed anyway).
+const PENDING_STEPS: usize = 16;
+
+/// The final checkpoint the controller waits for.
+#[derive(Debug)]
+pub(super) struct FinalSave {
+    step: u64,
+    until: Instant,
+    /// Why it cannot be committed, once known.
+    failed: Option<String>,
+}
+
+impl Driver<'_> {
+    /// This host's share of the periodic save of `step` is written (or
+    /// failed): the controller counts it, a follower reports it.
+    pub(super) fn share_saved(
+        &mut self,
+        ranks: Vec<usize>,
+        step: u64,
+        result: Result<f64, String>,
+    ) {
+        match &self.decider {
+            Decider::Controller(c) => {
+                let me = c.node;
+                self.ranks_saved(me, step, ranks, result);
+            }
+            Decider::Follower(_) => self.send_up(&Up::Saved {
+                step,
+                ranks,
+                result,
+            }),
+        }
+    }
+
+    /// Host `node` wrote the directories of `ranks` of step `step` (or
+    /// failed to): the controller commits the step once every rank's is
+    /// written.
+    pub(super) fn ranks_saved(
+        &mut self,
+        node: u64,
+        step: u64,
+        ranks: Vec<usize>,
+        result: Result<f64, String>,
+    ) {
+        let Some((dir, world)) = self
+            .persister
+            .as_ref()
+            .map(|p| (p.dir().to_path_buf(), p.world()))
+        else {
+            tracing::warn!(
+                node,
+                step,
+                "a host's share of a checkpoint, but no rank here registered a checkpoint layout"
+            );
+            return;
+        };
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        if let Err(m) = result {
+            tracing::warn!(node, step, reason = %m, "a host's share of a checkpoint failed: that step is not committed");
+            if let Some(f) = c.final_save.as_mut().filter(|f| f.step == step) {
+                f.failed = Some(format!("host {node}: {m}"));
+            }
+            return;
+        }
+        if let Some(r) = ranks.iter().find(|&&r| !c.holds(node, r)) {
+            tracing::warn!(
+                node,
+                rank = r,
+                step,
+                "a share of a checkpoint with another host's rank refused"
+            );
+            return;
+        }
+        let got = c.saves.entry(step).or_default();
+        got.extend(ranks);
+        let whole = got.len() >= world;
+        while c.saves.len() > PENDING_STEPS {
+            c.saves.pop_first();
+        }
+        if !whole {
+            return;
+        }
+        let stale: Vec<u64> = c.saves.range(..=step).map(|(s, _)| *s).collect();
+        for s in &stale {
+            c.saves.remove(s);
+        }
+        let newer_on_disk = checkpoint::read_tracker(&dir).is_ok_and(|t| t >= step);
+        let committed = if newer_on_disk {
+            Ok(())
+        } else {
+            checkpoint::commit_save(&dir, step, world).map(|path| {
+                tracing::info!(step, path = %path.display(), "checkpoint committed: every host wrote its share");
+            })
+        };
+        if let Err(e) = &committed {
+            tracing::error!(step, error = %e, "a checkpoint every host wrote its share of cannot be committed");
+        }
+        if let Some(f) = c.final_save.as_mut().filter(|f| f.step == step) {
+            f.failed = committed.as_ref().err().map(|e| e.to_string());
+        }
+        // Steps overtaken by this one are never committed.
+        for s in stale.into_iter().filter(|s| *s < step) {
+            let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(&dir, s));
+        }
+    }
+
+    /// At the end of a job of several hosts that succeeded: writes this
+    /// host's share of the final checkpoint; the controller then waits for
+    /// the others' ([`Driver::final_pending`]).
+    pub(super) fn final_share(&mut self, sources: &[OwnedSource]) -> Result<u64, PersistError> {
+        let ranks: Vec<usize> = sources.iter().map(|s| s.rank).collect();
+        let Some(p) = self.persister.as_mut() else {
+            return Err(PersistError::NoLayout {
+                rank: ranks.first().copied().unwrap_or(0),
+            });
+        };
+        let last = sources
+            .iter()
+            .map(|s| s.store.page().step())
+            .min()
+            .unwrap_or(0);
+        let t0 = Instant::now();
+        let own = p.finish_part(sources);
+        let (step, result) = match &own {
+            Ok(step) => (*step, Ok(t0.elapsed().as_secs_f64())),
+            Err(e) => (last, Err(e.to_string())),
+        };
+        if let Decider::Controller(c) = &mut self.decider {
+            c.final_save = Some(FinalSave {
+                step,
+                until: Instant::now() + FINAL_WAIT,
+                failed: None,
+            });
+        }
+        self.share_saved(ranks, step, result);
+        own
+    }
+
+    /// Whether the controller still waits for shares of the final
+    /// checkpoint: not committed, nothing failed, no host holding a
+    /// missing rank lost (`lost`), and in time.
+    pub(super) fn final_pending(&self, lost: &[u64]) -> bool {
+        let Decider::Controller(c) = &self.decider else {
+            return false;
+        };
+        let Some(f) = &c.final_save else {
+            return false;
+        };
+        let Some(got) = c.saves.get(&f.step) else {
+            // Committed (or failed) already.
+            return false;
+        };
+        let missing_lost = lost
+            .iter()
+            .any(|&n| c.ranks_on(n).iter().any(|r| !got.contains(r)));
+        f.failed.is_none() && !missing_lost && Instant::now() < f.until
+    }
+
+    /// The final checkpoint the controller committed, or why not; `None`
+    /// when it did not wait for one.
+    pub(super) fn final_committed(&self) -> Option<Result<(u64, PathBuf), PersistError>> {
+        let Decider::Controller(c) = &self.decider else {
+            return None;
+        };
+        let f = c.final_save.as_ref()?;
+        let dir = self.persister.as_ref()?.dir().to_path_buf();
+        let on_disk = checkpoint::read_tracker(&dir).ok();
+        Some(match (&f.failed, on_disk) {
+            (_, Some(t)) if t >= f.step => Ok((t, dir)),
+            (Some(why), _) => Err(PersistError::NotCommitted {
+                step: f.step,
+                detail: why.clone(),
+            }),
+            (None, _) => Err(PersistError::NotCommitted {
+                step: f.step,
+                detail: "not every host's share was written in time (a host lost, or too slow)"
+                    .into(),
+            }),
+        })
+    }
+
+    /// The controller tells every follower that the final checkpoint is
+    /// settled.
+    pub(super) fn final_settled(&self) {
+        let Decider::Controller(c) = &self.decider else {
+            return;
+        };
+        if c.final_save.is_none() {
+            return;
+        }
+        for n in c.everyone() {
+            self.send_down(
+                n,
+                Down {
+                    final_done: true,
+                    ..Down::default()
+                },
+            );
+        }
+    }
+
+    /// A follower that sent its share of the final checkpoint stays (and
+    /// so its report goes out) until the controller settled it, the
+    /// controller's host is lost, or the wait is over; then its result:
+    /// the checkpoint on disk, or why not.
+    pub(super) async fn await_final(
+        &mut self,
+        sup: &mut Supervisor,
+        rx: &mut Option<Inbox>,
+        own: Result<u64, PersistError>,
+    ) -> Result<(u64, PathBuf), PersistError> {
+        let until = Instant::now() + FINAL_WAIT;
+        while let Decider::Follower(f) = &self.decider {
+            let leader_lost = self
+                .peers
+                .as_ref()
+                .is_none_or(|p| p.membership.seen().lost().contains(&f.leader));
+            if f.final_done || leader_lost || Instant::now() >= until {
+                break;
+            }
+            tokio::select! {
+                Some((from, bytes)) = recv(rx) => self.on_peer(sup, from, &bytes),
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+        let dir = self
+            .persister
+            .as_ref()
+            .map(|p| p.dir().to_path_buf())
+            .unwrap_or_default();
+        match (own, checkpoint::read_tracker(&dir).ok()) {
+            (Ok(step), Some(t))
+            | (Err(PersistError::FinalStepMissing { last: step, .. }), Some(t))
+                if t >= step =>
+            {
+                Ok((t, dir))
+            }
+            (Err(e), _) => Err(e),
+            (Ok(step), _) => Err(PersistError::NotCommitted {
+                step,
+                detail: "the controller did not commit it (see its log)".into(),
+            }),
+        }
+    }
+}
