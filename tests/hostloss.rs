@@ -337,7 +337,7 @@ fn a_host_lost_with_the_only_holder_of_its_replicas_stops_naming_the_lost_ranks(
         "the controller stops: recovery failed\n{controller}"
     );
     let newest = hatrain_shared::checkpoint::read_tracker(&save).unwrap();
-    assert_eq!(newest, 20, "the trainer saved 10 and 20 before step 30");
+    assert_eq!(newest, 20, "the agents saved 10 and 20 before step 30");
     assert!(
         controller.contains("the state of ranks [2, 3] is lost")
             && controller.contains(&format!(
@@ -378,8 +378,8 @@ fn with_no_standby_the_last_words_take_a_lost_hosts_ranks_from_their_replicas() 
     let save = tmp.path().join("ckpt");
     let resumed = tmp.path().join("resumed.jsonl");
     let mut saving = train.clone();
-    // The trainer saves nothing itself before the end: only the last
-    // words can be on disk.
+    // Nothing is saved before the end (no --save-interval): only the
+    // last words can be on disk.
     saving.extend(s(&["--save", save.to_str().unwrap()]));
     let mut c = Cluster::start(tmp, "lastwords", 0, &[], &saving);
     c.wait_held(2, &[2, 3]);
