@@ -164,6 +164,9 @@ pub(super) struct Mirror {
     pub spares: BTreeSet<u64>,
     #[serde(default)]
     pub placement: BTreeMap<usize, u64>,
+    /// Ranks a standby took and is still filling from their replicas.
+    #[serde(default)]
+    pub filling: BTreeSet<usize>,
 }
 
 impl Mirror {
@@ -587,6 +590,7 @@ impl Controller {
             members: self.members.clone(),
             spares: self.spares.clone(),
             placement: self.placement.clone(),
+            filling: self.filling.clone(),
         }
     }
 }

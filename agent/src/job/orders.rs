@@ -80,6 +80,9 @@ impl Driver<'_> {
         }
         let everyone: Vec<u64> = c.everyone().collect();
         let orphans = c.orphans();
+        if changed {
+            self.standbys_ready(&mirror);
+        }
         for n in everyone {
             let commands = orders.remove(&n).unwrap_or_default();
             if commands.is_empty() && !changed {
@@ -304,8 +307,12 @@ impl Driver<'_> {
             f.orphans = down.orphans;
         }
         f.final_done |= down.final_done;
+        let mirror = down.mirror.clone();
         if let Some(m) = down.mirror {
             f.mirror = m;
+        }
+        if let Some(m) = &mirror {
+            self.standbys_ready(m);
         }
         if let Some(a) = down.adopt {
             self.adopt(sup, a);

@@ -2,7 +2,7 @@
 //! stores from their peer replicas, which the hosts holding them hand over.
 
 use super::Driver;
-use super::decider::{Adopt, Give};
+use super::decider::{Adopt, Give, Mirror};
 use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 
@@ -48,6 +48,24 @@ impl Driver<'_> {
         }
         tracing::info!(standby = g.to, ranks = ?stores.iter().map(|s| s.0).collect::<Vec<_>>(), "handing the replicas of a lost host to a standby");
         r.hand_over(g.to, endpoint, stores);
+    }
+
+    /// The standbys that hold ranks and filled them all (as `m` says) are
+    /// streamed to from now on.
+    pub(super) fn standbys_ready(&self, m: &Mirror) {
+        let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) else {
+            return;
+        };
+        let hosts: std::collections::BTreeSet<u64> = m.placement.values().copied().collect();
+        for h in hosts {
+            let filling = m
+                .placement
+                .iter()
+                .any(|(rank, &n)| n == h && m.filling.contains(rank));
+            if !filling {
+                r.ready(h);
+            }
+        }
     }
 
     /// A standby takes a lost host's ranks: they are started when the

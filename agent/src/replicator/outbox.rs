@@ -52,6 +52,8 @@ pub struct RankProgress {
     pub lag_bytes: u64,
     /// Snapshots given up: rewritten while sent, or dropped by the peer.
     pub abandoned: u64,
+    /// The newest step the peer dropped.
+    pub dropped_step: Option<u64>,
 }
 
 /// The sending side of one stream.
@@ -115,9 +117,22 @@ impl Outbox {
         }
     }
 
-    /// The peer dropped `rank`'s snapshot of `step`.
-    pub fn dropped(&mut self, rank: u64, _step: u64) {
-        self.progress.entry(rank).or_default().abandoned += 1;
+    /// The peer dropped `rank`'s snapshot of `step`: a transfer of it in
+    /// progress ends (the peer would drop the rest of its chunks too), and
+    /// it counts once as abandoned however many of its chunks were dropped.
+    pub fn dropped(&mut self, rank: u64, step: u64) {
+        let p = self.progress.entry(rank).or_default();
+        if p.dropped_step != Some(step) {
+            p.dropped_step = Some(step);
+            p.abandoned += 1;
+        }
+        if self
+            .sending
+            .get(&rank)
+            .is_some_and(|t| t.offer.step == step)
+        {
+            self.sending.remove(&rank);
+        }
     }
 
     /// The slot of `rank`'s transfer was rewritten while it was read: the
@@ -261,6 +276,23 @@ mod tests {
         o.credit(10);
         assert_eq!(drain(&mut o), vec![(0, 2, 0), (0, 2, 10), (0, 2, 20)]);
         assert_eq!(o.progress()[&0].abandoned, 1);
+    }
+
+    /// A holder that drops a snapshot would drop the rest of its chunks:
+    /// its transfer ends at the first drop, which counts once.
+    #[test]
+    fn a_dropped_snapshot_is_sent_no_further_and_counts_once() {
+        let mut o = Outbox::new(10);
+        o.offer(offer(0, 1, 50));
+        o.credit(2);
+        drain(&mut o);
+        o.dropped(0, 1);
+        o.dropped(0, 1);
+        o.credit(10);
+        assert_eq!(drain(&mut o), vec![], "nothing more of step 1");
+        assert_eq!(o.progress()[&0].abandoned, 1);
+        o.offer(offer(0, 2, 20));
+        assert_eq!(drain(&mut o), vec![(0, 2, 0), (0, 2, 10)]);
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub(super) struct Ring {
     /// A standby filling the ranks it took holds nobody's replicas yet:
     /// the fill is what the paused job waits for.
     pub(super) filling: bool,
+    /// Standbys that took a lost host's ranks and are still filling them:
+    /// not streamed to until they are (they would refuse every chunk).
+    pub(super) unready: HashSet<u64>,
 }
 
 /// The host that plays node `node` now, following replacements.
@@ -70,6 +73,22 @@ impl Replicator {
             self.ring.lock().expect("not poisoned").filling = true;
             self.play(lost);
         } else {
+            self.ring.lock().expect("not poisoned").unready.insert(by);
+            self.arrange();
+        }
+    }
+
+    /// Standby `host` filled the ranks it took (the controller says so):
+    /// it is streamed to from now on, where the placement says.
+    pub fn ready(&self, host: u64) {
+        if self
+            .ring
+            .lock()
+            .expect("not poisoned")
+            .unready
+            .remove(&host)
+        {
+            tracing::info!(node = host, "the standby filled the ranks it took");
             self.arrange();
         }
     }
@@ -102,7 +121,10 @@ impl Replicator {
             }
             for t in targets(role as usize, &ring.domains, ring.replicas) {
                 let host = resolve(&replaced, t as u64);
-                if host == self.cfg.node || ring.streaming.contains(&host) {
+                if host == self.cfg.node
+                    || ring.streaming.contains(&host)
+                    || ring.unready.contains(&host)
+                {
                     continue;
                 }
                 match ring.endpoints.get(&host) {
