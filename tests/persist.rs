@@ -329,7 +329,8 @@ fn hosts_write_their_shares_and_a_step_is_committed_only_once_every_rank_is_writ
     for it in [10, 30] {
         assert!(
             written.contains(&it) || skipped(0) || skipped(1),
-            "iteration {it} neither written nor said skipped: {written:?}"
+            "iteration {it} neither written nor said skipped: {written:?}\n{}",
+            saves_said(&[err(0), err(1)])
         );
     }
     for &it in &written {
@@ -341,4 +342,18 @@ fn hosts_write_their_shares_and_a_step_is_committed_only_once_every_rank_is_writ
         "the uncommitted iteration 20 is left in {}",
         tmp20.display()
     );
+}
+
+/// What the hosts' logs say about checkpoints and their shares.
+fn saves_said(logs: &[String]) -> String {
+    logs.iter()
+        .enumerate()
+        .flat_map(|(k, log)| {
+            log.lines()
+                .filter(|l| l.contains("checkpoint") || l.contains("share"))
+                .map(move |l| format!("host {k}: {l}"))
+                .collect::<Vec<_>>()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }

@@ -115,6 +115,8 @@ impl Driver<'_> {
         }
         let newer_on_disk = checkpoint::read_tracker(&dir).is_ok_and(|t| t >= step);
         let committed = if newer_on_disk {
+            // Overtaken: a newer step is on disk already.
+            let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(&dir, step));
             Ok(())
         } else {
             checkpoint::commit_save(&dir, step, world).map(|path| {
@@ -150,6 +152,11 @@ impl Driver<'_> {
             .unwrap_or(0);
         let t0 = Instant::now();
         let own = p.finish_part(sources);
+        // A periodic share that finished meanwhile goes first.
+        let earlier = p.take_shares();
+        for (step, result) in earlier {
+            self.share_saved(ranks.clone(), step, result);
+        }
         let (step, result) = match &own {
             Ok(step) => (*step, Ok(t0.elapsed().as_secs_f64())),
             Err(e) => (last, Err(e.to_string())),
