@@ -13,6 +13,8 @@
 //! - A host lost with no standby left (dump on): the last-words checkpoint
 //!   takes its ranks from their replicas, each host writing its share;
 //!   resuming from it on one host of six ranks ends bit-identically.
+//! - SIGTERM to a follower's agent: every host writes its share of the
+//!   last words; resuming from them ends bit-identically.
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
 //!   checkpoint on disk; nothing claims a later step.
@@ -415,6 +417,60 @@ fn with_no_standby_the_last_words_take_a_lost_hosts_ranks_from_their_replicas() 
     args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
     args.push(resumed.display().to_string());
     assert_success(&run_launch(6, "lastwords-resume", &args), "the resumed run");
+    let run = read_log(&resumed);
+    assert_eq!(run[0]["resumed_from"], it);
+    assert_eq!(final_checksum(&run), final_checksum(&reference));
+    let want = final_losses(&reference);
+    for (step, loss) in final_losses(&run) {
+        assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
+    }
+}
+
+/// SIGTERM to host 1's agent (a follower) while the job stands still in
+/// step 30: the controller stops the job with its last words, which every
+/// host writes its share of. Resumed with `--load` on one host of six
+/// ranks, the run ends with the losses and the checksum of the run without
+/// faults.
+#[test]
+fn sigterm_to_a_follower_ends_the_job_with_last_words_every_host_writes_its_share_of() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let save = tmp.path().join("ckpt");
+    let resumed = tmp.path().join("resumed.jsonl");
+    let mut saving = train.clone();
+    saving.extend(s(&["--save", save.to_str().unwrap()]));
+    let mut c = Cluster::start(tmp, "sigterm", 0, &[], &saving);
+    c.wait_held(2, &[2, 3]);
+    let follower = c.agents[1].child.as_ref().unwrap().id() as i32;
+    kill(follower, libc::SIGTERM);
+    let outs = c.ends(&[0, 1, 2]);
+    let it = hatrain_shared::checkpoint::read_tracker(&save)
+        .unwrap_or_else(|e| panic!("no checkpoint on disk ({e}):\n{}", logs(&outs)));
+    assert!(
+        (29..=30).contains(&it),
+        "the last words are of the step the job stood still at, not {it}"
+    );
+    let controller = stderr(&outs, 0);
+    assert!(
+        controller.contains(&format!("last-words checkpoint of iteration {it} written")),
+        "{controller}"
+    );
+    for (k, ranks) in [(0, "[0, 1]"), (1, "[2, 3]"), (2, "[4, 5]")] {
+        let log = stderr(&outs, k);
+        assert!(
+            log.contains("writing this host's share of the checkpoint")
+                && log.contains(&format!("ranks={ranks}")),
+            "host {k} writes its own ranks:\n{}",
+            logs(&outs)
+        );
+        assert!(!outs[k].1.status.success(), "host {k} was interrupted");
+        assert_nothing_left(&c.shm[k]);
+    }
+
+    let mut args = train;
+    args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
+    args.push(resumed.display().to_string());
+    assert_success(&run_launch(6, "sigterm-resume", &args), "the resumed run");
     let run = read_log(&resumed);
     assert_eq!(run[0]["resumed_from"], it);
     assert_eq!(final_checksum(&run), final_checksum(&reference));

@@ -609,8 +609,11 @@ pub(super) struct Follower {
     /// The views and replicas last reported, and when.
     pub last: Option<(Instant, Vec<RankView>, Vec<usize>)>,
     /// Set when a shutdown was passed on: a controller that has not ended
-    /// the job by then is not coming.
+    /// the job by then, nor begun its last words, is not coming.
     pub shutdown_by: Option<Instant>,
+    /// The controller's epoch when the shutdown was passed on: a newer one
+    /// means it took it (it pauses every rank for the last words).
+    pub shutdown_epoch: u64,
     /// The controller ended the job.
     pub ended: bool,
     /// Every host loss it heard of: a successor taking over decides on
@@ -631,6 +634,7 @@ impl Follower {
             term: 0,
             last: None,
             shutdown_by: None,
+            shutdown_epoch: 0,
             ended: false,
             losses: Vec::new(),
             orphans: Vec::new(),

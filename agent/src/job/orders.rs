@@ -27,6 +27,7 @@ impl Driver<'_> {
                         f.shutdown_by = Some(
                             Instant::now() + self.cfg.ha.host_timeout + Duration::from_secs(2),
                         );
+                        f.shutdown_epoch = f.mirror.epoch;
                     }
                     let views = self.views(sup);
                     self.report(views, vec![event], true);
@@ -467,8 +468,17 @@ impl Driver<'_> {
     }
 
     /// A follower whose shutdown the controller did not answer in time
-    /// stops by itself.
+    /// stops by itself. A controller that began the job's last words (a
+    /// newer epoch: it pauses every rank first, which may take up to the
+    /// pause timeout) has answered: it ends the job once they are written,
+    /// and if its host is lost meanwhile, a successor takes over.
     pub(super) fn shutdown_unanswered(&mut self) {
+        if let Decider::Follower(f) = &mut self.decider
+            && f.shutdown_by.is_some()
+            && f.mirror.epoch > f.shutdown_epoch
+        {
+            f.shutdown_by = None;
+        }
         if let Decider::Follower(f) = &self.decider
             && f.shutdown_by.is_some_and(|by| Instant::now() >= by)
         {
