@@ -173,6 +173,12 @@ fn assert_filled(standby: &str, ranks: &[usize]) {
             standby.contains(&format!("store filled from the peer replica rank={rank}")),
             "the standby filled rank {rank} from its replica:\n{standby}"
         );
+        assert!(
+            standby.contains(&format!(
+                "replica store removed: this host holds the rank itself rank={rank} "
+            )),
+            "the standby gave up the replica it filled rank {rank} from:\n{standby}"
+        );
     }
 }
 

@@ -104,6 +104,11 @@ impl Driver<'_> {
             match store.fill_from(&replica) {
                 Ok(info) => {
                     tracing::info!(rank, step = info.step, "store filled from the peer replica");
+                    drop(replica);
+                    // This host holds the rank itself from now on.
+                    if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
+                        r.release(rank);
+                    }
                     let Some((reply, answer, checkpoint)) = self.filling.remove(&rank) else {
                         continue;
                     };

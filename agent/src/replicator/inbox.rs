@@ -381,6 +381,20 @@ impl Inbox {
             .collect()
     }
 
+    /// Removes the replica store of `rank`, and its map.
+    pub fn release(&mut self, rank: u64) {
+        self.maps.remove(&rank);
+        if let Some(h) = self.stores.remove(&rank) {
+            let path = h.store.path().to_path_buf();
+            drop(h);
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a replica store");
+            }
+        }
+    }
+
     /// Removes every replica store.
     pub fn close(&mut self) {
         for (_, h) in std::mem::take(&mut self.stores) {
@@ -535,6 +549,10 @@ mod tests {
         let held = inbox.held();
         assert_eq!(held[0].steps, vec![9]);
         assert_eq!(held[0].map.as_deref(), Some(&map));
+        // Given up: store, file and map go.
+        inbox.release(0);
+        assert!(inbox.held().is_empty());
+        assert!(!replica_path(dir.path(), 0).exists());
     }
 
     #[test]

@@ -121,6 +121,8 @@ struct Shared {
     streams: Vec<StreamState>,
     held: Vec<inbox::Held>,
     rejected: inbox::Rejected,
+    /// Replicas to give up (the inbox's thread removes them).
+    release: Vec<u64>,
 }
 
 /// The replicator of one agent: its listening socket, and its streams.
@@ -368,6 +370,31 @@ impl Replicator {
         Some((Arc::new(store), map))
     }
 
+    /// Gives up the replica of `rank`, a rank this (standby) agent took and
+    /// filled from it: its store is removed, and no more of it is taken.
+    pub fn release(&self, rank: usize) {
+        if let Ok(mut a) = self.adopted.write() {
+            a.remove(&(rank as u64));
+        }
+        // The name goes now; the memory once the inbox's thread lets go of
+        // its mapping.
+        let path = inbox::replica_path(&self.cfg.dir, rank as u64);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                tracing::info!(rank, path = %path.display(), "replica store removed: this host holds the rank itself")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove a replica store")
+            }
+        }
+        self.shared
+            .lock()
+            .expect("not poisoned")
+            .release
+            .push(rank as u64);
+    }
+
     /// The state map (JSON) each replica held came with, by rank.
     pub fn replica_maps(&self) -> HashMap<u64, Arc<[u8]>> {
         let sh = self.shared.lock().expect("not poisoned");
@@ -505,7 +532,7 @@ fn hold(sock: zmq::Socket, mut inbox: Inbox, stop: &AtomicBool, shared: &Mutex<S
         match poll(&sock, zmq::POLLIN, POLL) {
             Ok(n) if n > 0 => {}
             Ok(_) => {
-                publish(&inbox, shared, &mut published, true);
+                publish(&mut inbox, shared, &mut published, true);
                 continue;
             }
             Err(e) => {
@@ -551,7 +578,7 @@ fn hold(sock: zmq::Socket, mut inbox: Inbox, stop: &AtomicBool, shared: &Mutex<S
                 }
             }
         }
-        publish(&inbox, shared, &mut published, false);
+        publish(&mut inbox, shared, &mut published, false);
     }
     inbox.close();
     if let Ok(mut sh) = shared.lock() {
@@ -559,12 +586,15 @@ fn hold(sock: zmq::Socket, mut inbox: Inbox, stop: &AtomicBool, shared: &Mutex<S
     }
 }
 
-fn publish(inbox: &Inbox, shared: &Mutex<Shared>, last: &mut Instant, force: bool) {
+fn publish(inbox: &mut Inbox, shared: &Mutex<Shared>, last: &mut Instant, force: bool) {
     if !force && last.elapsed() < Duration::from_millis(50) {
         return;
     }
     *last = Instant::now();
     if let Ok(mut sh) = shared.lock() {
+        for rank in std::mem::take(&mut sh.release) {
+            inbox.release(rank);
+        }
         sh.held = inbox.held();
         sh.rejected = inbox.rejected;
     }
