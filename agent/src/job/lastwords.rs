@@ -42,6 +42,20 @@ impl SharedWrite {
     /// failed) its `_tmp` directory removed.
     fn finish(self) -> Result<Written, String> {
         let tmp = checkpoint::tmp_iter_dir(&self.dir, self.step);
+        if let Some(on_disk) = checkpoint::read_tracker(&self.dir)
+            .ok()
+            .filter(|t| *t >= self.step)
+        {
+            // A periodic save as new was committed meanwhile: the tracker
+            // never goes back.
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Ok(Written {
+                iteration: on_disk,
+                dir: self.dir,
+                written: false,
+                seconds: 0.0,
+            });
+        }
         let result = if self.failed.is_empty() {
             checkpoint::commit_save(&self.dir, self.step, self.world).map_err(|e| e.to_string())
         } else {
@@ -82,11 +96,14 @@ impl Driver<'_> {
             return fail("no rank registered a checkpoint layout".into());
         };
         let (dir, world) = (p.dir().to_path_buf(), p.world());
-        if checkpoint::read_tracker(&dir).ok() == Some(step) {
+        // The tracker never goes back: a periodic save of this step or a
+        // newer one (whose shares were all written before a host was lost)
+        // is what resumes.
+        if let Some(on_disk) = checkpoint::read_tracker(&dir).ok().filter(|t| *t >= step) {
             return Some(Event::Written {
                 epoch,
                 result: Ok(Written {
-                    iteration: step,
+                    iteration: on_disk,
                     dir,
                     written: false,
                     seconds: 0.0,
@@ -242,5 +259,44 @@ impl Driver<'_> {
                 self.share_written(n, epoch, Err("lost while it wrote its share".into()))
             })
             .last()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &std::path::Path, step: u64, failed: Vec<String>) -> SharedWrite {
+        SharedWrite {
+            epoch: 1,
+            step,
+            dir: dir.to_path_buf(),
+            world: 1,
+            started: Instant::now(),
+            waiting: BTreeSet::new(),
+            failed,
+        }
+    }
+
+    /// A checkpoint whose shares are written is not committed over a newer
+    /// one on disk (the tracker never goes back), nor when a share failed;
+    /// either way its `_tmp` directory goes.
+    #[test]
+    fn last_words_never_move_the_tracker_back_and_a_failed_share_commits_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(checkpoint::TRACKER_FILE), "30\n").unwrap();
+        let tmp = checkpoint::begin_save(d.path(), 25).unwrap();
+        let w = write(d.path(), 25, Vec::new()).finish().unwrap();
+        assert_eq!((w.iteration, w.written), (30, false));
+        assert!(!tmp.exists());
+        assert_eq!(checkpoint::read_tracker(d.path()).unwrap(), 30);
+
+        let tmp = checkpoint::begin_save(d.path(), 40).unwrap();
+        let e = write(d.path(), 40, vec!["host 2: disk full".into()])
+            .finish()
+            .unwrap_err();
+        assert!(e.contains("host 2: disk full"), "{e}");
+        assert!(!tmp.exists());
+        assert_eq!(checkpoint::read_tracker(d.path()).unwrap(), 30);
     }
 }
