@@ -328,6 +328,7 @@ impl Controller {
         c.members.insert(node);
         c.spares.clone_from(&from.spares);
         c.placement.clone_from(&from.placement);
+        c.filling.clone_from(&from.filling);
         let waiting = c.everyone().filter(|n| !gone.contains(n)).collect();
         c.settling = Some(Settling {
             until: Instant::now() + SETTLE,
@@ -526,6 +527,11 @@ impl Controller {
         Some(Event::Collected { epoch, steps })
     }
 
+    /// The epoch of the collection in progress, if one is.
+    pub fn gathering(&self) -> Option<u64> {
+        self.gather.as_ref().map(|g| g.epoch)
+    }
+
     /// Ranks no live host holds: a lost host's, with no standby to take
     /// them.
     pub fn orphans(&self) -> Vec<usize> {
@@ -614,6 +620,8 @@ pub(super) struct Follower {
     /// The controller's epoch when the shutdown was passed on: a newer one
     /// means it took it (it pauses every rank for the last words).
     pub shutdown_epoch: u64,
+    /// A shutdown was passed on: a successor hears it again.
+    pub shutdown_passed: bool,
     /// The controller ended the job.
     pub ended: bool,
     /// Every host loss it heard of: a successor taking over decides on
@@ -635,6 +643,7 @@ impl Follower {
             last: None,
             shutdown_by: None,
             shutdown_epoch: 0,
+            shutdown_passed: false,
             ended: false,
             losses: Vec::new(),
             orphans: Vec::new(),

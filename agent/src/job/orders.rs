@@ -28,6 +28,7 @@ impl Driver<'_> {
                             Instant::now() + self.cfg.ha.host_timeout + Duration::from_secs(2),
                         );
                         f.shutdown_epoch = f.mirror.epoch;
+                        f.shutdown_passed = true;
                     }
                     let views = self.views(sup);
                     self.report(views, vec![event], true);
@@ -196,7 +197,12 @@ impl Driver<'_> {
                     );
                     f.leader = from;
                     f.orphaned = None;
+                    let again = f.shutdown_passed;
                     self.on_down(sup, down);
+                    if again {
+                        // The shutdown passed on to the lost controller.
+                        self.feed(sup, Event::Shutdown);
+                    }
                 }
                 Ok(_) => tracing::warn!(
                     node = from,
@@ -427,6 +433,36 @@ impl Driver<'_> {
                 }
             }
         }
+        self.collect_again(sup);
+    }
+
+    /// A collection in progress waits for the hosts it was sent to: when
+    /// some are lost, it starts again over the hosts left (with the
+    /// replicas of the ranks no live host holds now), or it would wait for
+    /// ever.
+    fn collect_again(&mut self, sup: &mut Supervisor) {
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        let Some(epoch) = c.gathering().filter(|e| *e == c.machine.epoch()) else {
+            return;
+        };
+        tracing::warn!(
+            epoch,
+            "hosts lost during a collection: collecting again from the hosts left"
+        );
+        let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
+        for r in c.route(Command::Collect { epoch }) {
+            match r {
+                Routed::Here(cmd) => {
+                    if let Some(e) = self.carry_out(sup, cmd) {
+                        self.feed(sup, e);
+                    }
+                }
+                Routed::There(n, cmd) => orders.entry(n).or_default().push(cmd),
+            }
+        }
+        self.send_orders(orders);
     }
 
     /// Lost host `node`'s `ranks` go to standby `to`: it takes them, and

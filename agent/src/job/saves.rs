@@ -25,8 +25,26 @@ use std::time::{Duration, Instant};
 const FINAL_WAIT: Duration = Duration::from_secs(300);
 
 /// Periodic steps tracked at most while their shares come in (the oldest
-/// go first: a newer one is committed anyway).
-const PENDING_STEPS: usize = 16;
+/// go first, with their `_tmp` directories: a step four save intervals
+/// behind the newest is not going to be committed).
+const PENDING_STEPS: usize = 4;
+
+/// Drops the oldest steps beyond [`PENDING_STEPS`], and their `_tmp`
+/// directories in `dir`.
+fn evict(
+    saves: &mut std::collections::BTreeMap<u64, std::collections::BTreeSet<usize>>,
+    dir: &std::path::Path,
+) {
+    while saves.len() > PENDING_STEPS {
+        if let Some((s, _)) = saves.pop_first() {
+            tracing::warn!(
+                step = s,
+                "a save step whose shares never all came is given up"
+            );
+            let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(dir, s));
+        }
+    }
+}
 
 /// The final checkpoint the controller waits for.
 #[derive(Debug)]
@@ -86,6 +104,10 @@ impl Driver<'_> {
         };
         if let Err(m) = result {
             tracing::warn!(node, step, reason = %m, "a host's share of a checkpoint failed: that step is not committed");
+            // Tracked, so that its `_tmp` directory goes once a newer step
+            // is committed (or it is evicted).
+            c.saves.entry(step).or_default();
+            evict(&mut c.saves, &dir);
             if let Some(f) = c.final_save.as_mut().filter(|f| f.step == step) {
                 f.failed = Some(format!("host {node}: {m}"));
             }
@@ -103,9 +125,7 @@ impl Driver<'_> {
         let got = c.saves.entry(step).or_default();
         got.extend(ranks);
         let whole = got.len() >= world;
-        while c.saves.len() > PENDING_STEPS {
-            c.saves.pop_first();
-        }
+        evict(&mut c.saves, &dir);
         if !whole {
             return;
         }

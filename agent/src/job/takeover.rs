@@ -43,13 +43,23 @@ impl Driver<'_> {
                 };
                 match view.follows {
                     Some(n) if n == me && view.acting => {
+                        let shutdown = f.shutdown_passed;
                         self.take_over(sup, view.term);
                         self.register_again(sup);
+                        if shutdown {
+                            // The shutdown this host passed on to the lost
+                            // controller is decided here now.
+                            self.feed(sup, Event::Shutdown);
+                        }
                     }
                     Some(n) if n != me && n != f.leader && !self.lost.contains(&n) => {
                         tracing::info!(node = n, "reporting to the successor");
                         f.leader = n;
+                        let shutdown = f.shutdown_passed;
                         self.register_again(sup);
+                        if shutdown {
+                            self.feed(sup, Event::Shutdown);
+                        }
                     }
                     _ if Instant::now() >= deadline => self.no_successor(),
                     _ => {}

@@ -655,9 +655,8 @@ fn send(
     sock.connect(endpoint)?;
     sock.set_immediate(true)?;
     let mut stores: BTreeMap<u64, Arc<Store>> = BTreeMap::new();
-    // The ranks' state maps, and those sent in this session.
+    // The ranks' state maps.
     let mut maps: BTreeMap<u64, Arc<[u8]>> = BTreeMap::new();
-    let mut maps_sent: HashSet<u64> = HashSet::new();
     let mut outbox = Outbox::new(cfg.chunk as u64);
     let mut session: Option<Session> = None;
     let mut pending: Option<(Pending, Instant)> = None;
@@ -667,7 +666,6 @@ fn send(
             stores.insert(rank, store);
             if let Some(m) = map {
                 maps.insert(rank, m);
-                maps_sent.remove(&rank);
             }
         }
         if session.is_none()
@@ -684,28 +682,6 @@ fn send(
         }
         let mut lost = false;
         if let Some(s) = session.as_mut() {
-            // Each rank's map goes before its snapshots, once a session.
-            let unsent: Vec<u64> = maps
-                .keys()
-                .filter(|r| !maps_sent.contains(r))
-                .copied()
-                .collect();
-            for rank in unsent {
-                let frame = s.seal(Kind::Map, &[&rank.to_le_bytes(), &maps[&rank]]);
-                match send_until(&sock, frame, stop) {
-                    Ok(true) => {
-                        maps_sent.insert(rank);
-                    }
-                    Ok(false) => return Ok(()),
-                    Err(zmq::Error::EAGAIN) => {
-                        lost = true;
-                        break;
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        if let Some(s) = session.as_mut().filter(|_| !lost) {
             for (rank, store) in &stores {
                 if let Some(newest) = store.sealed().into_iter().next() {
                     outbox.offer(Offer {
@@ -732,6 +708,21 @@ fn send(
                     outbox.torn(rank);
                     continue;
                 };
+                // Each snapshot's first chunk goes after the rank's map: a
+                // holder that refused it earlier (a standby still filling)
+                // takes it with the snapshot it takes.
+                if let Some(m) = maps.get(&rank).filter(|_| plan.offset == 0) {
+                    let frame = s.seal(Kind::Map, &[&rank.to_le_bytes(), m]);
+                    match send_until(&sock, frame, stop) {
+                        Ok(true) => {}
+                        Ok(false) => return Ok(()),
+                        Err(zmq::Error::EAGAIN) => {
+                            lost = true;
+                            break;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
                 let h = ChunkHeader {
                     rank,
                     step: info.step,
@@ -780,7 +771,6 @@ fn send(
             session = None;
             pending = None;
             outbox.reset();
-            maps_sent.clear();
         }
         if poll(&sock, zmq::POLLIN, SCAN)? > 0 {
             while let Ok(wire) = sock.recv_bytes(zmq::DONTWAIT) {
@@ -793,7 +783,6 @@ fn send(
                             tracing::info!(node = s.peer, "replica stream open");
                             outbox.reset();
                             outbox.credit(w.credit);
-                            maps_sent.clear();
                             session = Some(s);
                             pending = None;
                         }
