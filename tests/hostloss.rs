@@ -15,6 +15,9 @@
 //!   resuming from it on one host of six ranks ends bit-identically.
 //! - SIGTERM to a follower's agent: every host writes its share of the
 //!   last words; resuming from them ends bit-identically.
+//! - A host lost while the last words are under way (SIGTERM to the
+//!   controller, then host 1 vanishes while the ranks pause): its ranks
+//!   come from their replicas, and the resume is bit-identical.
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
 //!   checkpoint on disk; nothing claims a later step.
@@ -484,4 +487,46 @@ fn sigterm_to_a_follower_ends_the_job_with_last_words_every_host_writes_its_shar
     for (step, loss) in final_losses(&run) {
         assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
     }
+}
+
+/// SIGTERM to the controller while the job stands still (rank 0 naps, so
+/// the pause for the last words waits), then host 1 vanishes before the
+/// ranks have paused: the last words take ranks 2 and 3 from their
+/// replicas on host 2, and resuming from them ends bit-identically.
+#[test]
+fn a_host_lost_while_the_last_words_are_under_way_is_written_from_its_replicas() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let save = tmp.path().join("ckpt");
+    let resumed = tmp.path().join("resumed.jsonl");
+    let mut saving = train.clone();
+    saving.extend(s(&["--save", save.to_str().unwrap()]));
+    let mut c = Cluster::start(tmp, "lw-lost", 0, &[], &saving);
+    c.wait_held(2, &[2, 3]);
+    let controller = c.agents[0].child.as_ref().unwrap().id() as i32;
+    kill(controller, libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(500));
+    c.vanish(&[1]);
+    let outs = c.ends(&[0, 2]);
+    let it = hatrain_shared::checkpoint::read_tracker(&save)
+        .unwrap_or_else(|e| panic!("no checkpoint on disk ({e}):\n{}", logs(&outs)));
+    assert!((29..=30).contains(&it), "last words of iteration {it}");
+    let holder = stderr(&outs, 2);
+    assert!(
+        holder.contains("writing this host's share of the checkpoint")
+            && holder.contains("ranks=[2, 3, 4, 5]"),
+        "host 2 writes the lost ranks from their replicas:\n{}",
+        logs(&outs)
+    );
+    for k in [0, 2] {
+        assert_nothing_left(&c.shm[k]);
+    }
+
+    let mut args = train;
+    args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
+    args.push(resumed.display().to_string());
+    assert_success(&run_launch(6, "lw-lost-resume", &args), "the resumed run");
+    let run = read_log(&resumed);
+    assert_eq!(run[0]["resumed_from"], it);
+    assert_eq!(final_checksum(&run), final_checksum(&reference));
 }

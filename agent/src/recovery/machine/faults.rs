@@ -462,6 +462,13 @@ impl Machine {
                     ..
                 }
         ) {
+            // The last words are under way: the lost ranks pause for
+            // nothing (their state comes from their replicas).
+            for r in &ranks {
+                if let Some(v) = self.views.get_mut(r) {
+                    v.alive = false;
+                }
+            }
             return;
         }
         let first = ranks.first().copied().unwrap_or(0);
