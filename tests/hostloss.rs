@@ -384,16 +384,9 @@ fn a_host_lost_with_the_only_holder_of_its_replicas_stops_naming_the_lost_ranks(
 /// with the losses and the checksum of the run without faults.
 #[test]
 fn with_no_standby_the_last_words_take_a_lost_hosts_ranks_from_their_replicas() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (train, reference) = six_ranks_reference(tmp.path());
-    let save = tmp.path().join("ckpt");
-    let resumed = tmp.path().join("resumed.jsonl");
-    let mut saving = train.clone();
-    // Nothing is saved before the end (no --save-interval): only the
-    // last words can be on disk.
-    saving.extend(s(&["--save", save.to_str().unwrap()]));
-    let mut c = Cluster::start(tmp, "lastwords", 0, &[], &saving);
-    c.wait_held(2, &[2, 3]);
+    let lw = LastWords::start("lastwords");
+    let mut c = lw.cluster;
+    let save = lw.save;
     c.vanish(&[1]);
     let outs = c.ends(&[0, 2]);
     let controller = stderr(&outs, 0);
@@ -422,17 +415,7 @@ fn with_no_standby_the_last_words_take_a_lost_hosts_ranks_from_their_replicas() 
         assert_nothing_left(&c.shm[k]);
     }
 
-    let mut args = train;
-    args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
-    args.push(resumed.display().to_string());
-    assert_success(&run_launch(6, "lastwords-resume", &args), "the resumed run");
-    let run = read_log(&resumed);
-    assert_eq!(run[0]["resumed_from"], it);
-    assert_eq!(final_checksum(&run), final_checksum(&reference));
-    let want = final_losses(&reference);
-    for (step, loss) in final_losses(&run) {
-        assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
-    }
+    lw.rest.resumes_from(it, "lastwords-resume");
 }
 
 /// SIGTERM to host 1's agent (a follower) while the job stands still in
@@ -442,14 +425,9 @@ fn with_no_standby_the_last_words_take_a_lost_hosts_ranks_from_their_replicas() 
 /// faults.
 #[test]
 fn sigterm_to_a_follower_ends_the_job_with_last_words_every_host_writes_its_share_of() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (train, reference) = six_ranks_reference(tmp.path());
-    let save = tmp.path().join("ckpt");
-    let resumed = tmp.path().join("resumed.jsonl");
-    let mut saving = train.clone();
-    saving.extend(s(&["--save", save.to_str().unwrap()]));
-    let mut c = Cluster::start(tmp, "sigterm", 0, &[], &saving);
-    c.wait_held(2, &[2, 3]);
+    let lw = LastWords::start("sigterm");
+    let mut c = lw.cluster;
+    let save = lw.save;
     let follower = c.agents[1].child.as_ref().unwrap().id() as i32;
     kill(follower, libc::SIGTERM);
     let outs = c.ends(&[0, 1, 2]);
@@ -476,17 +454,7 @@ fn sigterm_to_a_follower_ends_the_job_with_last_words_every_host_writes_its_shar
         assert_nothing_left(&c.shm[k]);
     }
 
-    let mut args = train;
-    args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
-    args.push(resumed.display().to_string());
-    assert_success(&run_launch(6, "sigterm-resume", &args), "the resumed run");
-    let run = read_log(&resumed);
-    assert_eq!(run[0]["resumed_from"], it);
-    assert_eq!(final_checksum(&run), final_checksum(&reference));
-    let want = final_losses(&reference);
-    for (step, loss) in final_losses(&run) {
-        assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
-    }
+    lw.rest.resumes_from(it, "sigterm-resume");
 }
 
 /// SIGTERM to the controller while the job stands still (rank 0 naps, so
@@ -495,14 +463,9 @@ fn sigterm_to_a_follower_ends_the_job_with_last_words_every_host_writes_its_shar
 /// replicas on host 2, and resuming from them ends bit-identically.
 #[test]
 fn a_host_lost_while_the_last_words_are_under_way_is_written_from_its_replicas() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (train, reference) = six_ranks_reference(tmp.path());
-    let save = tmp.path().join("ckpt");
-    let resumed = tmp.path().join("resumed.jsonl");
-    let mut saving = train.clone();
-    saving.extend(s(&["--save", save.to_str().unwrap()]));
-    let mut c = Cluster::start(tmp, "lw-lost", 0, &[], &saving);
-    c.wait_held(2, &[2, 3]);
+    let lw = LastWords::start("lw-lost");
+    let mut c = lw.cluster;
+    let save = lw.save;
     let controller = c.agents[0].child.as_ref().unwrap().id() as i32;
     kill(controller, libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(500));
@@ -522,11 +485,67 @@ fn a_host_lost_while_the_last_words_are_under_way_is_written_from_its_replicas()
         assert_nothing_left(&c.shm[k]);
     }
 
-    let mut args = train;
-    args.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
-    args.push(resumed.display().to_string());
-    assert_success(&run_launch(6, "lw-lost-resume", &args), "the resumed run");
-    let run = read_log(&resumed);
-    assert_eq!(run[0]["resumed_from"], it);
-    assert_eq!(final_checksum(&run), final_checksum(&reference));
+    lw.rest.resumes_from(it, "lw-lost-resume");
+}
+
+/// A job of three hosts of two ranks and no standby, saving only its last
+/// words, standing still at step 30 with host 1's replicas held on host 2;
+/// and what its resume is checked against.
+struct LastWords {
+    cluster: Cluster,
+    save: PathBuf,
+    rest: Resume,
+}
+
+/// How a run resumed from the last words is checked: the trainer's
+/// arguments, the run without faults, and where the resumed run logs.
+struct Resume {
+    train: Vec<String>,
+    reference: Vec<serde_json::Value>,
+    save: PathBuf,
+    log: PathBuf,
+}
+
+impl LastWords {
+    fn start(name: &str) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let (train, reference) = six_ranks_reference(tmp.path());
+        let save = tmp.path().join("ckpt");
+        let log = tmp.path().join("resumed.jsonl");
+        let mut saving = train.clone();
+        // Nothing is saved before the end (no --save-interval): only the
+        // last words can be on disk.
+        saving.extend(s(&["--save", save.to_str().unwrap()]));
+        let cluster = Cluster::start(tmp, name, 0, &[], &saving);
+        cluster.wait_held(2, &[2, 3]);
+        Self {
+            cluster,
+            save: save.clone(),
+            rest: Resume {
+                train,
+                reference,
+                save,
+                log,
+            },
+        }
+    }
+}
+
+impl Resume {
+    /// Resumed with `--load` from iteration `it` on one host of six ranks,
+    /// the run ends with every loss and the checksum of the run without
+    /// faults.
+    fn resumes_from(&self, it: u64, name: &str) {
+        let mut args = self.train.clone();
+        args.extend(s(&["--load", self.save.to_str().unwrap(), "--log-jsonl"]));
+        args.push(self.log.display().to_string());
+        assert_success(&run_launch(6, name, &args), "the resumed run");
+        let run = read_log(&self.log);
+        assert_eq!(run[0]["resumed_from"], it);
+        assert_eq!(final_checksum(&run), final_checksum(&self.reference));
+        let want = final_losses(&self.reference);
+        for (step, loss) in final_losses(&run) {
+            assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
+        }
+    }
 }

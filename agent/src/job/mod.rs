@@ -725,30 +725,6 @@ impl Driver<'_> {
         });
     }
 
-    /// Polls the persister: periodic saves, and the dumps that finished.
-    fn poll_persister(&mut self, sup: &Supervisor) -> Option<Event> {
-        let sources: HashMap<usize, persister::OwnedSource> = sup
-            .ranks()
-            .iter()
-            .filter_map(|&r| Some((r, self.source(r)?)))
-            .collect();
-        let p = self.persister.as_mut()?;
-        let done = p.poll(sup.ranks(), |r| sources.get(&r).cloned());
-        // One dump runs at a time, so at most one finishes per poll.
-        let ranks = sup.ranks().to_vec();
-        for (step, result) in p.take_shares() {
-            self.share_saved(ranks.clone(), step, result);
-        }
-        let d = done.into_iter().next()?;
-        if d.part {
-            return self.share_done(d.epoch, d.result.map(|w| w.seconds));
-        }
-        Some(Event::Written {
-            epoch: d.epoch,
-            result: d.result,
-        })
-    }
-
     fn on_tick(&mut self, sup: &mut Supervisor) {
         if let Some(e) = self.poll_persister(sup) {
             self.feed(sup, e);

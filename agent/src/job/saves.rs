@@ -15,8 +15,10 @@ use super::Driver;
 use super::decider::{Decider, Down, Inbox, Up};
 use super::orders::recv;
 use crate::persister::{OwnedSource, PersistError};
+use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 use hatrain_shared::checkpoint;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -56,6 +58,30 @@ pub(super) struct FinalSave {
 }
 
 impl Driver<'_> {
+    /// Polls the persister: periodic saves, and the dumps that finished.
+    pub(super) fn poll_persister(&mut self, sup: &Supervisor) -> Option<Event> {
+        let sources: HashMap<usize, OwnedSource> = sup
+            .ranks()
+            .iter()
+            .filter_map(|&r| Some((r, self.source(r)?)))
+            .collect();
+        let p = self.persister.as_mut()?;
+        let done = p.poll(sup.ranks(), |r| sources.get(&r).cloned());
+        // One dump runs at a time, so at most one finishes per poll.
+        let ranks = sup.ranks().to_vec();
+        for (step, result) in p.take_shares() {
+            self.share_saved(ranks.clone(), step, result);
+        }
+        let d = done.into_iter().next()?;
+        if d.part {
+            return self.share_done(d.epoch, d.result.map(|w| w.seconds));
+        }
+        Some(Event::Written {
+            epoch: d.epoch,
+            result: d.result,
+        })
+    }
+
     /// This host's share of the periodic save of `step` is written (or
     /// failed): the controller counts it, a follower reports it.
     pub(super) fn share_saved(

@@ -14,6 +14,7 @@ mod write;
 
 pub use write::{
     OwnedSource, PersistError, RankSource, checkpoint_bytes, write_checkpoint, write_ranks,
+    write_share,
 };
 
 use hatrain_shared::checkpoint;
@@ -106,28 +107,16 @@ pub struct DumpDone {
     pub part: bool,
 }
 
-/// Writes the directories of every rank of `sources` of iteration `step`
-/// into its `_tmp` directory in `dir`, made if missing: one host's share
-/// of a checkpoint several hosts write, which the job's controller
-/// commits. Its ranks' directories left by an earlier attempt go first.
-fn write_share(sources: &[RankSource<'_>], step: u64, dir: &Path) -> Result<PathBuf, PersistError> {
-    let tmp = checkpoint::tmp_iter_dir(dir, step);
-    let io = |e: std::io::Error| {
-        PersistError::Checkpoint(checkpoint::CheckpointError::Io {
-            path: tmp.clone(),
-            source: e,
-        })
-    };
-    std::fs::create_dir_all(&tmp).map_err(io)?;
-    let ranks: Vec<usize> = sources.iter().map(|s| s.rank).collect();
-    for &r in &ranks {
-        match std::fs::remove_dir_all(checkpoint::rank_dir(&tmp, r)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
-            _ => {}
-        }
-    }
-    write_ranks(sources, &ranks, step, &tmp)?;
-    Ok(tmp)
+/// Each rank's verified snapshot steps, and the step every rank completed
+/// last.
+fn final_steps(sources: &[OwnedSource]) -> (Vec<Vec<u64>>, u64) {
+    let per_rank = sources.iter().map(|s| s.store.verified_steps().0).collect();
+    let last = sources
+        .iter()
+        .map(|s| s.store.page().step())
+        .min()
+        .unwrap_or(0);
+    (per_rank, last)
 }
 
 /// Save steps listed in a report at most (the newest).
@@ -396,12 +385,7 @@ impl Persister {
     /// final snapshot is not verified (then the trainer saves it itself).
     pub fn finish_part(&mut self, sources: &[OwnedSource]) -> Result<u64, PersistError> {
         self.wait();
-        let per_rank: Vec<Vec<u64>> = sources.iter().map(|s| s.store.verified_steps().0).collect();
-        let last = sources
-            .iter()
-            .map(|s| s.store.page().step())
-            .min()
-            .unwrap_or(0);
+        let (per_rank, last) = final_steps(sources);
         if crate::recovery::consistent_step(&per_rank) != Some(last) {
             return Err(PersistError::FinalStepMissing {
                 last,
@@ -467,13 +451,7 @@ impl Persister {
                 have,
             });
         }
-        let per_rank: Vec<Vec<u64>> = sources.iter().map(|s| s.store.verified_steps().0).collect();
-        // The step every rank completed last.
-        let last = sources
-            .iter()
-            .map(|s| s.store.page().step())
-            .min()
-            .unwrap_or(0);
+        let (per_rank, last) = final_steps(sources);
         let Some(step) = crate::recovery::consistent_step(&per_rank) else {
             return Err(PersistError::NoCommonStep { per_rank });
         };
@@ -596,292 +574,4 @@ impl Persister {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use hatrain_shared::shm::{Geometry, HoldRefused, Store, store_path};
-    use hatrain_shared::statemap::{
-        CheckpointMap, Dtype, FieldValue, FileMap, MetaField, Part, Sharing, StateMap, TensorMap,
-    };
-    use std::sync::mpsc;
-
-    /// Two ranks with a real store of `slots` slots each, of a workload the
-    /// persister knows only by its map: an 8-byte block and 1000 floats.
-    struct Ranks {
-        _dir: tempfile::TempDir,
-        sources: Vec<OwnedSource>,
-    }
-
-    const N: u64 = 1000;
-
-    /// A workload the persister knows only by its map (the write module's
-    /// tests use it too).
-    pub(super) fn map() -> StateMap {
-        StateMap {
-            parts: vec![
-                Part {
-                    name: "meta".into(),
-                    dtype: Dtype::U8,
-                    len: 8,
-                    sharing: Sharing::Unique,
-                },
-                Part {
-                    name: "w".into(),
-                    dtype: Dtype::F32,
-                    len: N,
-                    sharing: Sharing::Unique,
-                },
-            ],
-            checkpoint: Some(CheckpointMap {
-                dir: "/unused".into(),
-                interval: 10,
-                world_size: 2,
-                files: vec![FileMap {
-                    name: "w.safetensors".into(),
-                    tensors: vec![TensorMap {
-                        name: "w".into(),
-                        part: 1,
-                        range: 0..N,
-                    }],
-                }],
-                fields: vec![MetaField {
-                    name: "stamp".into(),
-                    value: FieldValue::U64 { part: 0, offset: 0 },
-                }],
-            }),
-        }
-    }
-
-    fn ranks(slots: usize) -> Ranks {
-        let dir = tempfile::tempdir().unwrap();
-        let map = Arc::new(map());
-        let total = map.total_bytes().unwrap() as usize;
-        let sources = (0..2)
-            .map(|rank| {
-                let store = Store::create(
-                    &store_path(dir.path(), rank),
-                    rank,
-                    Geometry::new(slots, total),
-                    map.layout_hash(),
-                    2,
-                )
-                .unwrap();
-                OwnedSource {
-                    rank,
-                    store: Arc::new(store),
-                    map: Arc::clone(&map),
-                    sliced: false,
-                }
-            })
-            .collect();
-        Ranks { _dir: dir, sources }
-    }
-
-    /// Seals `step` on every rank (the floats all `step`) and holds it;
-    /// returns each rank's hold outcome.
-    fn seal(r: &Ranks, step: u64) -> Vec<Result<(), HoldRefused>> {
-        r.sources
-            .iter()
-            .map(|s| {
-                let meta = (step * 10 + s.rank as u64).to_le_bytes();
-                let w = vec![step as f32; N as usize];
-                let parts: [&[u8]; 2] = [&meta, bytemuck::cast_slice(&w)];
-                let slot = s.store.writable_slot().expect("a free slot");
-                s.store
-                    .write_slot(slot, s.rank as u64, step, 0, &parts, &mut |_, _| true)
-                    .unwrap();
-                s.store.page().hold(step, slot)
-            })
-            .collect()
-    }
-
-    /// Reads rank `rank`'s floats and stamp back from iteration `it`.
-    fn read_back(dir: &Path, it: u64, rank: usize) -> (Vec<f32>, u64) {
-        let it_dir = checkpoint::iter_dir(dir, it);
-        let meta = checkpoint::read_rank_meta(&it_dir, rank, 2).unwrap();
-        let rdir = checkpoint::rank_dir(&it_dir, rank);
-        let bytes = checkpoint::read_verified(&rdir, &meta, "w.safetensors").unwrap();
-        let w = checkpoint::tensor_bytes(
-            &rdir.join("w.safetensors"),
-            &bytes,
-            "w",
-            Dtype::F32,
-            N as usize,
-        )
-        .unwrap();
-        let floats = w
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        assert_eq!(meta.iteration, it);
-        (floats, meta.fields["stamp"].as_u64().unwrap())
-    }
-
-    /// A writer that waits for the test's go-ahead before each checkpoint.
-    fn gated(p: &mut Persister) -> (mpsc::Sender<()>, mpsc::Receiver<u64>) {
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let (started_tx, started_rx) = mpsc::channel::<u64>();
-        let go = std::sync::Mutex::new(go_rx);
-        p.write = Arc::new(move |src, step, dir| {
-            started_tx.send(step).unwrap();
-            go.lock().unwrap().recv().unwrap();
-            write_checkpoint(src, step, dir)
-        });
-        (go_tx, started_rx)
-    }
-
-    fn settle(p: &mut Persister, r: &Ranks) {
-        // Bounded only so that a broken writer fails the test instead of
-        // hanging it: a loaded machine may take seconds to write.
-        for _ in 0..30_000 {
-            p.poll(&[0, 1], |i| Some(r.sources[i].clone()));
-            if p.writing.is_none() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
-        panic!("the write did not finish");
-    }
-
-    #[test]
-    fn a_slow_disk_skips_to_the_newest_held_step_and_never_queues() {
-        let r = ranks(3);
-        let out = tempfile::tempdir().unwrap();
-        let mut p = Persister::new(out.path().to_path_buf(), 10, 2, true);
-        let (go, started) = gated(&mut p);
-        let poll = |p: &mut Persister| p.poll(&[0, 1], |i| Some(r.sources[i].clone()));
-
-        // Only rank 0 holds step 10: nothing starts, nothing is claimed.
-        seal(&r, 5);
-        let s = &r.sources;
-        s[1].store
-            .page()
-            .release_hold(s[1].store.page().held().unwrap());
-        s[0].store
-            .page()
-            .release_hold(s[0].store.page().held().unwrap());
-        assert!(seal(&r, 10).iter().all(Result::is_ok));
-        let h1 = s[1].store.page().held().unwrap();
-        s[1].store.page().release_hold(h1);
-        poll(&mut p);
-        assert!(p.writing.is_none() && !s[0].store.page().held().unwrap().claimed);
-        s[1].store.page().hold(10, h1.slot).unwrap();
-        poll(&mut p);
-        assert_eq!(started.recv().unwrap(), 10);
-        assert!(s.iter().all(|x| x.store.page().held().unwrap().claimed));
-
-        // The disk is slow: step 20 is sealed meanwhile but cannot be held,
-        // and the held slot is never the one rewritten.
-        let refused = seal(&r, 20);
-        assert!(
-            refused
-                .iter()
-                .all(|h| matches!(h, Err(HoldRefused::Busy(b)) if b.step == 10))
-        );
-        assert!(seal(&r, 21).iter().all(Result::is_err));
-        for x in s {
-            let h = x.store.page().held().unwrap();
-            assert_eq!((h.step, x.store.verify(h.slot).unwrap().step), (10, 10));
-        }
-        poll(&mut p);
-        assert_eq!(p.report().writing, Some(10));
-        go.send(()).unwrap();
-        settle(&mut p, &r);
-        let rep = p.report();
-        assert_eq!(
-            (rep.last_saved, rep.saves, rep.writing),
-            (Some(10), 1, None)
-        );
-        assert!(
-            s.iter().all(|x| x.store.page().held().is_none()),
-            "released"
-        );
-
-        // The next held step is 40: 20 and 30 were passed over and said so.
-        assert!(seal(&r, 40).iter().all(Result::is_ok));
-        poll(&mut p);
-        assert_eq!(started.recv().unwrap(), 40);
-        go.send(()).unwrap();
-        settle(&mut p, &r);
-        let rep = p.report();
-        assert_eq!(rep.skipped, vec![20, 30]);
-        assert_eq!((rep.last_saved, rep.saves), (Some(40), 2));
-
-        // What was written is a checkpoint of exactly the held steps'
-        // contents, laid out as the map says.
-        assert_eq!(checkpoint::read_tracker(out.path()).unwrap(), 40);
-        for it in [10u64, 40] {
-            for rank in 0..2 {
-                let (w, stamp) = read_back(out.path(), it, rank);
-                assert!(w.iter().all(|v| *v == it as f32));
-                assert_eq!(stamp, it * 10 + rank as u64);
-            }
-        }
-
-        // A step already on disk (held again after a rollback) is released,
-        // not written twice.
-        assert!(seal(&r, 40).iter().all(Result::is_ok));
-        poll(&mut p);
-        assert!(p.writing.is_none());
-        assert!(s.iter().all(|x| x.store.page().held().is_none()));
-        drop(go);
-    }
-
-    /// Two ranks that sealed steps 7 and 8 and finished at 8, and a
-    /// final-only persister into a fresh directory.
-    fn finished() -> (Ranks, tempfile::TempDir, Persister) {
-        let r = ranks(2);
-        let out = tempfile::tempdir().unwrap();
-        let p = Persister::new(out.path().to_path_buf(), 0, 2, true);
-        seal(&r, 7);
-        seal(&r, 8);
-        for x in &r.sources {
-            x.store.page().set_step(8);
-        }
-        (r, out, p)
-    }
-
-    #[test]
-    fn save_steps_never_written_before_the_final_one_are_said_skipped() {
-        // Step 2's write was the last one started; the holds of 4 and 6
-        // were refused while it ran; the job ends at 8.
-        let r = ranks(2);
-        let out = tempfile::tempdir().unwrap();
-        let mut p = Persister::new(out.path().to_path_buf(), 2, 2, true);
-        p.last_started = Some(2);
-        seal(&r, 7);
-        seal(&r, 8);
-        for x in &r.sources {
-            x.store.page().set_step(8);
-        }
-        assert_eq!(
-            p.finish(&r.sources).unwrap(),
-            Some((8, out.path().to_path_buf()))
-        );
-        assert_eq!(p.report().skipped, vec![4, 6]);
-    }
-
-    #[test]
-    fn finish_writes_the_final_step_once_and_says_when_it_cannot() {
-        let (r, out, mut p) = finished();
-        let done = Some((8, out.path().to_path_buf()));
-        assert_eq!(p.finish(&r.sources).unwrap(), done);
-        assert_eq!(checkpoint::read_tracker(out.path()).unwrap(), 8);
-        assert_eq!(p.finish(&r.sources).unwrap(), done);
-        assert_eq!(p.report().saves, 1, "not written twice");
-        let e = p.finish(&r.sources[..1]).unwrap_err().to_string();
-        assert!(e.contains("all 2 ranks"), "{e}");
-
-        // Rank 1's final snapshot is corrupt: step 7 is the newest every
-        // rank has; it is written, and the missing final step is an error.
-        let (r, out, mut p) = finished();
-        let slot8 = r.sources[1].store.find_step(8).unwrap().slot;
-        r.sources[1].store.corrupt_slot_byte(slot8, 100);
-        let e = p.finish(&r.sources).unwrap_err().to_string();
-        assert!(
-            e.contains("final step 8") && e.contains("iteration 7"),
-            "{e}"
-        );
-        assert_eq!(checkpoint::read_tracker(out.path()).unwrap(), 7);
-        assert_eq!(p.report().last_error.as_deref(), Some(e.as_str()));
-    }
-}
+mod tests;

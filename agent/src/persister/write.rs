@@ -310,6 +310,34 @@ pub fn write_ranks(
     Ok(())
 }
 
+/// Writes the directories of every rank of `sources` of iteration `step`
+/// into its `_tmp` directory in `dir`, made if missing: one host's share
+/// of a checkpoint several hosts write, which the job's controller
+/// commits. Its ranks' directories left by an earlier attempt go first.
+pub fn write_share(
+    sources: &[RankSource<'_>],
+    step: u64,
+    dir: &Path,
+) -> Result<PathBuf, PersistError> {
+    let tmp = checkpoint::tmp_iter_dir(dir, step);
+    let io = |e: std::io::Error| {
+        PersistError::Checkpoint(checkpoint::CheckpointError::Io {
+            path: tmp.clone(),
+            source: e,
+        })
+    };
+    std::fs::create_dir_all(&tmp).map_err(io)?;
+    let ranks: Vec<usize> = sources.iter().map(|s| s.rank).collect();
+    for &r in &ranks {
+        match std::fs::remove_dir_all(checkpoint::rank_dir(&tmp, r)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+            _ => {}
+        }
+    }
+    write_ranks(sources, &ranks, step, &tmp)?;
+    Ok(tmp)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
