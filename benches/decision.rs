@@ -143,6 +143,7 @@ fn main() {
         pause_timeout: Duration::from_secs(60),
         group_restarts: 0,
         register_timeout: Duration::from_secs(60),
+        min_nodes: 1,
     };
     let mut m = Machine::new(cfg, (0..n).collect(), 0.0);
     let mut now = Duration::ZERO;

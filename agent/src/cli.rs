@@ -199,4 +199,9 @@ pub struct HaArgs {
     /// their peer replicas.
     #[arg(long)]
     pub standby: bool,
+    /// With elastic training: the group shrinks when a host is lost only
+    /// while at least this many hosts hold ranks; below it the job writes
+    /// its last words and stops.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub min_nodes: u64,
 }

@@ -93,6 +93,8 @@ pub struct HaSettings {
     pub standby_nodes: usize,
     /// This agent is one of them.
     pub standby: bool,
+    /// Elastic training shrinks only while this many hosts are left.
+    pub min_nodes: usize,
 }
 
 /// Where the workers' output goes (torchrun's `--log-dir`, `--redirects`,
@@ -123,6 +125,7 @@ impl Default for HaSettings {
             local_addr: None,
             standby_nodes: 0,
             standby: false,
+            min_nodes: 1,
         }
     }
 }

@@ -242,6 +242,7 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         failure_domain: h.failure_domain.clone(),
         local_addr: h.local_addr,
         standby_nodes: h.standby_nodes,
+        min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
         standby: h.standby,
     };
     if a.standalone && a.nnodes != 1 {

@@ -18,7 +18,7 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    minor: 1,
+    minor: 2,
     max_payload: 1 << 20,
 };
 
@@ -32,6 +32,16 @@ pub enum Request {
     Register {
         rank: usize,
         pid: u32,
+        map: StateMap,
+    },
+    /// A registered worker takes a new place in the data-parallel group
+    /// (a reshape directive of `epoch`): its state map for that place. The
+    /// agent makes its store anew for the map's layout and names the
+    /// replicas of lost ranks this worker brings to the group.
+    Reshape {
+        rank: usize,
+        pid: u32,
+        epoch: u64,
         map: StateMap,
     },
     /// Write a last-words checkpoint now and carry on.
@@ -62,9 +72,19 @@ impl Request {
     pub fn mutates(&self) -> bool {
         matches!(
             self,
-            Self::Register { .. } | Self::Dump | Self::Inject { .. }
+            Self::Register { .. } | Self::Reshape { .. } | Self::Dump | Self::Inject { .. }
         )
     }
+}
+
+/// A lost rank's replica that a worker brings to a reshape: the store
+/// (in the agent's folder) and the state map that says what its bytes are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Donation {
+    pub rank: usize,
+    pub store: PathBuf,
+    pub map: StateMap,
 }
 
 /// The fault an `Inject` request asks for.
@@ -108,6 +128,13 @@ pub enum Response {
         /// (the group rebuilds the rest with an all-gather on restore).
         #[serde(default)]
         sliced: bool,
+    },
+    /// The answer to a reshape: the rank's new store, and the replicas it
+    /// reads the lost ranks' state from.
+    Reshaped {
+        store: PathBuf,
+        sliced: bool,
+        donations: Vec<Donation>,
     },
     Status(Box<StatusReport>),
     Workers(Vec<WorkerReport>),

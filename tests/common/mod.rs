@@ -2,6 +2,7 @@
 //! JSON logs, and make sure no process of a test outlives it.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod hosts;
 
 use std::collections::HashSet;

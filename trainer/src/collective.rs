@@ -427,6 +427,25 @@ impl Communicator {
         Ok(all)
     }
 
+    /// Gathers every rank's bytes, of any length (under 4 GiB), in rank
+    /// order.
+    pub fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let lens = self.all_gather_f64(mine.len() as f64)?;
+        let (w, r) = (self.world, self.rank);
+        let mut all: Vec<Vec<u8>> = vec![Vec::new(); w];
+        all[r] = mine.to_vec();
+        for step in 0..w.saturating_sub(1) {
+            let send = all_gather_send(r, step, w);
+            let recv = all_gather_recv(r, step, w);
+            let out = std::mem::take(&mut all[send]);
+            let sent = self.exchange(&out, lens[recv] as usize);
+            all[send] = out;
+            sent?;
+            all[recv] = std::mem::take(&mut self.scratch);
+        }
+        Ok(all)
+    }
+
     /// Returns once every rank has called it.
     pub fn barrier(&mut self) -> Result<(), CollectiveError> {
         self.all_gather_f64(0.0).map(drop)

@@ -142,6 +142,13 @@ impl Dist {
         })
     }
 
+    /// The rank takes place `rank` of `world` (a reshape): the next
+    /// communicator is built there.
+    pub(crate) fn place(&mut self, rank: usize, world: usize) {
+        self.env.rank = rank;
+        self.env.world_size = world;
+    }
+
     pub(crate) fn communicator(
         &mut self,
         epoch: u64,

@@ -17,6 +17,7 @@
 
 mod args;
 mod disk;
+mod reshape;
 
 pub use args::TrainArgs;
 
@@ -33,7 +34,7 @@ use hatrain_shared::shard::shard_range;
 use hatrain_shared::shm::Directive;
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::RendezvousError;
-use hatrain_worker::runtime::{CommitOf, Runtime, RuntimeError, SharedBuf, Start};
+use hatrain_worker::runtime::{CommitOf, Donated, Runtime, RuntimeError, SharedBuf, Start};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::ops::Range;
@@ -251,6 +252,8 @@ struct Trainer<'a> {
     /// the trainer's own saves.
     map: StateMap,
     plan: Arc<FaultPlan>,
+    /// What this rank brings to a reshape that has not completed yet.
+    carry: Option<reshape::Carry>,
 }
 
 /// Runs the trainer to `--train-iters` and returns its summary.
@@ -337,6 +340,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         last_loss: None,
         map,
         plan,
+        carry: None,
     };
     let mut dist = Dist::start(env.clone())?;
 
@@ -568,6 +572,8 @@ impl Trainer<'_> {
         self.log.write(serde_json::json!({
             "event": "step", "step": step, "loss": mean_loss, "lr": self.opt.lr_at(step),
             "tokens_per_s": tps, "step_time_s": dt, "epoch": self.epoch,
+            "world_size": self.world, "global_batch": args.global_batch,
+            "samples": self.state.scalars.data_position,
             "unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         }))?;
         let last = step == args.train_iters;
@@ -661,6 +667,30 @@ impl Trainer<'_> {
                             );
                             rt.rebuild_failed(epoch, peer);
                         }
+                    }
+                }
+                Directive::Reshape {
+                    epoch,
+                    step,
+                    rank,
+                    world,
+                } => {
+                    let place = (
+                        usize::try_from(rank).unwrap_or(usize::MAX),
+                        usize::try_from(world).unwrap_or(0),
+                    );
+                    match self.reshape(rt, dist, epoch, step, place) {
+                        Ok(comm) => return Ok(comm),
+                        Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
+                        Err(TrainError::Collective(c)) => {
+                            eprintln!(
+                                "rank {}: reshaping under epoch {epoch} failed: {}; told the agent",
+                                self.rank,
+                                error_chain(&c)
+                            );
+                            rt.rebuild_failed(epoch, c.peer());
+                        }
+                        Err(e) => return Err(e),
                     }
                 }
                 Directive::Stop | Directive::Pause { .. } | Directive::None => {

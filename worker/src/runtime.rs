@@ -28,6 +28,9 @@
 //! buffers.
 
 mod background;
+mod reshape;
+
+pub use reshape::Donated;
 
 use crate::comm::{Abort, Communicator, Hooks};
 use background::{CommitJob, CommitProgress, commit_loop, watch_loop};
@@ -169,6 +172,30 @@ pub struct Runtime {
     commit_seq: u64,
 }
 
+/// The store whose control page the SIGBUS handler records fatal faults
+/// in. Its mapping must outlive every signal, so it is held here for the
+/// life of the process, replaced only when a reshape attaches a new store.
+static FAULT_PAGE: Mutex<Option<Arc<Store>>> = Mutex::new(None);
+
+/// Points the SIGBUS handler at `store`'s fault word, then lets go of the
+/// store it pointed at before. The previous store is dropped only after the
+/// handler reads the new word; a reshape runs between steps, when no
+/// registered buffer is touched, so no handler holds the old pointer.
+fn fault_page(store: &Arc<Store>) -> Result<(), RuntimeError> {
+    let mut held = FAULT_PAGE.lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY: the word lives in `store`'s mapping, which stays in
+    // FAULT_PAGE until the handler has been pointed at another word (by the
+    // next call, before it drops this store).
+    let word: &'static std::sync::atomic::AtomicU64 =
+        unsafe { &*std::ptr::from_ref(store.page().fault_word()) };
+    crate::uce::install(Some(word)).map_err(|source| RuntimeError::Thread {
+        what: "SIGBUS handler",
+        source,
+    })?;
+    let _previous = held.replace(Arc::clone(store));
+    Ok(())
+}
+
 /// Checks that `map` describes a metadata block (part 0, bytes) and then
 /// `buffers`, in order.
 fn check_buffers(map: &StateMap, buffers: &[SharedBuf]) -> Result<usize, RuntimeError> {
@@ -272,6 +299,24 @@ impl Runtime {
                 });
             }
         };
+        rt.attach(store_path, recover, sliced, incarnation)?;
+        let start = match start {
+            StartMode::Fresh { epoch } => Start::Fresh { epoch },
+            StartMode::AwaitDirective => Start::AwaitDirective,
+        };
+        Ok((rt, start))
+    }
+
+    /// Maps the store the agent made for this rank and starts the commit
+    /// and watcher threads.
+    fn attach(
+        &mut self,
+        store_path: PathBuf,
+        recover: bool,
+        sliced: bool,
+        incarnation: u64,
+    ) -> Result<(), RuntimeError> {
+        let rank = self.rank as u64;
         // The store is the agent's: its file, in the agent's folder.
         let me = hatrain_shared::trust::me();
         if let Some(dir) = store_path.parent() {
@@ -279,27 +324,18 @@ impl Runtime {
         }
         hatrain_shared::trust::check(&store_path, hatrain_shared::trust::Kind::File, me)?;
         let store = Arc::new(Store::open(&store_path)?);
-        if store.page().layout_hash() != rt.map.slot_layout_hash(sliced) {
+        if store.page().layout_hash() != self.map.slot_layout_hash(sliced) {
             return Err(RuntimeError::Layout { path: store_path });
         }
         let held: Arc<Vec<std::ops::Range<usize>>> = Arc::new(
-            (1..rt.map.parts.len())
+            (1..self.map.parts.len())
                 .map(|i| {
-                    let r = rt.map.held(i, sliced);
+                    let r = self.map.held(i, sliced);
                     r.start as usize..r.end as usize
                 })
                 .collect(),
         );
-        // The SIGBUS handler records fatal faults in the control page, so the
-        // mapping must outlive every signal: one reference is kept for the
-        // life of the process.
-        let forever: &'static Store = Box::leak(Box::new(Arc::clone(&store)));
-        crate::uce::install(Some(forever.page().fault_word())).map_err(|source| {
-            RuntimeError::Thread {
-                what: "SIGBUS handler",
-                source,
-            }
-        })?;
+        fault_page(&store)?;
         let page = store.page();
         page.set_pid(std::process::id());
         page.set_restarts(incarnation);
@@ -312,16 +348,14 @@ impl Runtime {
         let committer = {
             let (store, bufs, held, progress, hooks) = (
                 Arc::clone(&store),
-                rt.buffers.clone(),
+                self.buffers.clone(),
                 Arc::clone(&held),
                 Arc::clone(&progress),
-                Arc::clone(&rt.hooks),
+                Arc::clone(&self.hooks),
             );
             thread::Builder::new()
                 .name("hatrain-commit".into())
-                .spawn(move || {
-                    commit_loop(rx, &store, &bufs, &held, &progress, &*hooks, rank as u64)
-                })
+                .spawn(move || commit_loop(rx, &store, &bufs, &held, &progress, &*hooks, rank))
                 .map_err(|source| RuntimeError::Thread {
                     what: "commit",
                     source,
@@ -342,7 +376,7 @@ impl Runtime {
                     source,
                 })?
         };
-        rt.attached = Some(Attached {
+        self.attached = Some(Attached {
             store,
             recover,
             held,
@@ -354,11 +388,7 @@ impl Runtime {
             stop,
             threads: vec![committer, watcher],
         });
-        let start = match start {
-            StartMode::Fresh { epoch } => Start::Fresh { epoch },
-            StartMode::AwaitDirective => Start::AwaitDirective,
-        };
-        Ok((rt, start))
+        Ok(())
     }
 
     /// Whether a failed collective should wait for the agent's recovery.
@@ -564,7 +594,7 @@ impl Runtime {
                         a.handled.store(seq, Ordering::Release);
                         page.acknowledge(seq);
                     }
-                    Directive::Resume { step, .. } => {
+                    Directive::Resume { step, .. } | Directive::Reshape { step, .. } => {
                         // Snapshots past the step every rank returns to are
                         // of an abandoned timeline (no commit runs now).
                         store.discard_newer_than(step);
@@ -593,6 +623,19 @@ impl Runtime {
     /// [`Runtime::rebuild_replicated`].
     pub fn sliced(&self) -> bool {
         self.attached.as_ref().is_some_and(|a| a.sliced)
+    }
+
+    /// Per buffer, the elements a restore fills: all of it, or with sliced
+    /// snapshots this rank's slice of a replicated part.
+    pub fn held(&self) -> Vec<std::ops::Range<usize>> {
+        match &self.attached {
+            Some(a) => a.held.to_vec(),
+            None => self
+                .buffers
+                .iter()
+                .map(|b| 0..b.read().unwrap_or_else(|p| p.into_inner()).len())
+                .collect(),
+        }
     }
 
     /// Bytes of one snapshot of this rank (0 without an agent).

@@ -382,6 +382,11 @@ impl Controller {
         rank < self.nodes as usize * self.per_node && self.node_of(rank) == node
     }
 
+    /// How many hosts hold ranks now.
+    pub fn hosts(&self) -> usize {
+        self.members.len()
+    }
+
     /// Whether this controller decides for several hosts.
     pub fn joined(&self) -> bool {
         self.nodes > 1
@@ -462,6 +467,25 @@ impl Controller {
             Command::Post { rank, .. } | Command::Kill { rank } | Command::Respawn { rank, .. } => {
                 vec![to(self.node_of(rank), c)]
             }
+            // Each leaving rank's replica goes from a live holder that
+            // verified the step; a rank nobody holds at it is left out, and
+            // the reshape names it.
+            Command::Donate { step, leaving } => {
+                let mut by: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+                for rank in leaving {
+                    let holder = self.replica_steps.get(&rank).and_then(|held| {
+                        held.iter()
+                            .find(|(n, s)| self.members.contains(n) && s.contains(&step))
+                            .map(|(n, _)| *n)
+                    });
+                    if let Some(n) = holder {
+                        by.entry(n).or_default().push(rank);
+                    }
+                }
+                by.into_iter()
+                    .map(|(n, leaving)| to(n, Command::Donate { step, leaving }))
+                    .collect()
+            }
             Command::Collect { epoch } => {
                 self.gather = Some(Gather {
                     epoch,
@@ -514,6 +538,7 @@ impl Controller {
             .filter(|(r, _)| {
                 *r < self.nodes as usize * self.per_node
                     && !self.members.contains(&self.node_of(*r))
+                    && !self.machine.retired().contains(r)
             })
             .collect();
         let mut steps: Vec<(usize, Vec<u64>)> = g.got.into_values().flatten().collect();
@@ -536,7 +561,9 @@ impl Controller {
     /// them.
     pub fn orphans(&self) -> Vec<usize> {
         (0..self.nodes as usize * self.per_node)
-            .filter(|&r| !self.members.contains(&self.node_of(r)))
+            .filter(|&r| {
+                !self.members.contains(&self.node_of(r)) && !self.machine.retired().contains(&r)
+            })
             .collect()
     }
 

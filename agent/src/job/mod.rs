@@ -26,6 +26,7 @@
 //! - [`standby`]: a standby taking a lost host's ranks.
 
 mod decider;
+mod elastic;
 mod lastwords;
 mod minority;
 mod observe;
@@ -193,6 +194,9 @@ struct Driver<'a> {
     /// filled from their replicas.
     adopted: BTreeSet<usize>,
     filled: BTreeSet<usize>,
+    /// Per rank of this host, the leaving ranks whose replicas it brings to
+    /// a shrink (elastic training).
+    donations: std::collections::BTreeMap<usize, BTreeSet<usize>>,
     /// Registrations of adopted ranks waiting for their replicas: the
     /// reply, the answer, and whether the rank has a checkpoint layout.
     filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
@@ -400,6 +404,7 @@ async fn run_with(
         specs_for,
         adopted: BTreeSet::new(),
         filled: BTreeSet::new(),
+        donations: std::collections::BTreeMap::new(),
         filling: HashMap::new(),
     };
     for (rank, pid) in sup.running() {
@@ -538,6 +543,7 @@ fn machine_config(cfg: &LaunchConfig) -> MachineConfig {
         pause_timeout: cfg.ha.pause_timeout,
         group_restarts: cfg.group_restarts,
         register_timeout: cfg.ha.register_timeout,
+        min_nodes: cfg.ha.min_nodes,
     }
 }
 
@@ -586,6 +592,10 @@ impl Driver<'_> {
             },
             Command::Collect { epoch } => {
                 self.collect(epoch);
+                None
+            }
+            Command::Donate { step, leaving } => {
+                self.donate(sup, step, leaving);
                 None
             }
             Command::Write { epoch, step } if self.controls_hosts() => {

@@ -405,6 +405,7 @@ impl Driver<'_> {
                         tracing::warn!(node, "a standby host is lost");
                         continue;
                     };
+                    let hosts_left = c.hosts();
                     if let Some(to) = placed.spare {
                         self.send_to_standby(node, to, &placed.ranks);
                     }
@@ -413,6 +414,7 @@ impl Driver<'_> {
                         spare: placed.spare,
                         state_lost: placed.state_lost,
                         on_disk: on_disk.clone(),
+                        hosts_left,
                         ..loss
                     };
                     self.feed(sup, Event::HostLost(loss));
@@ -603,6 +605,7 @@ impl Driver<'_> {
                 spare: None,
                 state_lost: Vec::new(),
                 on_disk: None,
+                hosts_left: 0,
             });
         }
         out

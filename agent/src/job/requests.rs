@@ -141,6 +141,12 @@ impl Driver<'_> {
                 }
                 r
             }
+            Request::Reshape {
+                rank,
+                pid,
+                epoch,
+                map,
+            } => self.reshape(sup, rank, pid, epoch, map),
             Request::Inject {
                 rank,
                 fault,

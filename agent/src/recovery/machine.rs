@@ -40,6 +40,7 @@ use crate::reaper::ExitStatus;
 use hatrain_shared::control::{FaultKind, FaultRecord, StartMode};
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::shm::{Directive, Phase};
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
@@ -67,6 +68,9 @@ pub struct MachineConfig {
     /// How long a worker may run without registering before the machine
     /// says it is not protected (with any mode on).
     pub register_timeout: Duration,
+    /// Elastic training shrinks the group only while at least this many
+    /// hosts hold ranks (`--min-nodes`).
+    pub min_nodes: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +170,10 @@ pub struct Machine {
     warned: BTreeSet<usize>,
     /// Group restarts so far.
     group_restarts: u32,
+    /// A shrink in progress, and the ranks that left the group.
+    reshape: Option<elastic::Reshaping>,
+    retired: BTreeSet<usize>,
+    resizes: Vec<Resize>,
     out: Step,
 }
 
@@ -196,6 +204,9 @@ impl Machine {
             spawned: HashMap::new(),
             warned: BTreeSet::new(),
             group_restarts: 0,
+            reshape: None,
+            retired: BTreeSet::new(),
+            resizes: Vec::new(),
             out: Step::default(),
         }
     }
@@ -381,7 +392,7 @@ impl Machine {
         self.ranks
             .iter()
             .copied()
-            .filter(|r| !self.finished.contains(r))
+            .filter(|&r| !self.finished.contains(&r) && !self.left(r))
             .collect()
     }
 
@@ -442,13 +453,28 @@ impl Machine {
         }
     }
 
+    /// Posts `Resume { epoch, step }` to every live participant; during a
+    /// shrink, `Reshape` with each one's new place, after the lost ranks'
+    /// replicas are handed to the ranks that bring them.
     fn resume_all(&mut self, epoch: u64, step: u64) {
+        if self.reshape.is_some() {
+            self.cmd(Command::Donate {
+                step,
+                leaving: self.leaving(),
+            });
+        }
         for r in self.participants() {
             if self.view(r).alive {
-                self.cmd(Command::Post {
-                    rank: r,
-                    directive: Directive::Resume { epoch, step },
-                });
+                let directive = match self.place(r) {
+                    Some((rank, world)) => Directive::Reshape {
+                        epoch,
+                        step,
+                        rank,
+                        world,
+                    },
+                    None => Directive::Resume { epoch, step },
+                };
+                self.cmd(Command::Post { rank: r, directive });
             }
         }
     }
@@ -556,6 +582,7 @@ impl Machine {
             );
             self.note(Level::Info, None, text);
         }
+        self.reshaped(now, s_star);
         self.state = State::Running;
         self.rebuilds.clear();
         self.watch.restart_clocks(now);
@@ -566,7 +593,10 @@ impl Machine {
     }
 }
 
+mod elastic;
 mod faults;
 mod stages;
+
+pub use elastic::Resize;
 #[cfg(test)]
 mod tests;

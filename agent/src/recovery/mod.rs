@@ -151,6 +151,8 @@ pub struct HostLoss {
     /// The checkpoint directory and the newest complete checkpoint in it,
     /// when a rank registered one.
     pub on_disk: Option<OnDisk>,
+    /// Hosts that hold ranks after this loss.
+    pub hosts_left: usize,
 }
 
 /// The newest complete checkpoint in a save directory, as its tracker
@@ -204,6 +206,13 @@ pub enum Command {
     Respawn {
         rank: usize,
         restarts: u32,
+    },
+    /// A shrink resumes from `step`: the hosts holding the replicas of the
+    /// `leaving` ranks hand them to a rank of theirs, which brings them to
+    /// the reshape.
+    Donate {
+        step: u64,
+        leaving: Vec<usize>,
     },
     /// Verify every rank's snapshots and report [`Event::Collected`].
     Collect {

@@ -8,7 +8,8 @@
 //! and acknowledges it by storing its sequence in `acknowledged seq`.
 //!
 //! ```text
-//! kind word: 0 none | 1 pause | 2 resume | 3 stop
+//! kind word: 0 none | 1 pause | 2 resume | 3 stop | 4 reshape
+//! rank, world words: a reshape's new place (0 for the other kinds)
 //! ```
 
 use super::page::ControlPage;
@@ -33,26 +34,57 @@ pub enum Directive {
     },
     /// Leave the training loop and exit.
     Stop,
+    /// Like `Resume`, at a new place in the data-parallel group: the rank
+    /// becomes `rank` of `world` (elastic training). Its state at `step` is
+    /// re-sliced for that place with the other ranks of the new group, and
+    /// its snapshots take the new layout.
+    Reshape {
+        epoch: u64,
+        step: u64,
+        rank: u64,
+        world: u64,
+    },
 }
 
 impl Directive {
-    /// The directive as its three words (kind, epoch, step).
-    pub fn encode(self) -> [u64; 3] {
+    /// The directive as its five words (kind, epoch, step, rank, world).
+    pub fn encode(self) -> [u64; 5] {
         match self {
-            Self::None => [0, 0, 0],
-            Self::Pause { epoch } => [1, epoch, 0],
-            Self::Resume { epoch, step } => [2, epoch, step],
-            Self::Stop => [3, 0, 0],
+            Self::None => [0; 5],
+            Self::Pause { epoch } => [1, epoch, 0, 0, 0],
+            Self::Resume { epoch, step } => [2, epoch, step, 0, 0],
+            Self::Stop => [3, 0, 0, 0, 0],
+            Self::Reshape {
+                epoch,
+                step,
+                rank,
+                world,
+            } => [4, epoch, step, rank, world],
         }
     }
 
-    /// The directive of three words; an unknown kind reads as `None`.
-    pub fn decode([kind, epoch, step]: [u64; 3]) -> Self {
+    /// The directive of five words; an unknown kind, or a reshape to a
+    /// place outside its world, reads as `None`.
+    pub fn decode([kind, epoch, step, rank, world]: [u64; 5]) -> Self {
         match kind {
             1 => Self::Pause { epoch },
             2 => Self::Resume { epoch, step },
             3 => Self::Stop,
+            4 if rank < world => Self::Reshape {
+                epoch,
+                step,
+                rank,
+                world,
+            },
             _ => Self::None,
+        }
+    }
+
+    /// The epoch and step a resume or reshape rolls back to.
+    pub fn resumes(self) -> Option<(u64, u64)> {
+        match self {
+            Self::Resume { epoch, step } | Self::Reshape { epoch, step, .. } => Some((epoch, step)),
+            _ => None,
         }
     }
 }
@@ -60,12 +92,14 @@ impl Directive {
 impl ControlPage {
     /// Posts a directive (agent side). Returns its sequence number.
     pub fn post(&self, d: Directive) -> u64 {
-        let [kind, epoch, step] = d.encode();
+        let [kind, epoch, step, rank, world] = d.encode();
         let start = self.dir_seq.fetch_add(1, Ordering::AcqRel) + 1;
         debug_assert!(start % 2 == 1, "one poster at a time");
         self.dir_kind.store(kind, Ordering::Relaxed);
         self.dir_epoch.store(epoch, Ordering::Relaxed);
         self.dir_step.store(step, Ordering::Relaxed);
+        self.dir_rank.store(rank, Ordering::Relaxed);
+        self.dir_world.store(world, Ordering::Relaxed);
         self.dir_seq.fetch_add(1, Ordering::Release) + 1
     }
 
@@ -87,6 +121,8 @@ impl ControlPage {
                 self.dir_kind.load(Ordering::Relaxed),
                 self.dir_epoch.load(Ordering::Relaxed),
                 self.dir_step.load(Ordering::Relaxed),
+                self.dir_rank.load(Ordering::Relaxed),
+                self.dir_world.load(Ordering::Relaxed),
             ];
             fence(Ordering::Acquire);
             if self.dir_seq.load(Ordering::Relaxed) == s1 {
@@ -118,18 +154,22 @@ mod tests {
 
     proptest! {
         #[test]
-        fn directives_round_trip(kind in 0u8..4, epoch in any::<u64>(), step in any::<u64>()) {
+        fn directives_round_trip(
+            kind in 0u8..5, epoch in any::<u64>(), step in any::<u64>(),
+            world in 1u64..4096, rank in any::<u64>(),
+        ) {
             let d = match kind {
                 0 => Directive::None,
                 1 => Directive::Pause { epoch },
                 2 => Directive::Resume { epoch, step },
-                _ => Directive::Stop,
+                3 => Directive::Stop,
+                _ => Directive::Reshape { epoch, step, rank: rank % world, world },
             };
             prop_assert_eq!(Directive::decode(d.encode()), d);
         }
 
         #[test]
-        fn any_words_decode(words in any::<[u64; 3]>()) {
+        fn any_words_decode(words in any::<[u64; 5]>()) {
             let _ = Directive::decode(words);
         }
     }

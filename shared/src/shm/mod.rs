@@ -31,6 +31,7 @@
 //! 216 injection kind    224 injection part  232 injection offset
 //! 240 step the injection waits for (0: the next step)
 //! 248 persist hold: 0 none, else step << 16 | claimed << 8 | (slot + 1)
+//! 256 directive rank    264 directive world (a reshape's place; 2.1)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\2"   8 version   16 seq (odd while written)
@@ -67,7 +68,7 @@ use std::sync::atomic::Ordering;
 
 pub const PAGE: usize = 4096;
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"HTRCTL\0\x02");
-pub const VERSION: (u16, u16) = (2, 0);
+pub const VERSION: (u16, u16) = (2, 1);
 const VERSION_WORD: u64 = ((VERSION.0 as u64) << 16) | VERSION.1 as u64;
 /// Most slots a store may have.
 pub const MAX_SLOTS: usize = 16;

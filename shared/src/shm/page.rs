@@ -88,6 +88,9 @@ pub struct ControlPage {
     pub(super) inject_offset: AtomicU64,
     pub(super) inject_at: AtomicU64,
     pub(super) hold: AtomicU64,
+    /// A reshape's data-parallel place: rank and world size (version 2.1).
+    pub(super) dir_rank: AtomicU64,
+    pub(super) dir_world: AtomicU64,
 }
 
 // SAFETY: repr(C), only AtomicU64 fields.
@@ -108,7 +111,9 @@ const _: () = {
     assert!(offset_of!(ControlPage, inject_kind) == 216);
     assert!(offset_of!(ControlPage, inject_at) == 240);
     assert!(offset_of!(ControlPage, hold) == 248);
-    assert!(size_of::<ControlPage>() == 256);
+    assert!(offset_of!(ControlPage, dir_rank) == 256);
+    assert!(offset_of!(ControlPage, dir_world) == 264);
+    assert!(size_of::<ControlPage>() == 272);
     assert!(size_of::<ControlPage>() <= super::PAGE);
 };
 

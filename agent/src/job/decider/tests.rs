@@ -18,6 +18,7 @@ fn controller(nodes: usize, per_node: usize) -> Controller {
         pause_timeout: Duration::from_secs(1),
         group_restarts: 0,
         register_timeout: Duration::from_secs(3),
+        min_nodes: 1,
     };
     let machine = Machine::new(cfg, (0..nodes * per_node).collect(), 0.0);
     Controller::new(machine, nodes, 0, per_node, 0)

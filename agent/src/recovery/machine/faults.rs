@@ -453,6 +453,7 @@ impl Machine {
             spare,
             state_lost,
             on_disk,
+            hosts_left,
         } = loss;
         if matches!(
             self.state,
@@ -479,6 +480,17 @@ impl Machine {
             .collect();
         let standby = spare
             .filter(|_| self.cfg.modes.recover && unprotected.is_empty() && state_lost.is_empty());
+        let elastic = standby.is_none()
+            && self.cfg.modes.elastic
+            && state_lost.is_empty()
+            && unprotected.is_empty();
+        let shrink = elastic && self.can_shrink(hosts_left);
+        let stay = self
+            .participants()
+            .iter()
+            .filter(|r| !ranks.contains(r))
+            .count();
+        let min = self.cfg.min_nodes;
         let newest = on_disk.map_or_else(
             || "none (no rank registered a checkpoint directory)".to_string(),
             |d| d.to_string(),
@@ -490,6 +502,30 @@ impl Machine {
                 "stop the job".into(),
                 format!(
                     "the state of ranks {state_lost:?} is lost: host {node} and every host holding their peer replicas are gone, so no checkpoint of a later step can be complete; the newest complete checkpoint on disk is {newest}"
+                ),
+            ),
+            _ if shrink => (
+                Level::Warn,
+                format!("host {node} lost: shrinking the data-parallel group"),
+                format!("go on with {stay} ranks"),
+                format!(
+                    "no standby host is left to take ranks {ranks:?}: with elastic training the {hosts_left} hosts left go on with {stay} ranks, their optimizer shards re-sliced from their snapshots and the lost ranks' peer replicas"
+                ),
+            ),
+            _ if elastic && self.cfg.modes.dump => (
+                Level::Error,
+                format!("host {node} lost"),
+                "write the last-words checkpoint, then stop the job".into(),
+                format!(
+                    "host {node} holds ranks {ranks:?} and no standby host is left to take them; {hosts_left} host(s) would be left, fewer than --min-nodes {min}, so the group does not shrink: the last-words checkpoint takes their state from their peer replicas"
+                ),
+            ),
+            _ if elastic => (
+                Level::Error,
+                format!("host {node} lost"),
+                "stop the job".into(),
+                format!(
+                    "host {node} holds ranks {ranks:?} and no standby host is left to take them; {hosts_left} host(s) would be left, fewer than --min-nodes {min}, so the group does not shrink"
                 ),
             ),
             (Some(s), _) => (
@@ -542,6 +578,10 @@ impl Machine {
         let mut named: BTreeSet<usize> = ranks.iter().copied().collect();
         named.extend(&state_lost);
         self.faults[f].ranks = named.into_iter().collect();
+        if shrink {
+            self.shrink(now, f, &ranks);
+            return;
+        }
         if standby.is_none() {
             // The lost ranks pause for nothing any more: a last-words
             // checkpoint (with the dump mode on) takes them from their
@@ -584,7 +624,7 @@ impl Machine {
     }
 
     /// Recovers from fault `f`: now, or after the dump in progress.
-    fn recover(&mut self, now: Duration, f: usize) {
+    pub(super) fn recover(&mut self, now: Duration, f: usize) {
         if let State::Dumping { recover, .. } = &mut self.state {
             recover.push(f);
         } else {

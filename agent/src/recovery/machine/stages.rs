@@ -166,14 +166,19 @@ impl Machine {
     /// after all. Restarts and recovers those ranks; true if it did.
     pub(super) fn collected(&mut self, now: Duration, epoch: u64, steps: Vec<(usize, Vec<u64>)>) {
         let by_rank: HashMap<usize, Vec<u64>> = steps.into_iter().collect();
-        let per_rank: Vec<Vec<u64>> = self
+        // The ranks leaving in a shrink count, through their replicas.
+        let counted: Vec<usize> = self
             .ranks
+            .iter()
+            .copied()
+            .filter(|r| !self.retired.contains(r))
+            .collect();
+        let per_rank: Vec<Vec<u64>> = counted
             .iter()
             .map(|r| by_rank.get(r).cloned().unwrap_or_default())
             .collect();
         let s_star = consistent_step(&per_rank);
-        let listing = self
-            .ranks
+        let listing = counted
             .iter()
             .zip(&per_rank)
             .map(|(r, s)| format!("rank {r}: {s:?}"))

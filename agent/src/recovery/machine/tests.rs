@@ -7,6 +7,8 @@ use crate::recovery::OnDisk;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 
+mod elastic;
+
 const TICK: Duration = Duration::from_millis(10);
 
 /// One simulated rank: its process and its control page.
@@ -28,6 +30,8 @@ struct SimRank {
     in_collective: bool,
     /// Verified snapshot steps.
     slots: Vec<u64>,
+    /// Left the group (a shrink): the others train without it.
+    gone: bool,
 }
 
 impl SimRank {
@@ -42,6 +46,7 @@ impl SimRank {
             epoch: 0,
             heartbeat: 0,
             directive: Directive::None,
+            gone: false,
             acked: None,
             in_collective: false,
             slots: vec![0],
@@ -82,6 +87,7 @@ fn config() -> MachineConfig {
         pause_timeout: Duration::from_secs(1),
         group_restarts: 0,
         register_timeout: Duration::from_secs(3),
+        min_nodes: 1,
     }
 }
 
@@ -169,6 +175,7 @@ impl Sim {
                 };
                 self.registering.push(rank);
             }
+            Command::Donate { .. } => {}
             Command::Collect { epoch } => self.queue.push_back(Event::Collected {
                 epoch,
                 steps: self
@@ -232,7 +239,9 @@ impl Sim {
                     r.phase = Phase::Paused;
                     r.in_collective = false;
                 }
-                Directive::Resume { epoch, step } if r.acked != Some(r.directive) => {
+                Directive::Resume { epoch, step } | Directive::Reshape { epoch, step, .. }
+                    if r.acked != Some(r.directive) =>
+                {
                     r.acked = Some(r.directive);
                     r.epoch = epoch;
                     r.step = step;
@@ -247,7 +256,7 @@ impl Sim {
         }
         // Lockstep: a step completes only when every rank can take it.
         let can = |r: &SimRank| r.alive && r.registered && !r.hung && r.phase == Phase::Computing;
-        let all = self.ranks.iter().all(can);
+        let all = self.ranks.iter().filter(|r| !r.gone).all(can);
         for r in self.ranks.iter_mut() {
             if !can(r) {
                 continue;
@@ -741,6 +750,7 @@ fn a_host_lost_with_its_replicas_stops_at_once_naming_the_ranks_and_the_disk() {
                 dir: "/ckpt".into(),
                 iteration: Some(10),
             }),
+            hosts_left: 2,
         })
     };
     let mut sim = Sim::new(6);

@@ -1,0 +1,106 @@
+//! Elastic training on this host: the replicas of leaving ranks that its
+//! ranks bring to a shrink, and a rank's new store when it takes its new
+//! place (its layout changes with its shard).
+
+use super::Driver;
+use crate::supervisor::Supervisor;
+use hatrain_shared::control::{Donation, Response};
+use hatrain_shared::shm::{self, Geometry, Store};
+use hatrain_shared::statemap::StateMap;
+use std::sync::Arc;
+
+impl Driver<'_> {
+    /// This host holds the replicas of `leaving` at `step`: its lowest rank
+    /// brings them to the reshape.
+    pub(super) fn donate(&mut self, sup: &Supervisor, step: u64, leaving: Vec<usize>) {
+        let Some(&to) = sup.ranks().iter().min() else {
+            return;
+        };
+        tracing::info!(
+            rank = to,
+            ?leaving,
+            step,
+            "bringing the leaving ranks' replicas to the reshape"
+        );
+        self.donations.entry(to).or_default().extend(leaving);
+    }
+
+    /// Rank `rank` (process `pid`) takes a new place under the reshape of
+    /// `epoch`: its store is made anew for `map` (a new file, so the
+    /// worker's mapping of the old one stays valid until it lets go), and
+    /// the reply names the replicas it brings.
+    pub(super) fn reshape(
+        &mut self,
+        sup: &Supervisor,
+        rank: usize,
+        pid: u32,
+        epoch: u64,
+        map: StateMap,
+    ) -> Response {
+        let refuse = |message: String| Response::Error { message };
+        if !sup.ranks().contains(&rank) || !self.stores.contains_key(&rank) {
+            return refuse(format!(
+                "rank {rank} is not a registered rank of this host {:?}",
+                sup.ranks()
+            ));
+        }
+        if let Err(e) = map.validate() {
+            return refuse(format!("rank {rank}: {e}"));
+        }
+        let sliced = self.cfg.ha.slices && map.has_replicated();
+        let total = map.slot_bytes(sliced) as usize;
+        let layout = map.slot_layout_hash(sliced);
+        let name = format!("rank_{rank:05}.shm");
+        let geometry = Geometry::new(self.cfg.ha.slots, total);
+        self.dir.forget(&name);
+        let created = self
+            .dir
+            .create(&name)
+            .map_err(|e| e.to_string())
+            .and_then(|(file, path)| {
+                Store::create_in(
+                    file,
+                    &path,
+                    rank,
+                    geometry,
+                    layout,
+                    shm::hash_str(self.cfg.job_id.as_str()),
+                )
+                .map_err(|e| e.to_string())
+            });
+        let store = match created {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                self.dir.forget(&name);
+                self.stores.remove(&rank);
+                return refuse(format!(
+                    "cannot make the snapshot store of rank {rank} for its new place: {e}"
+                ));
+            }
+        };
+        tracing::info!(rank, pid, epoch, bytes = total, sliced, path = %store.path().display(), "snapshot store made for the rank's new place");
+        self.stores.insert(rank, Arc::clone(&store));
+        let replicator = self.peers.as_ref().and_then(|p| p.replicator.as_ref());
+        if let Some(r) = replicator {
+            let json = serde_json::to_vec(&map).ok().map(Into::into);
+            r.add_rank(rank, Arc::clone(&store), json);
+        }
+        self.maps.insert(rank, Arc::new(map));
+        let mut donations = Vec::new();
+        for lost in self.donations.get(&rank).into_iter().flatten() {
+            match replicator.and_then(|r| r.replica(*lost)) {
+                Some((s, m)) => donations.push(Donation {
+                    rank: *lost,
+                    store: s.path().to_path_buf(),
+                    map: (*m).clone(),
+                }),
+                None => tracing::error!(rank, lost, "no replica of the leaving rank to bring"),
+            }
+        }
+        Response::Reshaped {
+            store: store.path().to_path_buf(),
+            sliced,
+            donations,
+        }
+    }
+}

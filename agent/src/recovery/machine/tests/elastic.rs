@@ -1,0 +1,93 @@
+//! Elastic training in the machine: a host lost with no standby shrinks the
+//! group (the others take new places by a reshape directive), and below
+//! `--min-nodes` the job writes its last words and stops.
+
+use super::*;
+
+fn elastic(min_nodes: usize) -> MachineConfig {
+    let mut cfg = config();
+    cfg.modes.elastic = true;
+    cfg.min_nodes = min_nodes;
+    cfg
+}
+
+fn loss(hosts_left: usize) -> Event {
+    Event::HostLost(HostLoss {
+        node: 1,
+        ranks: vec![2, 3],
+        detail: "no heartbeat".into(),
+        spare: None,
+        state_lost: vec![],
+        on_disk: None,
+        hosts_left,
+    })
+}
+
+#[test]
+fn a_host_lost_with_no_standby_shrinks_the_group() {
+    let mut sim = Sim::with(6, elastic(2));
+    sim.run(14);
+    for r in [2, 3] {
+        sim.ranks[r].alive = false;
+        sim.ranks[r].gone = true;
+    }
+    sim.feed(loss(2));
+    sim.run_until("the reshape", 300, |s| !s.m.recovering());
+    assert_eq!(sim.outcome, None, "{:?}", sim.notes);
+    let s_star = sim.m.faults()[0].s_star.expect("an s*");
+    // Ranks 0, 1, 4, 5 take places 0..4 of 4; nobody posts to 2 or 3.
+    for (rank, place) in [(0, 0), (1, 1), (4, 2), (5, 3)] {
+        let want = Directive::Reshape {
+            epoch: sim.m.epoch(),
+            step: s_star,
+            rank: place,
+            world: 4,
+        };
+        assert!(
+            sim.commands.contains(&Command::Post {
+                rank,
+                directive: want
+            }),
+            "rank {rank} takes place {place}: {:?}",
+            sim.commands
+        );
+    }
+    assert!(sim.commands.contains(&Command::Donate {
+        step: s_star,
+        leaving: vec![2, 3]
+    }));
+    assert!(!sim.commands.iter().any(|c| matches!(
+        c,
+        Command::Respawn { .. } | Command::Write { .. } | Command::Finish(_)
+    )));
+    let resize = &sim.m.resizes()[0];
+    assert_eq!(
+        (resize.from, resize.to, resize.s_star),
+        (6, 4, Some(s_star))
+    );
+    assert_eq!(sim.m.retired(), &BTreeSet::from([2, 3]));
+    // The group goes on at its new size.
+    let before = sim.ranks[0].step;
+    sim.run(20);
+    assert!(sim.ranks[0].step > before + 10, "training goes on");
+}
+
+#[test]
+fn below_min_nodes_the_job_writes_its_last_words_and_stops() {
+    let mut sim = Sim::with(6, elastic(3));
+    sim.run(14);
+    for r in [2, 3] {
+        sim.ranks[r].alive = false;
+        sim.ranks[r].gone = true;
+    }
+    sim.feed(loss(2));
+    sim.run_until("the end", 300, |s| s.outcome.is_some());
+    assert_eq!(sim.outcome, Some(Outcome::RecoveryFailed));
+    let f = &sim.m.faults()[0];
+    assert!(
+        f.reason.contains("fewer than --min-nodes 3") && f.action.contains("last-words"),
+        "{f:?}"
+    );
+    assert!(sim.m.last_words().is_some(), "the last words are written");
+    assert!(sim.m.resizes().is_empty());
+}

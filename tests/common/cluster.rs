@@ -1,0 +1,145 @@
+//! A job of three hosts of two ranks each (agents on 127.0.0.1–3, each
+//! with its own shared-memory root) and its standby agents, for the tests
+//! of whole hosts lost.
+
+use super::hosts::*;
+use super::*;
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::Duration;
+
+/// Rank 0 naps in step 30's forward pass: the job stands still meanwhile
+/// (the hang bound is longer than the nap).
+pub const NAP: &str = "0:30:forward:sleep8000";
+
+/// Three hosts of two ranks and their standbys, running.
+pub struct Cluster {
+    pub shm: Vec<PathBuf>,
+    pub job: String,
+    pub agents: Vec<Job>,
+    pub log: PathBuf,
+    /// Dropped last, once every agent is gone.
+    _tmp: tempfile::TempDir,
+    /// One cluster at a time: eleven processes each on a small machine.
+    _one: std::sync::MutexGuard<'static, ()>,
+}
+
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+impl Cluster {
+    /// Starts the hosts and `standbys` standby agents, each with `extra`
+    /// flags, training with `train` (and a log of its own).
+    pub fn start(
+        tmp: tempfile::TempDir,
+        name: &str,
+        standbys: usize,
+        extra: &[&str],
+        train: &[String],
+    ) -> Self {
+        Self::start_with_plan(tmp, name, standbys, extra, train, NAP)
+    }
+
+    /// [`Cluster::start`] with the fault plan `plan`.
+    pub fn start_with_plan(
+        tmp: tempfile::TempDir,
+        name: &str,
+        standbys: usize,
+        extra: &[&str],
+        train: &[String],
+        plan: &str,
+    ) -> Self {
+        let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let secret = secret_file(tmp.path());
+        let shm: Vec<PathBuf> = (0..3 + standbys)
+            .map(|k| tmp.path().join(format!("host{k}")))
+            .collect();
+        let job = job_id(name);
+        let ports = (free_port(), free_port());
+        let log = tmp.path().join("run.jsonl");
+        let mut args = train.to_vec();
+        args.extend(["--log-jsonl".into(), log.display().to_string()]);
+        let spares = standbys.to_string();
+        let agents = (0..3 + standbys)
+            .map(|k| {
+                let mut flags = vec![
+                    "--standby-nodes",
+                    spares.as_str(),
+                    "--hang-timeout-secs",
+                    "20",
+                ];
+                flags.extend(extra);
+                if k >= 3 {
+                    flags.push("--standby");
+                }
+                let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &flags);
+                c.env("HATRAIN_FAULT_PLAN", plan);
+                host_job(c, &job, k)
+            })
+            .collect();
+        Self {
+            shm,
+            job,
+            agents,
+            log,
+            _tmp: tmp,
+            _one: one,
+        }
+    }
+
+    /// Waits until host `k` holds the replicas of `ranks` at step 29 or
+    /// later, where the job stands still.
+    pub fn wait_held(&self, k: usize, ranks: &[u64]) {
+        self.wait_held_at(k, ranks, 29);
+    }
+
+    /// Waits until host `k` holds the replicas of `ranks` at step `step`
+    /// or later.
+    pub fn wait_held_at(&self, k: usize, ranks: &[u64], step: u64) {
+        let socket = self.shm[k].join(&self.job).join("agent.sock");
+        let caught_up = poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
+            let held = v["status"]["replicas"]["held"].as_array()?;
+            let at = |rank: u64| {
+                held.iter()
+                    .any(|h| h["rank"] == rank && h["steps"][0].as_u64().is_some_and(|s| s >= step))
+            };
+            ranks.iter().all(|&r| at(r)).then_some(())
+        });
+        assert!(
+            caught_up.is_some(),
+            "host {k} never held the replicas of ranks {ranks:?} at step {step}"
+        );
+    }
+
+    /// Hosts `hosts` vanish at once.
+    pub fn vanish(&mut self, hosts: &[usize]) {
+        for &k in hosts {
+            kill_job(&format!("{}-h{k}", self.job));
+        }
+        for &k in hosts {
+            let _ = self.agents[k].wait_output(Duration::from_secs(30));
+            std::fs::remove_dir_all(&self.shm[k]).unwrap();
+        }
+    }
+
+    /// How the agents of `hosts` ended.
+    pub fn ends(&mut self, hosts: &[usize]) -> Vec<(usize, Output)> {
+        hosts
+            .iter()
+            .map(|&k| (k, self.agents[k].wait_output(Duration::from_secs(300))))
+            .collect()
+    }
+}
+
+/// Every host's log, for a failure's message.
+pub fn logs(outs: &[(usize, Output)]) -> String {
+    outs.iter()
+        .map(|(k, o)| format!("--- host {k}\n{}", String::from_utf8_lossy(&o.stderr)))
+        .collect()
+}
+
+pub fn stderr(outs: &[(usize, Output)], k: usize) -> String {
+    outs.iter()
+        .find(|(h, _)| *h == k)
+        .map(|(_, o)| String::from_utf8_lossy(&o.stderr).into_owned())
+        .unwrap_or_default()
+}

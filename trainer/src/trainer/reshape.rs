@@ -1,0 +1,361 @@
+//! Elastic training: a reshape directive gives this rank a new place `r′`
+//! of `W′` in the data-parallel group, at step `s*`.
+//!
+//! 1. The rank brings its state to `s*` (kept live, or restored from its
+//!    snapshot) and notes what it contributes: the scalars, its ZeRO shard
+//!    of both moments, and the lost ranks' state its agent reads from their
+//!    replicas (the donations).
+//! 2. It takes the new place with the runtime (new state map, new store)
+//!    and builds the communicator of `W′`.
+//! 3. Every rank gathers every contribution and keeps, of each moment, the
+//!    elements of its new shard `shard_range(numel, W′, r′)`; the
+//!    parameters are the same on every rank and move only when a rank lacks
+//!    some (a sliced restore). Every element of the new shards must come
+//!    from somewhere, and every contributor must agree on the scalars.
+//! 4. The state at `s*` is committed as the first snapshot of the new
+//!    layout.
+//!
+//! Until a reshape completes, the contribution is kept in memory: a fault
+//! during it brings another reshape directive, and the rank gives the same
+//! contribution again (its old store is gone by then).
+//!
+//! The global batch and the sample order do not depend on the world size
+//! (every rank draws every seed; rank `r` takes sequences `r·B/W..`), so a
+//! run after a reshape at `s*` is the run a fresh start at `W′` from a
+//! checkpoint of `s*` would make.
+
+use super::*;
+
+/// A run of elements of one buffer (1 parameters, 2 and 3 the moments).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Piece {
+    part: u8,
+    start: usize,
+    data: Vec<f32>,
+}
+
+/// What this rank brings to a reshape until one completes.
+#[derive(Debug, Clone)]
+pub(super) struct Carry {
+    step: u64,
+    scalars: Scalars,
+    /// Its own moments and the donated ranks' parameters and moments.
+    pieces: Vec<Piece>,
+    /// The elements of the parameters this rank holds (all, unless a
+    /// sliced snapshot was restored).
+    params_held: Range<usize>,
+    /// The lost ranks whose state is among the pieces.
+    donated: std::collections::BTreeSet<usize>,
+}
+
+impl Trainer<'_> {
+    /// Carries out `Reshape { epoch, step, rank, world }`.
+    pub(super) fn reshape(
+        &mut self,
+        rt: &mut Runtime,
+        dist: &mut Dist,
+        epoch: u64,
+        step: u64,
+        (rank, world): (usize, usize),
+    ) -> Result<Communicator, TrainError> {
+        if world == 0 || rank >= world || !self.args.global_batch.is_multiple_of(world) {
+            return Err(TrainError::Args(format!(
+                "cannot take place {rank} of {world}: the global batch {} must be a positive multiple of the world size",
+                self.args.global_batch
+            )));
+        }
+        let numel = self.model.numel();
+        let mut carry = match self.carry.take().filter(|c| c.step == step) {
+            Some(c) => c,
+            None => self.contribution(rt, step)?,
+        };
+        self.carry = Some(carry.clone());
+        // The new place: new moment buffers, the same parameters.
+        let shard = shard_range(numel, world, rank);
+        let save = self.args.save.as_ref().map(|dir| SaveTo {
+            dir: dir.clone(),
+            interval: self.args.save_interval,
+        });
+        let map = ck::state_map(
+            &self.cfg,
+            world,
+            rank,
+            save.as_ref(),
+            serde_json::to_value(self.args).unwrap_or(serde_json::Value::Null),
+        );
+        let (m, v) = (
+            shared(vec![0.0; shard.len()]),
+            shared(vec![0.0; shard.len()]),
+        );
+        let donated = rt.reshape(
+            epoch,
+            step,
+            map.clone(),
+            vec![
+                Arc::clone(&self.state.params),
+                Arc::clone(&m),
+                Arc::clone(&v),
+            ],
+        )?;
+        for d in donated {
+            if carry.donated.insert(d.rank) {
+                carry.pieces.extend(donation_pieces(&d, numel)?);
+            }
+        }
+        self.carry = Some(carry.clone());
+        self.state.exp_avg = m;
+        self.state.exp_avg_sq = v;
+        self.map = map;
+        self.rank = rank;
+        self.world = world;
+        self.shard = shard.clone();
+        self.epoch = epoch;
+        dist.place(rank, world);
+        let mut comm = dist.communicator(epoch, &|| rt.directive_pending())?;
+        rt.set_communicator(&comm);
+
+        // Parameters move only when some rank lacks some of them.
+        let full = carry.params_held == (0..numel);
+        let all_full = comm
+            .all_gather_f64(if full { 1.0 } else { 0.0 })?
+            .iter()
+            .all(|f| *f == 1.0);
+        let mut mine = carry.pieces.clone();
+        if !all_full {
+            let p = read(&self.state.params);
+            mine.push(Piece {
+                part: 1,
+                start: carry.params_held.start,
+                data: p[carry.params_held.clone()].to_vec(),
+            });
+        } else {
+            mine.retain(|p| p.part != 1);
+        }
+        let gathered = comm.all_gather_bytes(&encode(&carry.scalars, &mine))?;
+        let mut scalars: Option<Scalars> = None;
+        let mut have = [vec![false; shard.len()], vec![false; shard.len()]];
+        let mut params_have = vec![all_full; numel];
+        {
+            let (mut p, mut m, mut v) = (
+                write(&self.state.params),
+                write(&self.state.exp_avg),
+                write(&self.state.exp_avg_sq),
+            );
+            for (from, bytes) in gathered.iter().enumerate() {
+                let (s, pieces) = decode(bytes, numel).ok_or_else(|| {
+                    TrainError::Args(format!("reshape: rank {from}'s contribution is malformed"))
+                })?;
+                match scalars {
+                    None => scalars = Some(s),
+                    Some(x) if x != s => {
+                        return Err(TrainError::Args(format!(
+                            "reshape: rank {from} is at step {} (data position {}), others at step {} ({})",
+                            s.step, s.data_position, x.step, x.data_position
+                        )));
+                    }
+                    Some(_) => {}
+                }
+                for piece in pieces {
+                    let range = piece.start..piece.start + piece.data.len();
+                    let (dst, seen, base) = match piece.part {
+                        1 => (&mut p[..], &mut params_have[..], 0),
+                        2 => (&mut m[..], &mut have[0][..], shard.start),
+                        _ => (&mut v[..], &mut have[1][..], shard.start),
+                    };
+                    let lo = range.start.max(base);
+                    let hi = range.end.min(base + dst.len());
+                    if lo < hi {
+                        dst[lo - base..hi - base]
+                            .copy_from_slice(&piece.data[lo - range.start..hi - range.start]);
+                        seen[lo - base..hi - base].fill(true);
+                    }
+                }
+            }
+        }
+        let missing = |name: &str, seen: &[bool], base: usize| -> Result<(), TrainError> {
+            match seen.iter().position(|s| !s) {
+                None => Ok(()),
+                Some(i) => Err(TrainError::Args(format!(
+                    "reshape to {world} ranks at step {step}: element {} of {name} came from no rank (a lost rank's replica is missing)",
+                    base + i
+                ))),
+            }
+        };
+        missing("exp_avg", &have[0], shard.start)?;
+        missing("exp_avg_sq", &have[1], shard.start)?;
+        missing("params", &params_have, 0)?;
+        self.state.scalars = scalars.unwrap_or(carry.scalars);
+        self.torn = false;
+        self.carry = None;
+        rt.commit(step, epoch, self.state.scalars.encode(), CommitOf::Start);
+        let path = self.args.log_jsonl.as_deref();
+        self.log = JsonLog::open(path, rank == 0)?;
+        eprintln!("rank {rank}: reshaped to {world} ranks at step {step} under epoch {epoch}");
+        self.log.write(serde_json::json!({
+            "event": "reshape", "step": step, "epoch": epoch, "world_size": world,
+        }))?;
+        Ok(comm)
+    }
+
+    /// This rank's state at `step` as a contribution (restored from its
+    /// snapshot unless the live state is exactly there).
+    fn contribution(&mut self, rt: &mut Runtime, step: u64) -> Result<Carry, TrainError> {
+        let live = !self.torn && self.state.scalars.step == step;
+        let mut params_held = 0..self.model.numel();
+        if !live {
+            let meta = rt.restore(step)?;
+            self.state.scalars = Scalars::decode(&meta)
+                .ok_or_else(|| TrainError::Args("snapshot metadata block is malformed".into()))?;
+            params_held = rt.held().first().cloned().unwrap_or(params_held);
+            self.torn = false;
+        }
+        let start = self.shard.start;
+        let pieces = vec![
+            Piece {
+                part: 2,
+                start,
+                data: read(&self.state.exp_avg).clone(),
+            },
+            Piece {
+                part: 3,
+                start,
+                data: read(&self.state.exp_avg_sq).clone(),
+            },
+        ];
+        Ok(Carry {
+            step,
+            scalars: self.state.scalars,
+            pieces,
+            params_held,
+            donated: Default::default(),
+        })
+    }
+}
+
+/// The pieces of a lost rank's donated state: its parameters (the slice
+/// its replica holds) and its moments, at its old shard.
+fn donation_pieces(d: &Donated, numel: usize) -> Result<Vec<Piece>, TrainError> {
+    let bad = |why: &str| {
+        TrainError::Args(format!(
+            "the replica of rank {} does not fit this model: {why}",
+            d.rank
+        ))
+    };
+    let [(params_at, params), (m_at, m), (v_at, v)] = &d.parts[..] else {
+        return Err(bad("it does not hold three buffers"));
+    };
+    let shard = match d.map.parts.get(1).map(|p| p.sharing) {
+        Some(hatrain_shared::statemap::Sharing::Replicated { group, index })
+            if index < group && d.map.parts[1].len == numel as u64 =>
+        {
+            shard_range(numel, group, index)
+        }
+        _ => return Err(bad("its parameters are not a replicated part of this size")),
+    };
+    if *m_at != (0..shard.len()) || *v_at != (0..shard.len()) {
+        return Err(bad("its moments are not its shard"));
+    }
+    Ok(vec![
+        Piece {
+            part: 1,
+            start: params_at.start,
+            data: params.clone(),
+        },
+        Piece {
+            part: 2,
+            start: shard.start,
+            data: m.clone(),
+        },
+        Piece {
+            part: 3,
+            start: shard.start,
+            data: v.clone(),
+        },
+    ])
+}
+
+/// `scalars`, then each piece: part (u8), start and length (u64), values.
+fn encode(scalars: &Scalars, pieces: &[Piece]) -> Vec<u8> {
+    let mut out = scalars.encode();
+    out.extend_from_slice(&(pieces.len() as u64).to_le_bytes());
+    for p in pieces {
+        out.push(p.part);
+        out.extend_from_slice(&(p.start as u64).to_le_bytes());
+        out.extend_from_slice(&(p.data.len() as u64).to_le_bytes());
+        out.extend_from_slice(bytemuck::cast_slice(&p.data));
+    }
+    out
+}
+
+/// The contribution in `b`; `None` unless every piece lies inside a buffer
+/// of `numel` elements and the bytes end with the last one.
+fn decode(b: &[u8], numel: usize) -> Option<(Scalars, Vec<Piece>)> {
+    let scalars = Scalars::decode(b.get(..META_LEN)?)?;
+    let mut at = META_LEN;
+    let word = |at: &mut usize| -> Option<u64> {
+        let w = u64::from_le_bytes(b.get(*at..*at + 8)?.try_into().ok()?);
+        *at += 8;
+        Some(w)
+    };
+    let n = word(&mut at)?;
+    let mut pieces = Vec::new();
+    for _ in 0..n {
+        let part = *b.get(at)?;
+        at += 1;
+        let start = usize::try_from(word(&mut at)?).ok()?;
+        let len = usize::try_from(word(&mut at)?).ok()?;
+        if !(1..=3).contains(&part) || start.checked_add(len)? > numel {
+            return None;
+        }
+        let bytes = b.get(at..at.checked_add(len.checked_mul(4)?)?)?;
+        at += bytes.len();
+        let data = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        pieces.push(Piece { part, start, data });
+    }
+    (at == b.len()).then_some((scalars, pieces))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn contributions_round_trip() {
+        let s = Scalars {
+            step: 7,
+            rng: SplitMix64::new(9),
+            data_position: 84,
+        };
+        let pieces = vec![
+            Piece {
+                part: 2,
+                start: 3,
+                data: vec![1.0, -0.0, f32::NAN],
+            },
+            Piece {
+                part: 1,
+                start: 0,
+                data: vec![],
+            },
+        ];
+        let bytes = encode(&s, &pieces);
+        let (back_s, back) = decode(&bytes, 10).unwrap();
+        assert_eq!(back_s, s);
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[0].data[1].to_bits(), (-0.0f32).to_bits());
+        assert!(back[0].data[2].is_nan());
+        assert!(decode(&bytes, 5).is_none(), "a piece past the buffer");
+        assert!(decode(&bytes[..bytes.len() - 1], 10).is_none());
+    }
+
+    proptest! {
+        #[test]
+        fn decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256), numel in 0usize..64) {
+            let _ = decode(&bytes, numel);
+        }
+    }
+}
