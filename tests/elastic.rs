@@ -16,15 +16,38 @@ mod common;
 use common::cluster::*;
 use common::hosts::*;
 use common::*;
+use std::time::Duration;
 
 #[test]
 fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size() {
     let tmp = tempfile::tempdir().unwrap();
     let (train, _six) = six_ranks_reference(tmp.path());
     let dir = tmp.path().to_path_buf();
-    let mut c = Cluster::start(tmp, "elastic", 0, &["--enable-elastic-training"], &train);
+    // Rank 0 naps again in step 45, so the resize can be seen while the
+    // job runs.
+    let plan = format!("{NAP};0:45:forward:sleep3000");
+    let mut c = Cluster::start_with_plan(
+        tmp,
+        "elastic",
+        0,
+        &["--enable-elastic-training"],
+        &train,
+        &plan,
+    );
     c.wait_held(2, &[2, 3]);
     c.vanish(&[1]);
+    // A follower's status shows the group's size and its resize.
+    let socket = c.shm[2].join(&c.job).join("agent.sock");
+    let seen = poll_agentctl(&socket, "status", Duration::from_secs(60), |v| {
+        let s = &v["status"];
+        (s["world_size"] == 4 && s["resizes"][0]["to"] == 4).then(|| s["resizes"][0].clone())
+    });
+    let resize = seen.expect("host 2's status shows the resize to 4 ranks");
+    assert_eq!(resize["from"], 6);
+    assert!(
+        resize["seconds"].as_f64().is_some_and(|s| s > 0.0),
+        "{resize}"
+    );
     let outs = c.ends(&[0, 2]);
     for (k, out) in &outs {
         assert_success(out, &format!("host {k}\n{}", logs(&outs)));
@@ -82,8 +105,46 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
             "loss of step {step} after the resize"
         );
     }
+    assert_eq!(resize["s_star"], s_star);
     assert_eq!(final_checksum(&run), final_checksum(&fresh));
     for k in [0, 2] {
         assert_nothing_left(&c.shm[k]);
+    }
+}
+
+/// With `--min-nodes 3`, losing a host would leave two: the group does not
+/// shrink; the last-words checkpoint (ranks 2 and 3 from their replicas)
+/// is written and the job stops, saying why.
+#[test]
+fn a_loss_below_min_nodes_writes_the_last_words_and_stops() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut train, _six) = six_ranks_reference(tmp.path());
+    let save = tmp.path().join("ckpt");
+    train.extend(s(&["--save", save.to_str().unwrap()]));
+    let flags = ["--enable-elastic-training", "--min-nodes", "3"];
+    let mut c = Cluster::start(tmp, "elastic-min", 0, &flags, &train);
+    c.wait_held(2, &[2, 3]);
+    c.vanish(&[1]);
+    let outs = c.ends(&[0, 2]);
+    let it = hatrain_shared::checkpoint::read_tracker(&save)
+        .unwrap_or_else(|e| panic!("no last words on disk ({e}):\n{}", logs(&outs)));
+    assert!((29..=30).contains(&it), "last words of iteration {it}");
+    let controller = stderr(&outs, 0);
+    assert!(
+        controller.contains("fewer than --min-nodes 3, so the group does not shrink"),
+        "{controller}"
+    );
+    assert!(
+        !controller.contains("shrinking the data-parallel group"),
+        "{controller}"
+    );
+    for (k, out) in &outs {
+        assert_eq!(
+            code(&out.status),
+            Some(3),
+            "host {k} stops:\n{}",
+            logs(&outs)
+        );
+        assert_nothing_left(&c.shm[*k]);
     }
 }

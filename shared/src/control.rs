@@ -236,6 +236,23 @@ pub struct StatusReport {
     /// The job's agents as this one hears them (several nodes).
     #[serde(default)]
     pub membership: Option<MembershipReport>,
+    /// The resizes of the data-parallel group (elastic training).
+    #[serde(default)]
+    pub resizes: Vec<ResizeRecord>,
+}
+
+/// A resize of the data-parallel group (elastic training).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeRecord {
+    /// The fault (or the host's return) that caused it.
+    pub fault: Option<u64>,
+    pub from: usize,
+    pub to: usize,
+    /// The step the group resumed from at the new size.
+    pub s_star: Option<u64>,
+    /// From the fault to the first step completed at the new size.
+    pub seconds: Option<f64>,
 }
 
 /// The job's agents, as one agent hears them.

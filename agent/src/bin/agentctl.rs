@@ -230,6 +230,16 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(r) = &s.replicas {
                 print_replicas(r);
             }
+            for r in &s.resizes {
+                println!(
+                    "resized: {} -> {} ranks at s*={} in {} (fault {})",
+                    r.from,
+                    r.to,
+                    r.s_star.map_or("-".into(), |s| s.to_string()),
+                    r.seconds.map_or("-".into(), |s| format!("{s:.3} s")),
+                    r.fault.map_or("-".into(), |f| f.to_string()),
+                );
+            }
             print_workers(&s.workers);
             print_faults(&s.faults);
         }

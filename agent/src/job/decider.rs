@@ -167,6 +167,12 @@ pub(super) struct Mirror {
     /// Ranks a standby took and is still filling from their replicas.
     #[serde(default)]
     pub filling: BTreeSet<usize>,
+    /// The size of the data-parallel group and its resizes (elastic
+    /// training).
+    #[serde(default)]
+    pub world_size: Option<usize>,
+    #[serde(default)]
+    pub resizes: Vec<hatrain_shared::control::ResizeRecord>,
 }
 
 impl Mirror {
@@ -624,6 +630,8 @@ impl Controller {
             spares: self.spares.clone(),
             placement: self.placement.clone(),
             filling: self.filling.clone(),
+            world_size: Some(m.world_size()),
+            resizes: m.resizes().to_vec(),
         }
     }
 }
@@ -709,6 +717,22 @@ impl Decider {
                 "{} (the controller on node {})",
                 f.mirror.activity, f.leader
             ),
+        }
+    }
+
+    /// The size of the data-parallel group now, if known.
+    pub fn world_size(&self) -> Option<usize> {
+        match self {
+            Self::Controller(c) if c.joined() => Some(c.machine.world_size()),
+            Self::Controller(_) => None,
+            Self::Follower(f) => f.mirror.world_size,
+        }
+    }
+
+    pub fn resizes(&self) -> &[hatrain_shared::control::ResizeRecord] {
+        match self {
+            Self::Controller(c) => c.machine.resizes(),
+            Self::Follower(f) => &f.mirror.resizes,
         }
     }
 

@@ -365,7 +365,7 @@ impl Driver<'_> {
     fn status(&self, sup: &Supervisor) -> StatusReport {
         StatusReport {
             job: self.cfg.job_id.to_string(),
-            world_size: self.cfg.world_size(),
+            world_size: self.decider.world_size().unwrap_or(self.cfg.world_size()),
             local_ranks: self.cfg.nproc_per_node,
             epoch: self.decider.epoch(),
             modes: self.cfg.ha.modes,
@@ -405,6 +405,7 @@ impl Driver<'_> {
                     term: seen.view.term,
                 }
             }),
+            resizes: self.decider.resizes().to_vec(),
         }
     }
 

@@ -37,10 +37,9 @@ use super::policy::{
 use super::watchdog::{HangPolicy, Watch};
 use super::{Command, Event, ExitCause, HostLoss, Level, Note, Outcome, RankView, Written};
 use crate::reaper::ExitStatus;
-use hatrain_shared::control::{FaultKind, FaultRecord, StartMode};
+use hatrain_shared::control::{FaultKind, FaultRecord, ResizeRecord as Resize, StartMode};
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::shm::{Directive, Phase};
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
@@ -597,6 +596,5 @@ mod elastic;
 mod faults;
 mod stages;
 
-pub use elastic::Resize;
 #[cfg(test)]
 mod tests;

@@ -24,19 +24,6 @@ pub(super) struct Reshaping {
     pub fault: usize,
 }
 
-/// A resize of the group, for `agentctl status`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Resize {
-    /// The fault that caused it.
-    pub fault: u64,
-    pub from: usize,
-    pub to: usize,
-    /// The step the group resumed from at the new size.
-    pub s_star: Option<u64>,
-    /// From the fault to the first step completed at the new size.
-    pub seconds: Option<f64>,
-}
-
 impl Machine {
     /// Whether the loss of `ranks` can be taken by shrinking: elastic
     /// training on, and `hosts_left` at least `--min-nodes`.
@@ -114,12 +101,17 @@ impl Machine {
             ),
         );
         self.resizes.push(Resize {
-            fault: self.faults[r.fault].id,
+            fault: Some(self.faults[r.fault].id),
             from: r.from,
             to,
             s_star: Some(s_star),
             seconds: Some(seconds),
         });
+    }
+
+    /// The size of the group: its ranks but those that left.
+    pub fn world_size(&self) -> usize {
+        self.ranks.iter().filter(|&&r| !self.left(r)).count()
     }
 
     /// The resizes so far.
