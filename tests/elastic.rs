@@ -112,6 +112,99 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
     }
 }
 
+/// Two shrinks in one run, five hosts of one rank (so that the hosts left
+/// after two losses are still a majority of the job's agents): host 2
+/// vanishes at step 30 (5 → 4 ranks), then host 1 at step 45 (4 → 3).
+/// After the first, host 1 streams its replicas past the lost host 2, to
+/// host 3: without that, rank 1 would have no replica left at the second
+/// loss. Each leg after a resize equals a fresh run at its size loaded
+/// from a checkpoint of its s*, chained: five ranks to s1*, four from there
+/// to s2*, three from there to the end. The global batch (60) is the same
+/// at every size.
+#[test]
+fn the_group_shrinks_twice_and_each_leg_equals_a_fresh_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "60".into();
+    let plan = format!("{NAP};0:45:forward:sleep8000");
+    let mut c = Cluster::start_shape(
+        tmp,
+        "elastic-twice",
+        (5, 1),
+        0,
+        &["--enable-elastic-training"],
+        &train,
+        &plan,
+    );
+    c.wait_held(3, &[2]);
+    c.vanish(&[2]);
+    c.wait_held_at(3, &[1], 44);
+    c.vanish(&[1]);
+    let outs = c.ends(&[0, 3, 4]);
+    for (k, out) in &outs {
+        assert_success(out, &format!("host {k}\n{}", logs(&outs)));
+    }
+    let run = read_log(&c.log);
+    let resizes: Vec<(u64, u64)> = run
+        .iter()
+        .filter(|e| e["event"] == "reshape")
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["world_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let [(s1, 4), (s2, 3)] = resizes[..] else {
+        panic!(
+            "two resizes, to 4 then 3 ranks: {resizes:?}\n{}",
+            logs(&outs)
+        );
+    };
+    assert!(
+        (29..=30).contains(&s1) && (44..=45).contains(&s2),
+        "{resizes:?}"
+    );
+    for e in run.iter().filter(|e| e["event"] == "step") {
+        let step = e["step"].as_u64().unwrap();
+        assert_eq!(e["samples"], step * 60, "samples consumed by step {step}");
+    }
+
+    // The chain of fresh runs: 5 ranks to s1*, 4 to s2*, 3 to the end.
+    let leg = |ranks: usize, load: Option<&std::path::Path>, to: Option<u64>, name: &str| {
+        let log = dir.join(format!("{name}.jsonl"));
+        let save = dir.join(name);
+        let mut args = train.clone();
+        if let Some(to) = to {
+            let at = args.iter().position(|a| a == "--train-iters").unwrap();
+            args[at + 1] = to.to_string();
+            args.extend(s(&["--save", save.to_str().unwrap()]));
+        }
+        if let Some(load) = load {
+            args.extend(s(&["--load", load.to_str().unwrap()]));
+        }
+        args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
+        assert_success(&run_launch(ranks, name, &args), name);
+        (save, read_log(&log))
+    };
+    let (at_s1, _) = leg(5, None, Some(s1), "twice-5");
+    let (at_s2, four) = leg(4, Some(&at_s1), Some(s2), "twice-4");
+    let (_, three) = leg(3, Some(&at_s2), None, "twice-3");
+    let ours = final_losses(&run);
+    for fresh in [&four, &three] {
+        for (step, loss) in final_losses(fresh) {
+            assert_eq!(ours[&step].to_bits(), loss.to_bits(), "loss of step {step}");
+        }
+    }
+    assert_eq!(final_losses(&three).keys().next().copied(), Some(s2 + 1));
+    assert_eq!(final_checksum(&run), final_checksum(&three));
+    for k in [0, 3, 4] {
+        assert_nothing_left(&c.shm[k]);
+    }
+}
+
 /// With `--min-nodes 3`, losing a host would leave two: the group does not
 /// shrink; the last-words checkpoint (ranks 2 and 3 from their replicas)
 /// is written and the job stops, saying why.

@@ -34,10 +34,12 @@ pub enum Request {
         pid: u32,
         map: StateMap,
     },
+    /// Which replicas of lost ranks this worker brings to the reshape to
+    /// `step` (read before it takes its new place).
+    Donations { rank: usize, step: u64 },
     /// A registered worker takes a new place in the data-parallel group
     /// (a reshape directive of `epoch`): its state map for that place. The
-    /// agent makes its store anew for the map's layout and names the
-    /// replicas of lost ranks this worker brings to the group.
+    /// agent makes its store anew for the map's layout.
     Reshape {
         rank: usize,
         pid: u32,
@@ -72,7 +74,11 @@ impl Request {
     pub fn mutates(&self) -> bool {
         matches!(
             self,
-            Self::Register { .. } | Self::Reshape { .. } | Self::Dump | Self::Inject { .. }
+            Self::Register { .. }
+                | Self::Donations { .. }
+                | Self::Reshape { .. }
+                | Self::Dump
+                | Self::Inject { .. }
         )
     }
 }
@@ -129,12 +135,16 @@ pub enum Response {
         #[serde(default)]
         sliced: bool,
     },
-    /// The answer to a reshape: the rank's new store, and the replicas it
-    /// reads the lost ranks' state from.
+    /// The replicas a worker reads the lost ranks' state from (`sliced`:
+    /// they hold a slice of each replicated part).
+    Donations {
+        sliced: bool,
+        donations: Vec<Donation>,
+    },
+    /// The answer to a reshape: the rank's new store.
     Reshaped {
         store: PathBuf,
         sliced: bool,
-        donations: Vec<Donation>,
     },
     Status(Box<StatusReport>),
     Workers(Vec<WorkerReport>),

@@ -48,9 +48,22 @@ impl Cluster {
         train: &[String],
         plan: &str,
     ) -> Self {
+        Self::start_shape(tmp, name, (3, 2), standbys, extra, train, plan)
+    }
+
+    /// [`Cluster::start_with_plan`] with `nodes` hosts of `per_node` ranks.
+    pub fn start_shape(
+        tmp: tempfile::TempDir,
+        name: &str,
+        (nodes, per_node): (usize, usize),
+        standbys: usize,
+        extra: &[&str],
+        train: &[String],
+        plan: &str,
+    ) -> Self {
         let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let secret = secret_file(tmp.path());
-        let shm: Vec<PathBuf> = (0..3 + standbys)
+        let shm: Vec<PathBuf> = (0..nodes + standbys)
             .map(|k| tmp.path().join(format!("host{k}")))
             .collect();
         let job = job_id(name);
@@ -59,7 +72,7 @@ impl Cluster {
         let mut args = train.to_vec();
         args.extend(["--log-jsonl".into(), log.display().to_string()]);
         let spares = standbys.to_string();
-        let agents = (0..3 + standbys)
+        let agents = (0..nodes + standbys)
             .map(|k| {
                 let mut flags = vec![
                     "--standby-nodes",
@@ -68,10 +81,12 @@ impl Cluster {
                     "20",
                 ];
                 flags.extend(extra);
-                if k >= 3 {
+                if k >= nodes {
                     flags.push("--standby");
                 }
-                let mut c = reboot_node(k, 3, 2, &shm[k], &job, ports, &secret, &args, &flags);
+                let mut c = reboot_node(
+                    k, nodes, per_node, &shm[k], &job, ports, &secret, &args, &flags,
+                );
                 c.env("HATRAIN_FAULT_PLAN", plan);
                 host_job(c, &job, k)
             })

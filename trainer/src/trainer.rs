@@ -252,8 +252,6 @@ struct Trainer<'a> {
     /// the trainer's own saves.
     map: StateMap,
     plan: Arc<FaultPlan>,
-    /// What this rank brings to a reshape that has not completed yet.
-    carry: Option<reshape::Carry>,
 }
 
 /// Runs the trainer to `--train-iters` and returns its summary.
@@ -340,7 +338,6 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         last_loss: None,
         map,
         plan,
-        carry: None,
     };
     let mut dist = Dist::start(env.clone())?;
 
@@ -679,7 +676,12 @@ impl Trainer<'_> {
                         usize::try_from(rank).unwrap_or(usize::MAX),
                         usize::try_from(world).unwrap_or(0),
                     );
-                    match self.reshape(rt, dist, epoch, step, place) {
+                    let reshaped = self.reshape(rt, dist, epoch, step, place);
+                    if reshaped.is_err() {
+                        // The rank keeps its place until a reshape completes.
+                        dist.place(self.rank, self.world);
+                    }
+                    match reshaped {
                         Ok(comm) => return Ok(comm),
                         Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
                         Err(TrainError::Collective(c)) => {

@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 impl Driver<'_> {
     /// This host holds the replicas of `leaving` at `step`: its lowest rank
-    /// brings them to the reshape.
+    /// brings them to the reshape to that step (what it brought to an
+    /// earlier one is forgotten).
     pub(super) fn donate(&mut self, sup: &Supervisor, step: u64, leaving: Vec<usize>) {
         let Some(&to) = sup.ranks().iter().min() else {
             return;
@@ -22,13 +23,54 @@ impl Driver<'_> {
             step,
             "bringing the leaving ranks' replicas to the reshape"
         );
-        self.donations.entry(to).or_default().extend(leaving);
+        let (at, ranks) = self.donations.entry(to).or_default();
+        if *at != step {
+            *at = step;
+            ranks.clear();
+        }
+        ranks.extend(leaving);
+    }
+
+    /// The replicas rank `rank` brings to the reshape to `step`.
+    pub(super) fn donations(&self, rank: usize, step: u64) -> Response {
+        let replicator = self.peers.as_ref().and_then(|p| p.replicator.as_ref());
+        let mut donations = Vec::new();
+        let brings = self.donations.get(&rank).filter(|(at, _)| *at == step);
+        for lost in brings.into_iter().flat_map(|(_, ranks)| ranks) {
+            match replicator.and_then(|r| r.replica(*lost)) {
+                Some((s, m)) => donations.push(Donation {
+                    rank: *lost,
+                    store: s.path().to_path_buf(),
+                    map: (*m).clone(),
+                }),
+                None => {
+                    return Response::Error {
+                        message: format!(
+                            "rank {rank} brings rank {lost} to the reshape to step {step}, but this host holds no replica of it"
+                        ),
+                    };
+                }
+            }
+        }
+        Response::Donations {
+            sliced: self.cfg.ha.slices,
+            donations,
+        }
+    }
+
+    /// The group shrinks without the hosts this agent lost: the replicas
+    /// are placed past them from now on.
+    pub(super) fn retire_lost(&self) {
+        if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
+            for &node in &self.lost {
+                r.retire(node);
+            }
+        }
     }
 
     /// Rank `rank` (process `pid`) takes a new place under the reshape of
     /// `epoch`: its store is made anew for `map` (a new file, so the
-    /// worker's mapping of the old one stays valid until it lets go), and
-    /// the reply names the replicas it brings.
+    /// worker's mapping of the old one stays valid until it lets go).
     pub(super) fn reshape(
         &mut self,
         sup: &Supervisor,
@@ -86,21 +128,9 @@ impl Driver<'_> {
             r.add_rank(rank, Arc::clone(&store), json);
         }
         self.maps.insert(rank, Arc::new(map));
-        let mut donations = Vec::new();
-        for lost in self.donations.get(&rank).into_iter().flatten() {
-            match replicator.and_then(|r| r.replica(*lost)) {
-                Some((s, m)) => donations.push(Donation {
-                    rank: *lost,
-                    store: s.path().to_path_buf(),
-                    map: (*m).clone(),
-                }),
-                None => tracing::error!(rank, lost, "no replica of the leaving rank to bring"),
-            }
-        }
         Response::Reshaped {
             store: store.path().to_path_buf(),
             sliced,
-            donations,
         }
     }
 }

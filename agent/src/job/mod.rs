@@ -53,7 +53,7 @@ use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outco
 use crate::supervisor::{Supervisor, WorkerSpec};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
-use hatrain_shared::shm::{Injection, Store};
+use hatrain_shared::shm::{Directive, Injection, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
 use std::collections::{BTreeSet, HashMap};
@@ -196,7 +196,7 @@ struct Driver<'a> {
     filled: BTreeSet<usize>,
     /// Per rank of this host, the leaving ranks whose replicas it brings to
     /// a shrink (elastic training).
-    donations: std::collections::BTreeMap<usize, BTreeSet<usize>>,
+    donations: std::collections::BTreeMap<usize, (u64, BTreeSet<usize>)>,
     /// Registrations of adopted ranks waiting for their replicas: the
     /// reply, the answer, and whether the rank has a checkpoint layout.
     filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
@@ -568,6 +568,9 @@ impl Driver<'_> {
     fn carry_out(&mut self, sup: &mut Supervisor, c: Command) -> Option<Event> {
         match c {
             Command::Post { rank, directive } => {
+                if matches!(directive, Directive::Reshape { .. }) {
+                    self.retire_lost();
+                }
                 if let Some(s) = self.stores.get(&rank) {
                     s.page().post(directive);
                 }

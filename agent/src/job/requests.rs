@@ -141,6 +141,7 @@ impl Driver<'_> {
                 }
                 r
             }
+            Request::Donations { rank, step } => self.donations(rank, step),
             Request::Reshape {
                 rank,
                 pid,

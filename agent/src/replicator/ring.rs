@@ -26,6 +26,22 @@ pub(super) struct Ring {
     /// Standbys that took a lost host's ranks and are still filling them:
     /// not streamed to until they are (they would refuse every chunk).
     pub(super) unready: HashSet<u64>,
+    /// Nodes gone from the job for good (the group shrank without them):
+    /// the placement skips them.
+    pub(super) retired: HashSet<u64>,
+}
+
+impl Ring {
+    /// The nodes that hold node `node`'s replicas now: its targets, past
+    /// the retired nodes.
+    fn holders(&self, node: usize) -> Vec<usize> {
+        let n = self.domains.len();
+        targets(node, &self.domains, n.saturating_sub(1))
+            .into_iter()
+            .filter(|t| !self.retired.contains(&(*t as u64)))
+            .take(self.replicas)
+            .collect()
+    }
 }
 
 /// The host that plays node `node` now, following replacements.
@@ -78,6 +94,19 @@ impl Replicator {
         }
     }
 
+    /// Node `node` left the job for good (the group shrank without it):
+    /// the nodes that streamed to it stream to the next ones in the
+    /// placement, which hold their replicas from now on.
+    pub fn retire(&self, node: u64) {
+        if self.ring.lock().expect("not poisoned").retired.insert(node) {
+            tracing::info!(
+                node,
+                "the group shrank without this node: replicas placed past it"
+            );
+            self.arrange();
+        }
+    }
+
     /// Standby `host` filled the ranks it took (the controller says so):
     /// it is streamed to from now on, where the placement says.
     pub fn ready(&self, host: u64) {
@@ -114,12 +143,14 @@ impl Replicator {
             if n == 0 {
                 return;
             }
-            for j in (0..n).filter(|&j| j as u64 != role && !ring.filling) {
-                if targets(j, &ring.domains, ring.replicas).contains(&(role as usize)) {
+            for j in (0..n).filter(|&j| {
+                j as u64 != role && !ring.filling && !ring.retired.contains(&(j as u64))
+            }) {
+                if ring.holders(j).contains(&(role as usize)) {
                     self.hold_for(j as u64);
                 }
             }
-            for t in targets(role as usize, &ring.domains, ring.replicas) {
+            for t in ring.holders(role as usize) {
                 let host = resolve(&replaced, t as u64);
                 if host == self.cfg.node
                     || ring.streaming.contains(&host)

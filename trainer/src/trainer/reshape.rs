@@ -5,19 +5,19 @@
 //!    snapshot) and notes what it contributes: the scalars, its ZeRO shard
 //!    of both moments, and the lost ranks' state its agent reads from their
 //!    replicas (the donations).
-//! 2. It takes the new place with the runtime (new state map, new store)
-//!    and builds the communicator of `W′`.
+//! 2. It builds the communicator of `W′` at its new place.
 //! 3. Every rank gathers every contribution and keeps, of each moment, the
 //!    elements of its new shard `shard_range(numel, W′, r′)`; the
 //!    parameters are the same on every rank and move only when a rank lacks
 //!    some (a sliced restore). Every element of the new shards must come
 //!    from somewhere, and every contributor must agree on the scalars.
-//! 4. The state at `s*` is committed as the first snapshot of the new
+//! 4. Only then does it take the new place with the runtime (new state
+//!    map, new store), and commit `s*` as the first snapshot of the new
 //!    layout.
 //!
-//! Until a reshape completes, the contribution is kept in memory: a fault
-//! during it brings another reshape directive, and the rank gives the same
-//! contribution again (its old store is gone by then).
+//! Until step 4 the old buffers and the old store are untouched: a fault
+//! during the exchange brings another reshape directive (or a resume), and
+//! the rank starts again from its snapshot of `s*`.
 //!
 //! The global batch and the sample order do not depend on the world size
 //! (every rank draws every seed; rank `r` takes sequences `r·B/W..`), so a
@@ -32,20 +32,6 @@ pub(super) struct Piece {
     part: u8,
     start: usize,
     data: Vec<f32>,
-}
-
-/// What this rank brings to a reshape until one completes.
-#[derive(Debug, Clone)]
-pub(super) struct Carry {
-    step: u64,
-    scalars: Scalars,
-    /// Its own moments and the donated ranks' parameters and moments.
-    pieces: Vec<Piece>,
-    /// The elements of the parameters this rank holds (all, unless a
-    /// sliced snapshot was restored).
-    params_held: Range<usize>,
-    /// The lost ranks whose state is among the pieces.
-    donated: std::collections::BTreeSet<usize>,
 }
 
 impl Trainer<'_> {
@@ -65,97 +51,51 @@ impl Trainer<'_> {
             )));
         }
         let numel = self.model.numel();
-        let mut carry = match self.carry.take().filter(|c| c.step == step) {
-            Some(c) => c,
-            None => self.contribution(rt, step)?,
-        };
-        self.carry = Some(carry.clone());
-        // The new place: new moment buffers, the same parameters.
-        let shard = shard_range(numel, world, rank);
-        let save = self.args.save.as_ref().map(|dir| SaveTo {
-            dir: dir.clone(),
-            interval: self.args.save_interval,
-        });
-        let map = ck::state_map(
-            &self.cfg,
-            world,
-            rank,
-            save.as_ref(),
-            serde_json::to_value(self.args).unwrap_or(serde_json::Value::Null),
-        );
-        let (m, v) = (
-            shared(vec![0.0; shard.len()]),
-            shared(vec![0.0; shard.len()]),
-        );
-        let donated = rt.reshape(
-            epoch,
-            step,
-            map.clone(),
-            vec![
-                Arc::clone(&self.state.params),
-                Arc::clone(&m),
-                Arc::clone(&v),
-            ],
-        )?;
-        for d in donated {
-            if carry.donated.insert(d.rank) {
-                carry.pieces.extend(donation_pieces(&d, numel)?);
-            }
+        // 1. What this rank brings: its state at s*, and the lost ranks'.
+        let (scalars, mut pieces, params_held) = self.contribution(rt, step)?;
+        for d in rt.donations(step)? {
+            pieces.extend(donation_pieces(&d, numel)?);
         }
-        self.carry = Some(carry.clone());
-        self.state.exp_avg = m;
-        self.state.exp_avg_sq = v;
-        self.map = map;
-        self.rank = rank;
-        self.world = world;
-        self.shard = shard.clone();
-        self.epoch = epoch;
+        // 2. The new group's communicator.
         dist.place(rank, world);
         let mut comm = dist.communicator(epoch, &|| rt.directive_pending())?;
         rt.set_communicator(&comm);
 
-        // Parameters move only when some rank lacks some of them.
-        let full = carry.params_held == (0..numel);
+        // 3. Everyone's contributions; each keeps its new shard. The
+        //    parameters move only when some rank lacks some of them.
+        let shard = shard_range(numel, world, rank);
+        let full = params_held == (0..numel);
         let all_full = comm
             .all_gather_f64(if full { 1.0 } else { 0.0 })?
             .iter()
             .all(|f| *f == 1.0);
-        let mut mine = carry.pieces.clone();
-        if !all_full {
-            let p = read(&self.state.params);
-            mine.push(Piece {
-                part: 1,
-                start: carry.params_held.start,
-                data: p[carry.params_held.clone()].to_vec(),
-            });
+        if all_full {
+            pieces.retain(|p| p.part != 1);
         } else {
-            mine.retain(|p| p.part != 1);
+            let p = read(&self.state.params);
+            pieces.push(Piece {
+                part: 1,
+                start: params_held.start,
+                data: p[params_held.clone()].to_vec(),
+            });
         }
-        let gathered = comm.all_gather_bytes(&encode(&carry.scalars, &mine))?;
-        let mut scalars: Option<Scalars> = None;
+        let gathered = comm.all_gather_bytes(&encode(&scalars, &pieces))?;
+        let (mut m, mut v) = (vec![0f32; shard.len()], vec![0f32; shard.len()]);
         let mut have = [vec![false; shard.len()], vec![false; shard.len()]];
         let mut params_have = vec![all_full; numel];
         {
-            let (mut p, mut m, mut v) = (
-                write(&self.state.params),
-                write(&self.state.exp_avg),
-                write(&self.state.exp_avg_sq),
-            );
+            let mut p = write(&self.state.params);
             for (from, bytes) in gathered.iter().enumerate() {
-                let (s, pieces) = decode(bytes, numel).ok_or_else(|| {
+                let (s, theirs) = decode(bytes, numel).ok_or_else(|| {
                     TrainError::Args(format!("reshape: rank {from}'s contribution is malformed"))
                 })?;
-                match scalars {
-                    None => scalars = Some(s),
-                    Some(x) if x != s => {
-                        return Err(TrainError::Args(format!(
-                            "reshape: rank {from} is at step {} (data position {}), others at step {} ({})",
-                            s.step, s.data_position, x.step, x.data_position
-                        )));
-                    }
-                    Some(_) => {}
+                if s != scalars {
+                    return Err(TrainError::Args(format!(
+                        "reshape: rank {from} is at step {} (data position {}), this rank at step {} ({})",
+                        s.step, s.data_position, scalars.step, scalars.data_position
+                    )));
                 }
-                for piece in pieces {
+                for piece in theirs {
                     let range = piece.start..piece.start + piece.data.len();
                     let (dst, seen, base) = match piece.part {
                         1 => (&mut p[..], &mut params_have[..], 0),
@@ -184,12 +124,43 @@ impl Trainer<'_> {
         missing("exp_avg", &have[0], shard.start)?;
         missing("exp_avg_sq", &have[1], shard.start)?;
         missing("params", &params_have, 0)?;
-        self.state.scalars = scalars.unwrap_or(carry.scalars);
+
+        // 4. The new place: its state map and store, and s* as its first
+        //    snapshot.
+        let save = self.args.save.as_ref().map(|dir| SaveTo {
+            dir: dir.clone(),
+            interval: self.args.save_interval,
+        });
+        let map = ck::state_map(
+            &self.cfg,
+            world,
+            rank,
+            save.as_ref(),
+            serde_json::to_value(self.args).unwrap_or(serde_json::Value::Null),
+        );
+        let (m, v) = (shared(m), shared(v));
+        rt.reshape(
+            epoch,
+            step,
+            map.clone(),
+            vec![
+                Arc::clone(&self.state.params),
+                Arc::clone(&m),
+                Arc::clone(&v),
+            ],
+        )?;
+        rt.set_communicator(&comm);
+        self.state.exp_avg = m;
+        self.state.exp_avg_sq = v;
+        self.state.scalars = scalars;
+        self.map = map;
+        self.rank = rank;
+        self.world = world;
+        self.shard = shard;
+        self.epoch = epoch;
         self.torn = false;
-        self.carry = None;
-        rt.commit(step, epoch, self.state.scalars.encode(), CommitOf::Start);
-        let path = self.args.log_jsonl.as_deref();
-        self.log = JsonLog::open(path, rank == 0)?;
+        rt.commit(step, epoch, scalars.encode(), CommitOf::Start);
+        self.log = JsonLog::open(self.args.log_jsonl.as_deref(), rank == 0)?;
         eprintln!("rank {rank}: reshaped to {world} ranks at step {step} under epoch {epoch}");
         self.log.write(serde_json::json!({
             "event": "reshape", "step": step, "epoch": epoch, "world_size": world,
@@ -197,9 +168,15 @@ impl Trainer<'_> {
         Ok(comm)
     }
 
-    /// This rank's state at `step` as a contribution (restored from its
-    /// snapshot unless the live state is exactly there).
-    fn contribution(&mut self, rt: &mut Runtime, step: u64) -> Result<Carry, TrainError> {
+    /// This rank's state at `step` (restored from its snapshot unless the
+    /// live state is exactly there): its scalars, its moments as pieces,
+    /// and the elements of the parameters it holds (all, unless a sliced
+    /// snapshot was restored).
+    fn contribution(
+        &mut self,
+        rt: &mut Runtime,
+        step: u64,
+    ) -> Result<(Scalars, Vec<Piece>, Range<usize>), TrainError> {
         let live = !self.torn && self.state.scalars.step == step;
         let mut params_held = 0..self.model.numel();
         if !live {
@@ -222,13 +199,7 @@ impl Trainer<'_> {
                 data: read(&self.state.exp_avg_sq).clone(),
             },
         ];
-        Ok(Carry {
-            step,
-            scalars: self.state.scalars,
-            pieces,
-            params_held,
-            donated: Default::default(),
-        })
+        Ok((self.state.scalars, pieces, params_held))
     }
 }
 

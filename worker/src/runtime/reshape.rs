@@ -1,10 +1,15 @@
 //! A reshape (elastic training): the rank takes a new place in a resized
-//! data-parallel group without leaving the process. Its state map changes
-//! with the place (a ZeRO shard's length does), so the agent makes its
-//! store anew for the new layout, and the runtime re-attaches to it. The
-//! agent also names the replicas of lost ranks this rank brings to the
-//! group: their bytes at the step the group resumes from are read here and
-//! handed to the training loop, which re-slices them with the others'.
+//! data-parallel group without leaving the process.
+//!
+//! 1. [`Runtime::donations`]: the agent names the replicas of lost ranks
+//!    this rank brings to the group; their bytes at the step the group
+//!    resumes from are read here and handed to the training loop, which
+//!    re-slices them with the others'. The rank's store is untouched, so a
+//!    reshape that fails here is tried again from it.
+//! 2. [`Runtime::reshape`], once the new state is whole: its state map
+//!    changes with the place (a ZeRO shard's length does), so the agent
+//!    makes its store anew for the new layout, and the runtime re-attaches
+//!    to it.
 
 use super::{Runtime, RuntimeError, SharedBuf, check_buffers};
 use hatrain_shared::control::{self, Donation, PROTOCOL, Request, Response};
@@ -28,12 +33,36 @@ pub struct Donated {
 }
 
 impl Runtime {
+    /// The lost ranks' state at `step` that the agent says this rank
+    /// brings to a reshape, read from their replicas (none without an
+    /// agent).
+    pub fn donations(&self, step: u64) -> Result<Vec<Donated>, RuntimeError> {
+        let Some(socket) = std::env::var_os(control::ENV_SOCKET).map(PathBuf::from) else {
+            return Ok(Vec::new());
+        };
+        let reply = ask(
+            &socket,
+            &Request::Donations {
+                rank: self.rank,
+                step,
+            },
+        )?;
+        let (sliced, donations) = match reply {
+            Response::Donations { sliced, donations } => (sliced, donations),
+            other => return Err(unexpected("donations", other)),
+        };
+        donations
+            .into_iter()
+            .map(|d| read_donation(d, step, sliced))
+            .collect()
+    }
+
     /// Takes the new place `map` describes, under the reshape directive of
     /// `epoch` to `step`: `buffers` replace the registered ones (in the
-    /// map's order), the agent makes the store anew for the new layout, and
-    /// the replicas it names are read at `step`. The caller has restored or
-    /// kept the old state at `step` before (the old store is gone after
-    /// this), then fills `buffers` and commits `step` as its start.
+    /// map's order), and the agent makes the store anew for the new layout
+    /// (the old one, and its snapshots, are gone after this). The caller
+    /// has filled `buffers` with the state at `step`, and commits it next
+    /// as its start.
     ///
     /// Without an agent this only swaps the buffers.
     pub fn reshape(
@@ -42,7 +71,7 @@ impl Runtime {
         step: u64,
         map: StateMap,
         buffers: Vec<SharedBuf>,
-    ) -> Result<Vec<Donated>, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         let meta_len = check_buffers(&map, &buffers)?;
         self.wait_commit();
         let recover = self.recovers();
@@ -63,11 +92,10 @@ impl Runtime {
         self.buffers = buffers;
         self.meta_len = meta_len;
         let Some(socket) = std::env::var_os(control::ENV_SOCKET).map(PathBuf::from) else {
-            return Ok(Vec::new());
+            return Ok(());
         };
-        let mut conn = control::connect(&socket)?;
-        PROTOCOL.send_json(
-            &mut conn,
+        let reply = ask(
+            &socket,
             &Request::Reshape {
                 rank: self.rank,
                 pid: std::process::id(),
@@ -75,19 +103,9 @@ impl Runtime {
                 map: self.map.clone(),
             },
         )?;
-        let (store, sliced, donations) = match PROTOCOL.recv_json(&mut conn)? {
-            Response::Reshaped {
-                store,
-                sliced,
-                donations,
-            } => (store, sliced, donations),
-            Response::Error { message } => return Err(RuntimeError::Refused(message)),
-            other => {
-                return Err(RuntimeError::Unexpected {
-                    expected: "reshaped",
-                    got: format!("{other:?}"),
-                });
-            }
+        let (store, sliced) = match reply {
+            Response::Reshaped { store, sliced } => (store, sliced),
+            other => return Err(unexpected("reshaped", other)),
         };
         let incarnation = std::env::var(super::ENV_RESTART_COUNT)
             .ok()
@@ -100,10 +118,24 @@ impl Runtime {
             page.set_epoch(epoch);
             page.set_phase(Phase::Restoring);
         }
-        donations
-            .into_iter()
-            .map(|d| read_donation(d, step, sliced))
-            .collect()
+        Ok(())
+    }
+}
+
+/// One request to the agent and its reply; a refusal is an error.
+fn ask(socket: &std::path::Path, request: &Request) -> Result<Response, RuntimeError> {
+    let mut conn = control::connect(socket)?;
+    PROTOCOL.send_json(&mut conn, request)?;
+    match PROTOCOL.recv_json(&mut conn)? {
+        Response::Error { message } => Err(RuntimeError::Refused(message)),
+        other => Ok(other),
+    }
+}
+
+fn unexpected(expected: &'static str, got: Response) -> RuntimeError {
+    RuntimeError::Unexpected {
+        expected,
+        got: format!("{got:?}"),
     }
 }
 
