@@ -205,6 +205,114 @@ fn the_group_shrinks_twice_and_each_leg_equals_a_fresh_run() {
     }
 }
 
+/// Shrink, grow back, shrink again: four hosts of one rank and a standby
+/// agent that starts only after the first loss (five agents, so that the
+/// hosts left after a loss are a majority of them). Host 1 vanishes at
+/// step 30 (4 → 3 ranks); the standby then starts, is heard, takes host
+/// 1's rank and the group grows back (3 → 4), the new rank filled from the
+/// others at a step boundary; then host 2 vanishes at step 50 (4 → 3).
+/// Every leg equals a fresh run at its size loaded from a checkpoint of its
+/// s*, chained, and the global batch is the same throughout.
+#[test]
+fn the_group_shrinks_grows_back_and_shrinks_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let mut train = tiny_args(70);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let plan = format!("{NAP};0:35:forward:sleep5000;0:50:forward:sleep8000");
+    let mut c = Cluster::start_later(
+        tmp,
+        "elastic-grow",
+        (4, 1),
+        (1, 1),
+        &["--enable-elastic-training"],
+        &train,
+        &plan,
+    );
+    let socket = c.shm[0].join(&c.job).join("agent.sock");
+    let resized = |n: usize, world: u64| {
+        move |v: &serde_json::Value| {
+            let s = &v["status"];
+            (s["resizes"].as_array().is_some_and(|r| r.len() == n) && s["world_size"] == world)
+                .then_some(())
+        }
+    };
+    c.wait_held(2, &[1]);
+    c.vanish(&[1]);
+    if poll_agentctl(&socket, "status", Duration::from_secs(60), resized(1, 3)).is_none() {
+        panic!("the group did not shrink to 3 ranks:\n{}", c.kill_all());
+    }
+    c.start_late();
+    if poll_agentctl(&socket, "status", Duration::from_secs(60), resized(2, 4)).is_none() {
+        panic!("the group did not grow back to 4 ranks:\n{}", c.kill_all());
+    }
+    c.wait_held_at(3, &[2], 49);
+    c.vanish(&[2]);
+    let outs = c.ends(&[0, 3, 4]);
+    for (k, out) in &outs {
+        assert_success(out, &format!("host {k}\n{}", logs(&outs)));
+    }
+    let standby = stderr(&outs, 4);
+    assert!(
+        standby.contains("taking the ranks of a lost host") && standby.contains("ranks=[1]"),
+        "{standby}"
+    );
+    let run = read_log(&c.log);
+    let resizes: Vec<(u64, u64)> = run
+        .iter()
+        .filter(|e| e["event"] == "reshape")
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["world_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let [(s1, 3), (s2, 4), (s3, 3)] = resizes[..] else {
+        panic!("resizes to 3, 4, 3 ranks: {resizes:?}\n{}", logs(&outs));
+    };
+    assert!(
+        (29..=30).contains(&s1) && s2 < 49 && (49..=50).contains(&s3),
+        "{resizes:?}"
+    );
+    for e in run.iter().filter(|e| e["event"] == "step") {
+        let step = e["step"].as_u64().unwrap();
+        assert_eq!(e["samples"], step * 24, "samples consumed by step {step}");
+    }
+
+    let leg = |ranks: usize, load: Option<&std::path::Path>, to: Option<u64>, name: &str| {
+        let log = dir.join(format!("{name}.jsonl"));
+        let save = dir.join(name);
+        let mut args = train.clone();
+        if let Some(to) = to {
+            let at = args.iter().position(|a| a == "--train-iters").unwrap();
+            args[at + 1] = to.to_string();
+            args.extend(s(&["--save", save.to_str().unwrap()]));
+        }
+        if let Some(load) = load {
+            args.extend(s(&["--load", load.to_str().unwrap()]));
+        }
+        args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
+        assert_success(&run_launch(ranks, name, &args), name);
+        (save, read_log(&log))
+    };
+    let (at_s1, _) = leg(4, None, Some(s1), "grow-4a");
+    let (at_s2, three) = leg(3, Some(&at_s1), Some(s2), "grow-3a");
+    let (at_s3, four) = leg(4, Some(&at_s2), Some(s3), "grow-4b");
+    let (_, last) = leg(3, Some(&at_s3), None, "grow-3b");
+    let ours = final_losses(&run);
+    for fresh in [&three, &four, &last] {
+        for (step, loss) in final_losses(fresh) {
+            assert_eq!(ours[&step].to_bits(), loss.to_bits(), "loss of step {step}");
+        }
+    }
+    assert_eq!(final_checksum(&run), final_checksum(&last));
+    for k in [0, 3, 4] {
+        assert_nothing_left(&c.shm[k]);
+    }
+}
+
 /// With `--min-nodes 3`, losing a host would leave two: the group does not
 /// shrink; the last-words checkpoint (ranks 2 and 3 from their replicas)
 /// is written and the job stops, saying why.

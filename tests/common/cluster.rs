@@ -18,6 +18,8 @@ pub struct Cluster {
     pub job: String,
     pub agents: Vec<Job>,
     pub log: PathBuf,
+    /// Standby agents started later, by [`Cluster::start_late`].
+    late: Vec<(usize, std::process::Command)>,
     /// Dropped last, once every agent is gone.
     _tmp: tempfile::TempDir,
     /// One cluster at a time: eleven processes each on a small machine.
@@ -55,8 +57,22 @@ impl Cluster {
     pub fn start_shape(
         tmp: tempfile::TempDir,
         name: &str,
-        (nodes, per_node): (usize, usize),
+        shape: (usize, usize),
         standbys: usize,
+        extra: &[&str],
+        train: &[String],
+        plan: &str,
+    ) -> Self {
+        Self::start_later(tmp, name, shape, (standbys, 0), extra, train, plan)
+    }
+
+    /// [`Cluster::start_shape`] with `standbys.0` standby agents, of which
+    /// the last `standbys.1` start only at [`Cluster::start_late`].
+    pub fn start_later(
+        tmp: tempfile::TempDir,
+        name: &str,
+        (nodes, per_node): (usize, usize),
+        (standbys, later): (usize, usize),
         extra: &[&str],
         train: &[String],
         plan: &str,
@@ -88,16 +104,51 @@ impl Cluster {
                     k, nodes, per_node, &shm[k], &job, ports, &secret, &args, &flags,
                 );
                 c.env("HATRAIN_FAULT_PLAN", plan);
-                host_job(c, &job, k)
+                (k, c)
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let first_late = nodes + standbys - later.min(standbys);
+        let mut late = Vec::new();
+        let mut started = Vec::new();
+        for (k, c) in agents {
+            if k >= first_late {
+                late.push((k, c));
+            } else {
+                started.push(host_job(c, &job, k));
+            }
+        }
         Self {
             shm,
             job,
-            agents,
+            agents: started,
             log,
+            late,
             _tmp: tmp,
             _one: one,
+        }
+    }
+
+    /// Kills every agent still running (a test that failed) and returns
+    /// their logs.
+    pub fn kill_all(&mut self) -> String {
+        let running: Vec<usize> = (0..self.agents.len())
+            .filter(|&k| self.agents[k].child.is_some())
+            .collect();
+        for &k in &running {
+            kill_job(&format!("{}-h{k}", self.job));
+        }
+        let outs: Vec<(usize, Output)> = running
+            .iter()
+            .map(|&k| (k, self.agents[k].wait_output(Duration::from_secs(30))))
+            .collect();
+        logs(&outs)
+    }
+
+    /// Starts the standby agents held back.
+    pub fn start_late(&mut self) {
+        for (k, c) in std::mem::take(&mut self.late) {
+            assert_eq!(self.agents.len(), k, "standbys start in node order");
+            self.agents.push(host_job(c, &self.job, k));
         }
     }
 

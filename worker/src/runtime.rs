@@ -625,6 +625,14 @@ impl Runtime {
         self.attached.as_ref().is_some_and(|a| a.sliced)
     }
 
+    /// Whether the store holds any sealed snapshot (a rank started to join
+    /// a growing group holds none).
+    pub fn has_snapshots(&self) -> bool {
+        self.attached
+            .as_ref()
+            .is_some_and(|a| !a.store.sealed().is_empty())
+    }
+
     /// Per buffer, the elements a restore fills: all of it, or with sliced
     /// snapshots this rank's slice of a replicated part.
     pub fn held(&self) -> Vec<std::ops::Range<usize>> {

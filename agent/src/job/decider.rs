@@ -103,6 +103,10 @@ pub(super) struct Down {
     /// the standby that takes them.
     #[serde(default)]
     pub give: Option<Give>,
+    /// To every host: a standby plays node `node` again (its ranks come
+    /// back in a growing group): the replicas are placed on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regrow: Option<Give>,
     /// Write these ranks of a checkpoint several hosts write.
     #[serde(default)]
     pub write: Option<WritePart>,
@@ -131,6 +135,14 @@ pub(super) struct WritePart {
 pub(super) struct Adopt {
     pub node: u64,
     pub ranks: Vec<usize>,
+    /// Their stores are filled from their replicas (a host lost); else
+    /// they join a growing group with nothing (elastic training).
+    #[serde(default = "yes")]
+    pub fill: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The replicas of lost host `node`'s ranks go to standby `to`.
@@ -251,6 +263,8 @@ pub(super) struct Controller {
     pub saves: BTreeMap<u64, BTreeSet<usize>>,
     /// The final save the controller waits for at the end of the job.
     pub final_save: Option<super::saves::FinalSave>,
+    /// The hosts heard now: a standby is taken only once it runs.
+    pub heard: BTreeSet<u64>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -313,6 +327,7 @@ impl Controller {
             writing: None,
             saves: BTreeMap::new(),
             final_save: None,
+            heard: BTreeSet::new(),
         }
     }
 
@@ -433,18 +448,20 @@ impl Controller {
                 .iter()
                 .any(|(n, held)| !gone.contains(n) && held.contains(r))
         };
+        // Ranks joining a growing group hold nothing to lose.
+        let joining = self.machine.joining();
         let state_lost: Vec<usize> = ranks
             .iter()
             .chain(&self.filling)
             .copied()
             .collect::<BTreeSet<usize>>()
             .into_iter()
-            .filter(|r| !kept(r))
+            .filter(|r| !kept(r) && !joining.contains(r))
             .collect();
-        let spare = if reboot && state_lost.is_empty() {
-            self.spares.pop_first()
-        } else {
-            None
+        let heard = self.spares.iter().copied().find(|s| self.heard.contains(s));
+        let spare = match heard {
+            Some(s) if reboot && state_lost.is_empty() => self.spares.take(&s),
+            _ => None,
         };
         if let Some(s) = spare {
             for &r in &ranks {
@@ -458,6 +475,32 @@ impl Controller {
             spare,
             state_lost,
         })
+    }
+
+    /// A standby heard while ranks have left the group: the ranks of the
+    /// lowest lost host that left come back there (placed on it). Returns
+    /// the standby, the node it plays and the ranks, for the machine's
+    /// [`Machine::grow`](crate::recovery::Machine::grow).
+    pub fn grow_onto(&mut self) -> Option<(u64, u64, Vec<usize>)> {
+        let retired = self.machine.retired();
+        if retired.is_empty() || self.machine.recovering() || !self.machine.joining().is_empty() {
+            return None;
+        }
+        let spare = self
+            .spares
+            .iter()
+            .copied()
+            .find(|s| self.heard.contains(s))?;
+        let (node, ranks) = (0..self.nodes)
+            .filter(|n| !self.members.contains(n))
+            .map(|n| (n, self.ranks_on(n)))
+            .find(|(_, r)| !r.is_empty() && r.iter().all(|x| retired.contains(x)))?;
+        self.spares.remove(&spare);
+        self.members.insert(spare);
+        for &r in &ranks {
+            self.placement.insert(r, spare);
+        }
+        Some((spare, node, ranks))
     }
 
     /// Where `c` is carried out.

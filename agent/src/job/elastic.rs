@@ -3,10 +3,12 @@
 //! place (its layout changes with its shard).
 
 use super::Driver;
+use super::decider::{Adopt, Decider, Down, Give};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{Donation, Response};
 use hatrain_shared::shm::{self, Geometry, Store};
 use hatrain_shared::statemap::StateMap;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 impl Driver<'_> {
@@ -55,6 +57,77 @@ impl Driver<'_> {
         Response::Donations {
             sliced: self.cfg.ha.slices,
             donations,
+        }
+    }
+
+    /// The controller, on a tick: the hosts heard now (a lost host's ranks
+    /// go only to a standby that runs).
+    pub(super) fn note_heard(&mut self) {
+        let Some(p) = &self.peers else {
+            return;
+        };
+        let heard: BTreeSet<u64> = p.membership.seen().view.live.into_iter().collect();
+        if let Decider::Controller(c) = &mut self.decider {
+            c.heard = heard;
+        }
+    }
+
+    /// The controller, on a tick: a standby heard while ranks have left
+    /// the group takes a lost host's ranks back; they start there, and the
+    /// group grows once they have registered.
+    pub(super) fn try_grow(&mut self) {
+        if !self.cfg.ha.modes.elastic || !self.acting() {
+            return;
+        }
+        let now = self.now();
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        let Some((spare, node, ranks)) = c.grow_onto() else {
+            return;
+        };
+        if !c.machine.grow(now, &ranks) {
+            return;
+        }
+        tracing::warn!(
+            standby = spare,
+            node,
+            ?ranks,
+            "a standby is heard: the group grows back onto it"
+        );
+        let others: Vec<u64> = c.others().filter(|&n| n != spare).collect();
+        let give = Give { node, to: spare };
+        self.send_down(
+            spare,
+            Down {
+                adopt: Some(Adopt {
+                    node,
+                    ranks,
+                    fill: false,
+                }),
+                ..Down::default()
+            },
+        );
+        for n in others {
+            self.send_down(
+                n,
+                Down {
+                    regrow: Some(give.clone()),
+                    ..Down::default()
+                },
+            );
+        }
+        self.regrow(&give);
+        self.send_orders(std::collections::BTreeMap::new());
+    }
+
+    /// Standby `g.to` plays node `g.node` again, its ranks back in the
+    /// group: this host places replicas on it (none to hand over: those
+    /// ranks start with nothing).
+    pub(super) fn regrow(&self, g: &Give) {
+        if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
+            r.unretire(g.node);
+            r.replace(g.node, g.to);
         }
     }
 

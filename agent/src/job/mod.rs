@@ -748,9 +748,11 @@ impl Driver<'_> {
         for e in self.take_rebuild_failures(sup) {
             self.feed(sup, e);
         }
+        self.note_heard();
         let lost = self.take_lost_hosts();
         self.on_hosts_lost(sup, lost);
         self.follow_successor(sup);
+        self.try_grow();
         self.shutdown_unanswered();
         self.fill_adopted(sup);
         self.tick_views(sup);

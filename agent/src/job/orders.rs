@@ -327,6 +327,9 @@ impl Driver<'_> {
         if let Some(g) = &down.give {
             self.give(g);
         }
+        if let Some(g) = &down.regrow {
+            self.regrow(g);
+        }
         if let Some(w) = down.write {
             let epoch = w.epoch;
             if let Err(m) = self.write_part(w) {
@@ -483,6 +486,7 @@ impl Driver<'_> {
         let adopt = Adopt {
             node,
             ranks: ranks.to_vec(),
+            fill: true,
         };
         let give = Give { node, to };
         self.send_down(

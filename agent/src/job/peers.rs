@@ -197,29 +197,46 @@ impl Exchange<'_> {
                 None => Ok(()),
             })
             .map_err(|e| e.to_string())?;
-        for k in (0..nnodes + spares).filter(|&k| k != node) {
-            let endpoint = self.wait_for(&mut c, &key(k, "heartbeats"))?;
-            self.membership.connect(k as u64, endpoint);
+        // The nodes first: the job starts with them. A standby may come
+        // later (elastic training grows the group onto it), so the nodes
+        // do not wait for the standbys, which are met afterwards.
+        for k in (0..nnodes).filter(|&k| k != node) {
+            self.meet(&mut c, k)?;
         }
-        // Where each agent's store is, for when it controls the job.
-        for k in (0..nnodes + spares).filter(|&k| k != node) {
-            let at = self.wait_for(&mut c, &key(k, "store"))?;
-            match at.parse::<SocketAddr>() {
-                Ok(a) => {
-                    self.stores
-                        .lock()
-                        .expect("not poisoned")
-                        .insert(k as u64, a);
-                }
-                Err(_) => {
-                    tracing::warn!(node = k, store = at, "a store address that does not parse")
-                }
+        if let Some(repl) = self.replicator {
+            self.place(&mut c, repl, node, nnodes, replicas, domain)?;
+        }
+        for k in (nnodes..nnodes + spares).filter(|&k| k != node) {
+            self.meet(&mut c, k)?;
+            if let Some(repl) = self.replicator {
+                let endpoint = self.wait_for(&mut c, &key(k, "replicas"))?;
+                repl.know(k as u64, endpoint.clone());
+                self.standbys
+                    .lock()
+                    .expect("not poisoned")
+                    .insert(k as u64, endpoint);
             }
         }
-        let Some(repl) = self.replicator else {
-            return Ok(());
-        };
-        self.place(&mut c, repl, node, (nnodes, spares), replicas, domain)
+        Ok(())
+    }
+
+    /// Heartbeats agent `k`, and learns where its store is (for when it
+    /// controls the job).
+    fn meet(&self, c: &mut StoreClient, k: usize) -> Result<(), String> {
+        let key = |what: &str| format!("peer/node{k}/{what}");
+        let endpoint = self.wait_for(c, &key("heartbeats"))?;
+        self.membership.connect(k as u64, endpoint);
+        let at = self.wait_for(c, &key("store"))?;
+        match at.parse::<SocketAddr>() {
+            Ok(a) => {
+                self.stores
+                    .lock()
+                    .expect("not poisoned")
+                    .insert(k as u64, a);
+            }
+            Err(_) => tracing::warn!(node = k, store = at, "a store address that does not parse"),
+        }
+        Ok(())
     }
 
     /// The placement, and where every host takes replicas. A standby
@@ -230,7 +247,7 @@ impl Exchange<'_> {
         c: &mut StoreClient,
         repl: &Replicator,
         node: usize,
-        (nnodes, spares): (usize, usize),
+        nnodes: usize,
         replicas: usize,
         domain: &str,
     ) -> Result<(), String> {
@@ -252,15 +269,9 @@ impl Exchange<'_> {
             }
         }
         repl.set_ring(domains, replicas);
-        for k in (0..nnodes + spares).filter(|&k| k != node) {
+        for k in (0..nnodes).filter(|&k| k != node) {
             let endpoint = self.wait_for(c, &key(k, "replicas"))?;
-            repl.know(k as u64, endpoint.clone());
-            if k >= nnodes {
-                self.standbys
-                    .lock()
-                    .expect("not poisoned")
-                    .insert(k as u64, endpoint);
-            }
+            repl.know(k as u64, endpoint);
         }
         if node < nnodes {
             repl.play(node as u64);

@@ -85,6 +85,13 @@ impl Driver<'_> {
             // It streams the ranks it takes where the lost host streamed
             // its own, and holds what the lost host held.
             r.replace(a.node, r.node());
+            if !a.fill {
+                // Ranks joining a growing group have nothing to fill.
+                r.filled();
+            }
+        }
+        if !a.fill {
+            self.filled.extend(&a.ranks);
         }
         self.adopted.extend(a.ranks);
     }

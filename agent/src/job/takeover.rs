@@ -112,6 +112,7 @@ impl Driver<'_> {
             "taking over as the job's controller: the previous one is lost"
         );
         self.decider = Decider::Controller(Box::new(c));
+        self.note_heard();
         let views = self.views(sup);
         self.feed(sup, Event::Tick(views));
         // Every host hears of the new controller at once.

@@ -256,7 +256,10 @@ impl Machine {
                 cause,
             } => self.exited(now, rank, status, cause),
             Event::Unfit { rank, reason } => self.unfit(now, rank, reason),
-            Event::Registered { rank, checkpoint } => self.registered(rank, checkpoint),
+            Event::Registered { rank, checkpoint } => {
+                self.registered(rank, checkpoint);
+                self.maybe_reshape(now);
+            }
             Event::Uce { rank, part, offset } => self.uce(now, rank, &part, offset),
             Event::SpawnFailed { rank, error } => self.spawn_failed(now, rank, &error),
             Event::RebuildFailed { rank, epoch, peer } => {
@@ -319,7 +322,9 @@ impl Machine {
     /// else it waits for a directive (a replacement joins the recovery).
     pub fn start_mode(&self) -> StartMode {
         match self.state {
-            State::Running => StartMode::Fresh { epoch: self.epoch },
+            // Ranks that register while the group grows wait for the
+            // reshape that takes them in.
+            State::Running if self.reshape.is_none() => StartMode::Fresh { epoch: self.epoch },
             _ => StartMode::AwaitDirective,
         }
     }
@@ -456,11 +461,9 @@ impl Machine {
     /// shrink, `Reshape` with each one's new place, after the lost ranks'
     /// replicas are handed to the ranks that bring them.
     fn resume_all(&mut self, epoch: u64, step: u64) {
-        if self.reshape.is_some() {
-            self.cmd(Command::Donate {
-                step,
-                leaving: self.leaving(),
-            });
+        let leaving = self.leaving();
+        if !leaving.is_empty() {
+            self.cmd(Command::Donate { step, leaving });
         }
         for r in self.participants() {
             if self.view(r).alive {

@@ -107,6 +107,20 @@ impl Replicator {
         }
     }
 
+    /// Node `node` is back in the job (a standby plays it, its ranks back
+    /// in a growing group).
+    pub fn unretire(&self, node: u64) {
+        if self
+            .ring
+            .lock()
+            .expect("not poisoned")
+            .retired
+            .remove(&node)
+        {
+            self.arrange();
+        }
+    }
+
     /// Standby `host` filled the ranks it took (the controller says so):
     /// it is streamed to from now on, where the placement says.
     pub fn ready(&self, host: u64) {

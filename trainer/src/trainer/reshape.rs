@@ -53,6 +53,7 @@ impl Trainer<'_> {
         let numel = self.model.numel();
         // 1. What this rank brings: its state at s*, and the lost ranks'.
         let (scalars, mut pieces, params_held) = self.contribution(rt, step)?;
+        let scalars = Some(scalars).filter(|_| !pieces.is_empty());
         for d in rt.donations(step)? {
             pieces.extend(donation_pieces(&d, numel)?);
         }
@@ -65,13 +66,14 @@ impl Trainer<'_> {
         //    parameters move only when some rank lacks some of them.
         let shard = shard_range(numel, world, rank);
         let full = params_held == (0..numel);
-        let all_full = comm
-            .all_gather_f64(if full { 1.0 } else { 0.0 })?
-            .iter()
-            .all(|f| *f == 1.0);
-        if all_full {
+        let flags = comm.all_gather_f64(if full { 1.0 } else { 0.0 })?;
+        let all_full = flags.iter().all(|f| *f == 1.0);
+        // The first rank holding all the parameters gives them; with none,
+        // every rank gives the slice it holds.
+        let giver = flags.iter().position(|f| *f == 1.0);
+        if all_full || giver.is_some_and(|g| g != rank) {
             pieces.retain(|p| p.part != 1);
-        } else {
+        } else if !params_held.is_empty() {
             let p = read(&self.state.params);
             pieces.push(Piece {
                 part: 1,
@@ -79,7 +81,8 @@ impl Trainer<'_> {
                 data: p[params_held.clone()].to_vec(),
             });
         }
-        let gathered = comm.all_gather_bytes(&encode(&scalars, &pieces))?;
+        let gathered = comm.all_gather_bytes(&encode(scalars.as_ref(), &pieces))?;
+        let mut agreed = scalars;
         let (mut m, mut v) = (vec![0f32; shard.len()], vec![0f32; shard.len()]);
         let mut have = [vec![false; shard.len()], vec![false; shard.len()]];
         let mut params_have = vec![all_full; numel];
@@ -89,11 +92,15 @@ impl Trainer<'_> {
                 let (s, theirs) = decode(bytes, numel).ok_or_else(|| {
                     TrainError::Args(format!("reshape: rank {from}'s contribution is malformed"))
                 })?;
-                if s != scalars {
-                    return Err(TrainError::Args(format!(
-                        "reshape: rank {from} is at step {} (data position {}), this rank at step {} ({})",
-                        s.step, s.data_position, scalars.step, scalars.data_position
-                    )));
+                match (s, agreed) {
+                    (Some(s), Some(a)) if s != a => {
+                        return Err(TrainError::Args(format!(
+                            "reshape: rank {from} is at step {} (data position {}), another at step {} ({})",
+                            s.step, s.data_position, a.step, a.data_position
+                        )));
+                    }
+                    (Some(s), None) => agreed = Some(s),
+                    _ => {}
                 }
                 for piece in theirs {
                     let range = piece.start..piece.start + piece.data.len();
@@ -124,6 +131,17 @@ impl Trainer<'_> {
         missing("exp_avg", &have[0], shard.start)?;
         missing("exp_avg_sq", &have[1], shard.start)?;
         missing("params", &params_have, 0)?;
+        let scalars = agreed.ok_or_else(|| {
+            TrainError::Args(format!(
+                "reshape to {world} ranks at step {step}: no rank holds the state"
+            ))
+        })?;
+        if scalars.step != step {
+            return Err(TrainError::Args(format!(
+                "reshape to step {step}: the ranks' state is of step {}",
+                scalars.step
+            )));
+        }
 
         // 4. The new place: its state map and store, and s* as its first
         //    snapshot.
@@ -179,6 +197,10 @@ impl Trainer<'_> {
     ) -> Result<(Scalars, Vec<Piece>, Range<usize>), TrainError> {
         let live = !self.torn && self.state.scalars.step == step;
         let mut params_held = 0..self.model.numel();
+        if !live && !rt.has_snapshots() {
+            // A rank joining a growing group: it brings nothing.
+            return Ok((self.state.scalars, Vec::new(), 0..0));
+        }
         if !live {
             let meta = rt.restore(step)?;
             self.state.scalars = Scalars::decode(&meta)
@@ -245,9 +267,12 @@ fn donation_pieces(d: &Donated, numel: usize) -> Result<Vec<Piece>, TrainError> 
     ])
 }
 
-/// `scalars`, then each piece: part (u8), start and length (u64), values.
-fn encode(scalars: &Scalars, pieces: &[Piece]) -> Vec<u8> {
-    let mut out = scalars.encode();
+/// Whether the rank holds the state (u8) and then its scalars, the
+/// number of pieces, then each piece: part (u8), start and length (u64),
+/// values.
+fn encode(scalars: Option<&Scalars>, pieces: &[Piece]) -> Vec<u8> {
+    let mut out = vec![u8::from(scalars.is_some())];
+    out.extend(scalars.map_or_else(|| vec![0; META_LEN], Scalars::encode));
     out.extend_from_slice(&(pieces.len() as u64).to_le_bytes());
     for p in pieces {
         out.push(p.part);
@@ -260,9 +285,15 @@ fn encode(scalars: &Scalars, pieces: &[Piece]) -> Vec<u8> {
 
 /// The contribution in `b`; `None` unless every piece lies inside a buffer
 /// of `numel` elements and the bytes end with the last one.
-fn decode(b: &[u8], numel: usize) -> Option<(Scalars, Vec<Piece>)> {
-    let scalars = Scalars::decode(b.get(..META_LEN)?)?;
-    let mut at = META_LEN;
+fn decode(b: &[u8], numel: usize) -> Option<(Option<Scalars>, Vec<Piece>)> {
+    let holds = match *b.first()? {
+        0 => false,
+        1 => true,
+        _ => return None,
+    };
+    let scalars = Scalars::decode(b.get(1..1 + META_LEN)?)?;
+    let scalars = holds.then_some(scalars);
+    let mut at = 1 + META_LEN;
     let word = |at: &mut usize| -> Option<u64> {
         let w = u64::from_le_bytes(b.get(*at..*at + 8)?.try_into().ok()?);
         *at += 8;
@@ -313,9 +344,11 @@ mod tests {
                 data: vec![],
             },
         ];
-        let bytes = encode(&s, &pieces);
+        let bytes = encode(Some(&s), &pieces);
         let (back_s, back) = decode(&bytes, 10).unwrap();
-        assert_eq!(back_s, s);
+        assert_eq!(back_s, Some(s));
+        let (none, _) = decode(&encode(None, &[]), 10).unwrap();
+        assert_eq!(none, None);
         assert_eq!(back.len(), 2);
         assert_eq!(back[0].data[1].to_bits(), (-0.0f32).to_bits());
         assert!(back[0].data[2].is_nan());

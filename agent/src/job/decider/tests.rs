@@ -74,6 +74,7 @@ fn placed(ranks: Vec<usize>, spare: Option<u64>, state_lost: Vec<usize>) -> Opti
 /// the host before it.
 fn ring() -> Controller {
     let mut c = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+    c.heard = (0..4).collect();
     c.note_held(0, [4, 5]);
     c.note_held(1, [0, 1]);
     c.note_held(2, [2, 3]);
@@ -220,8 +221,10 @@ fn messages_round_trip_and_garbage_is_an_error() {
         adopt: Some(Adopt {
             node: 1,
             ranks: vec![1],
+            fill: false,
         }),
         give: Some(Give { node: 1, to: 2 }),
+        regrow: Some(Give { node: 1, to: 2 }),
         write: Some(WritePart {
             epoch: 3,
             step: 40,
@@ -300,4 +303,12 @@ fn a_lost_hosts_ranks_are_written_by_the_holders_of_their_replicas() {
         Ok(BTreeMap::from([(0, vec![0, 1]), (2, vec![2, 3, 4, 5])]))
     );
     assert_eq!(c.shares(8), Err(vec![3]), "nobody holds rank 3 at step 8");
+}
+
+#[test]
+fn a_standby_not_heard_yet_takes_no_ranks() {
+    let mut c = ring();
+    c.heard = (0..3).collect();
+    assert_eq!(c.host_lost(1, true, &[1]), placed(vec![2, 3], None, vec![]));
+    assert_eq!(c.grow_onto(), None, "nothing left the group");
 }

@@ -10,6 +10,14 @@
 //! is a `Reshape` directive carrying each rank's new place. The lost ranks
 //! count for `s*` (through their replicas) until it completes, and not
 //! after.
+//!
+//! The group grows back when a standby host is heard: the controller
+//! places a lost host's ranks there ([`Machine::grow`]); once they have
+//! registered, every rank pauses at its step boundary and the group
+//! reshapes at `s*` over the old ranks' snapshots, the new ranks taking
+//! their state from the others. A host lost meanwhile is one more shrink
+//! in the same reshape (its joining ranks, which hold nothing, leave
+//! again).
 
 use super::*;
 
@@ -18,10 +26,14 @@ use super::*;
 pub(super) struct Reshaping {
     /// The ranks leaving the group.
     pub leaving: Vec<usize>,
+    /// The ranks joining it (they hold no state yet).
+    pub joining: Vec<usize>,
     /// The group's size before.
     pub from: usize,
-    /// The fault that started it.
-    pub fault: usize,
+    /// The fault that started it (none for a grow).
+    pub fault: Option<usize>,
+    /// When it started.
+    pub since: Duration,
 }
 
 impl Machine {
@@ -47,8 +59,10 @@ impl Machine {
             None => {
                 self.reshape = Some(Reshaping {
                     leaving: leaving.to_vec(),
+                    joining: Vec::new(),
                     from,
-                    fault: f,
+                    fault: Some(f),
+                    since: self.detected[f],
                 });
             }
         }
@@ -59,6 +73,70 @@ impl Machine {
             format!("shrinking the data-parallel group from {from} to {to} ranks"),
         );
         self.recover(now, f);
+    }
+
+    /// Lost ranks `ranks` come back on a standby host: once they have all
+    /// registered, the group reshapes with them. False (nothing done)
+    /// unless the job runs with no reshape in progress.
+    pub fn grow(&mut self, now: Duration, ranks: &[usize]) -> bool {
+        if self.reshape.is_some()
+            || !matches!(self.state, State::Running)
+            || ranks.is_empty()
+            || !ranks.iter().all(|r| self.retired.contains(r))
+        {
+            return false;
+        }
+        let from = self.world_size();
+        for &r in ranks {
+            self.retired.remove(&r);
+            self.views.insert(r, RankView::absent(r));
+        }
+        self.ranks.extend_from_slice(ranks);
+        self.ranks.sort_unstable();
+        for &r in ranks {
+            // Started on the standby, where the controller placed them.
+            self.respawn(now, r, 0);
+        }
+        self.reshape = Some(Reshaping {
+            leaving: Vec::new(),
+            joining: ranks.to_vec(),
+            from,
+            fault: None,
+            since: now,
+        });
+        self.note(
+            Level::Info,
+            None,
+            format!(
+                "growing the data-parallel group from {from} to {} ranks: ranks {ranks:?} start on a standby host",
+                self.world_size()
+            ),
+        );
+        true
+    }
+
+    /// On a registration: when every joining rank has registered (and the
+    /// job runs), the group pauses to reshape with them.
+    pub(super) fn maybe_reshape(&mut self, now: Duration) {
+        let Some(r) = &self.reshape else {
+            return;
+        };
+        let ready = r
+            .joining
+            .iter()
+            .filter(|j| !r.leaving.contains(j))
+            .all(|&j| self.view(j).registered);
+        if ready && !r.joining.is_empty() && matches!(self.state, State::Running) {
+            self.begin_recovery(now, Vec::new());
+        }
+    }
+
+    /// Ranks joining the group: they hold no state to collect.
+    pub fn joining(&self) -> Vec<usize> {
+        self.reshape
+            .as_ref()
+            .map(|r| r.joining.clone())
+            .unwrap_or_default()
     }
 
     /// The place of `rank` in the group being formed: its index among the
@@ -91,7 +169,7 @@ impl Machine {
             self.views.remove(x);
         }
         let to = self.participants().len();
-        let seconds = now.saturating_sub(self.detected[r.fault]).as_secs_f64();
+        let seconds = now.saturating_sub(r.since).as_secs_f64();
         self.note(
             Level::Info,
             None,
@@ -101,7 +179,7 @@ impl Machine {
             ),
         );
         self.resizes.push(Resize {
-            fault: Some(self.faults[r.fault].id),
+            fault: r.fault.map(|f| self.faults[f].id),
             from: r.from,
             to,
             s_star: Some(s_star),

@@ -473,10 +473,12 @@ impl Machine {
             return;
         }
         let first = ranks.first().copied().unwrap_or(0);
+        // Ranks joining the group hold nothing to protect yet.
+        let joining = self.joining();
         let unprotected: Vec<usize> = ranks
             .iter()
             .copied()
-            .filter(|r| !self.protected.contains(r))
+            .filter(|r| !self.protected.contains(r) && !joining.contains(r))
             .collect();
         let standby = spare
             .filter(|_| self.cfg.modes.recover && unprotected.is_empty() && state_lost.is_empty());
@@ -613,7 +615,7 @@ impl Machine {
 
     /// Starts `rank` again in place (its process died after `step`);
     /// returns its restart count.
-    fn respawn(&mut self, now: Duration, rank: usize, step: u64) -> u32 {
+    pub(super) fn respawn(&mut self, now: Duration, rank: usize, step: u64) -> u32 {
         let history = self.history.entry(rank).or_default();
         history.record_restart(now, step, &self.cfg.restart);
         let restarts = history.restarts;

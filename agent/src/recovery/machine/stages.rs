@@ -166,12 +166,14 @@ impl Machine {
     /// after all. Restarts and recovers those ranks; true if it did.
     pub(super) fn collected(&mut self, now: Duration, epoch: u64, steps: Vec<(usize, Vec<u64>)>) {
         let by_rank: HashMap<usize, Vec<u64>> = steps.into_iter().collect();
-        // The ranks leaving in a shrink count, through their replicas.
+        // The ranks leaving in a shrink count, through their replicas;
+        // those joining in a grow have nothing yet.
+        let joining = self.joining();
         let counted: Vec<usize> = self
             .ranks
             .iter()
             .copied()
-            .filter(|r| !self.retired.contains(r))
+            .filter(|r| !self.retired.contains(r) && !joining.contains(r))
             .collect();
         let per_rank: Vec<Vec<u64>> = counted
             .iter()
