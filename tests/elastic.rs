@@ -313,6 +313,103 @@ fn the_group_shrinks_grows_back_and_shrinks_again() {
     }
 }
 
+/// A host lost during a grow: after host 1 is lost (4 → 3 ranks), the
+/// standby starts and takes rank 1 back, but while the group pauses to take
+/// it in (rank 0 naps in step 32), host 2 vanishes. Rank 2 leaves in the
+/// same reshape as rank 1 joins: the group stays at 3 ranks (0, 1 on the
+/// standby, 3), and the run equals a fresh 3-rank run from the first s*.
+#[test]
+fn a_host_lost_during_a_grow_leaves_in_the_same_reshape() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let mut train = tiny_args(50);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let plan = format!("{NAP};0:32:forward:sleep10000");
+    let mut c = Cluster::start_later(
+        tmp,
+        "elastic-grow-lost",
+        (4, 1),
+        (1, 1),
+        &["--enable-elastic-training"],
+        &train,
+        &plan,
+    );
+    let socket = c.shm[0].join(&c.job).join("agent.sock");
+    c.wait_held(2, &[1]);
+    c.vanish(&[1]);
+    let shrunk = |v: &serde_json::Value| {
+        let s = &v["status"];
+        (s["resizes"].as_array().is_some_and(|r| r.len() == 1) && s["world_size"] == 3)
+            .then_some(())
+    };
+    if poll_agentctl(&socket, "status", Duration::from_secs(60), shrunk).is_none() {
+        panic!("the group did not shrink to 3 ranks:\n{}", c.kill_all());
+    }
+    // Rank 0 is in its nap at step 32 when the standby comes: the grow
+    // waits for it to pause.
+    c.wait_held_at(3, &[2], 31);
+    c.start_late();
+    let growing = |v: &serde_json::Value| {
+        let s = &v["status"];
+        (s["world_size"] == 4 && s["recovering"] == true).then_some(())
+    };
+    if poll_agentctl(&socket, "status", Duration::from_secs(60), growing).is_none() {
+        panic!("the group did not start to grow:\n{}", c.kill_all());
+    }
+    c.vanish(&[2]);
+    let outs = c.ends(&[0, 3, 4]);
+    for (k, out) in &outs {
+        assert_success(out, &format!("host {k}\n{}", logs(&outs)));
+    }
+    let run = read_log(&c.log);
+    let resizes: Vec<(u64, u64)> = run
+        .iter()
+        .filter(|e| e["event"] == "reshape")
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["world_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let [(s1, 3), (_, 3)] = resizes[..] else {
+        panic!(
+            "two reshapes, both to 3 ranks: {resizes:?}\n{}",
+            logs(&outs)
+        );
+    };
+    let standby = stderr(&outs, 4);
+    assert!(
+        standby.contains("reshaped to 3 ranks"),
+        "rank 1 joined:\n{standby}"
+    );
+
+    let save = dir.join("at-s1");
+    let mut first = train.clone();
+    let at = first.iter().position(|a| a == "--train-iters").unwrap();
+    first[at + 1] = s1.to_string();
+    first.extend(s(&["--save", save.to_str().unwrap()]));
+    assert_success(&run_launch(4, "grow-lost-4", &first), "four ranks to s1*");
+    let log = dir.join("fresh3.jsonl");
+    let mut fresh = train.clone();
+    fresh.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
+    fresh.push(log.display().to_string());
+    assert_success(
+        &run_launch(3, "grow-lost-3", &fresh),
+        "three ranks from s1*",
+    );
+    let fresh = read_log(&log);
+    let ours = final_losses(&run);
+    for (step, loss) in final_losses(&fresh) {
+        assert_eq!(ours[&step].to_bits(), loss.to_bits(), "loss of step {step}");
+    }
+    assert_eq!(final_checksum(&run), final_checksum(&fresh));
+    for k in [0, 3, 4] {
+        assert_nothing_left(&c.shm[k]);
+    }
+}
+
 /// With `--min-nodes 3`, losing a host would leave two: the group does not
 /// shrink; the last-words checkpoint (ranks 2 and 3 from their replicas)
 /// is written and the job stops, saying why.

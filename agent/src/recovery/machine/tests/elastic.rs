@@ -91,3 +91,130 @@ fn below_min_nodes_the_job_writes_its_last_words_and_stops() {
     assert!(sim.m.last_words().is_some(), "the last words are written");
     assert!(sim.m.resizes().is_empty());
 }
+
+/// A 4-rank group that lost rank 1's host and shrank to 3.
+fn shrunk() -> Sim {
+    let mut sim = Sim::with(4, elastic(1));
+    sim.run(14);
+    sim.ranks[1].alive = false;
+    sim.ranks[1].gone = true;
+    sim.feed(Event::HostLost(HostLoss {
+        node: 1,
+        ranks: vec![1],
+        detail: "no heartbeat".into(),
+        spare: None,
+        state_lost: vec![],
+        on_disk: None,
+        hosts_left: 3,
+    }));
+    sim.run_until("the shrink", 300, |s| !s.m.recovering());
+    assert_eq!(sim.m.world_size(), 3);
+    sim
+}
+
+#[test]
+fn the_group_grows_back_once_the_new_ranks_register() {
+    let mut sim = shrunk();
+    sim.run(5);
+    assert!(!sim.m.grow(sim.now, &[2]), "rank 2 never left");
+    assert!(sim.m.grow(sim.now, &[1]));
+    assert_eq!(
+        sim.m.start_mode(),
+        StartMode::AwaitDirective,
+        "the new rank waits"
+    );
+    sim.run(1);
+    assert!(
+        sim.commands
+            .iter()
+            .any(|c| matches!(c, Command::Respawn { rank: 1, .. }))
+    );
+    sim.run_until("the grow", 300, |s| {
+        s.m.resizes().len() == 2 && !s.m.recovering()
+    });
+    let grow = &sim.m.resizes()[1];
+    assert_eq!((grow.from, grow.to, grow.fault), (3, 4, None));
+    let s_star = grow.s_star.unwrap();
+    for rank in 0..4u64 {
+        assert!(
+            sim.commands.contains(&Command::Post {
+                rank: rank as usize,
+                directive: Directive::Reshape {
+                    epoch: sim.m.epoch(),
+                    step: s_star,
+                    rank,
+                    world: 4
+                }
+            }),
+            "rank {rank} takes place {rank} of 4"
+        );
+    }
+    assert!(sim.m.retired().is_empty());
+    assert_eq!(sim.outcome, None);
+}
+
+#[test]
+fn a_host_lost_during_a_grow_leaves_in_the_same_reshape() {
+    // The new rank's own host is lost before the group took it in: it
+    // leaves again, with nothing to lose.
+    let mut sim = shrunk();
+    assert!(sim.m.grow(sim.now, &[1]));
+    sim.run(1);
+    sim.ranks[1].alive = false;
+    sim.ranks[1].gone = true;
+    sim.feed(Event::HostLost(HostLoss {
+        node: 4,
+        ranks: vec![1],
+        detail: "no heartbeat".into(),
+        spare: None,
+        state_lost: vec![],
+        on_disk: None,
+        hosts_left: 3,
+    }));
+    sim.run_until("the reshape", 300, |s| {
+        !s.m.recovering() && s.m.joining().is_empty()
+    });
+    assert_eq!(sim.outcome, None, "{:?}", sim.notes);
+    assert_eq!(sim.m.world_size(), 3);
+    assert_eq!(sim.m.retired(), &BTreeSet::from([1]));
+
+    // Another host is lost during a grow: it leaves as the new rank joins.
+    let mut sim = shrunk();
+    assert!(sim.m.grow(sim.now, &[1]));
+    sim.run(1);
+    sim.ranks[2].alive = false;
+    sim.ranks[2].gone = true;
+    sim.feed(Event::HostLost(HostLoss {
+        node: 2,
+        ranks: vec![2],
+        detail: "no heartbeat".into(),
+        spare: None,
+        state_lost: vec![],
+        on_disk: None,
+        hosts_left: 3,
+    }));
+    sim.run_until("the reshape", 300, |s| {
+        !s.m.recovering() && s.m.joining().is_empty()
+    });
+    assert_eq!(sim.outcome, None, "{:?}", sim.notes);
+    assert_eq!(sim.m.retired(), &BTreeSet::from([2]));
+    let s_star = sim.m.resizes().last().unwrap().s_star.unwrap();
+    for (rank, place) in [(0, 0), (1, 1), (3, 2)] {
+        assert!(
+            sim.commands.contains(&Command::Post {
+                rank,
+                directive: Directive::Reshape {
+                    epoch: sim.m.epoch(),
+                    step: s_star,
+                    rank: place,
+                    world: 3
+                }
+            }),
+            "rank {rank} takes place {place} of 3: {:?}",
+            sim.commands
+        );
+    }
+    let before = sim.ranks[0].step;
+    sim.run(20);
+    assert!(sim.ranks[0].step > before + 10, "training goes on");
+}
