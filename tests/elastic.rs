@@ -26,12 +26,21 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
     // Rank 0 naps again in step 45, so the resize can be seen while the
     // job runs.
     let plan = format!("{NAP};0:45:forward:sleep3000");
+    // The agents save every 10 steps (and at the end), at either size.
+    let save = dir.join("saves");
+    let mut saving = train.clone();
+    saving.extend(s(&[
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "10",
+    ]));
     let mut c = Cluster::start_with_plan(
         tmp,
         "elastic",
         0,
         &["--enable-elastic-training"],
-        &train,
+        &saving,
         &plan,
     );
     c.wait_held(2, &[2, 3]);
@@ -73,6 +82,28 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
         assert_eq!(e["global_batch"], 24, "step {step}");
         assert_eq!(e["samples"], step * 24, "samples consumed by step {step}");
     }
+
+    // The checkpoints written after the resize are of 4 ranks, and the
+    // final one holds the run's parameters.
+    for it in [40, 50, 60] {
+        let meta = hatrain_shared::checkpoint::read_rank_meta(
+            &hatrain_shared::checkpoint::iter_dir(&save, it),
+            3,
+            4,
+        )
+        .unwrap_or_else(|e| panic!("iteration {it} of 4 ranks: {e}\n{}", logs(&outs)));
+        assert_eq!(meta.iteration, it);
+    }
+    assert_eq!(hatrain_shared::checkpoint::read_tracker(&save).unwrap(), 60);
+    let reload = dir.join("reload.jsonl");
+    let mut again = train.clone();
+    again.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
+    again.push(reload.display().to_string());
+    assert_success(
+        &run_launch(4, "elastic-reload", &again),
+        "loading the final save",
+    );
+    assert_eq!(final_checksum(&read_log(&reload)), final_checksum(&run));
 
     // The same job without faults, saved at s*, then resumed at size 4.
     let save = dir.join("at-s-star");

@@ -1,6 +1,8 @@
 //! Helpers shared by the benchmark harnesses.
 #![allow(dead_code)]
 
+pub mod hosts;
+
 use hatrain_trainer::config::ModelConfig;
 use serde_json::Value;
 use std::path::{Path, PathBuf};

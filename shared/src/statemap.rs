@@ -266,6 +266,21 @@ impl StateMap {
 
     /// Whether slicing changes anything: some part is replicated over a
     /// group of more than one rank.
+    /// The rank directory a checkpoint of this map goes to: the rank's
+    /// index in its data-parallel group (a replicated part of the
+    /// checkpoint's world size says it; after an elastic resize it is not
+    /// the process's launch rank), else `rank`.
+    pub fn checkpoint_rank(&self, rank: usize) -> usize {
+        let world = self.checkpoint.as_ref().map(|c| c.world_size);
+        self.parts
+            .iter()
+            .find_map(|p| match p.sharing {
+                Sharing::Replicated { group, index } if Some(group) == world => Some(index),
+                _ => None,
+            })
+            .unwrap_or(rank)
+    }
+
     pub fn has_replicated(&self) -> bool {
         self.parts
             .iter()

@@ -622,7 +622,9 @@ impl Controller {
     pub fn shares(&self, step: u64) -> Result<BTreeMap<u64, Vec<usize>>, Vec<usize>> {
         let mut shares: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
         let mut missing = Vec::new();
-        for rank in 0..self.nodes as usize * self.per_node {
+        let ranks = (0..self.nodes as usize * self.per_node)
+            .filter(|r| !self.machine.retired().contains(r) && !self.machine.joining().contains(r));
+        for rank in ranks {
             let home = self.node_of(rank);
             let by = if self.members.contains(&home) {
                 Some(home)

@@ -95,7 +95,7 @@ impl Driver<'_> {
         let Some(p) = self.persister.as_ref() else {
             return fail("no rank registered a checkpoint layout".into());
         };
-        let (dir, world) = (p.dir().to_path_buf(), p.world());
+        let dir = p.dir().to_path_buf();
         // The tracker never goes back: a periodic save of this step or a
         // newer one (whose shares were all written before a host was lost)
         // is what resumes.
@@ -113,6 +113,8 @@ impl Driver<'_> {
         let Decider::Controller(c) = &mut self.decider else {
             return None;
         };
+        // The group's size now (elastic training resizes it).
+        let world = c.machine.world_size();
         let shares: BTreeMap<u64, Vec<usize>> = match c.shares(step) {
             Ok(s) => s,
             Err(missing) => {

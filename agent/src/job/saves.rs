@@ -148,6 +148,12 @@ impl Driver<'_> {
             );
             return;
         }
+        // The group's size now (elastic training resizes it).
+        let world = if c.joined() {
+            c.machine.world_size()
+        } else {
+            world
+        };
         let got = c.saves.entry(step).or_default();
         got.extend(ranks);
         let whole = got.len() >= world;
@@ -232,9 +238,13 @@ impl Driver<'_> {
             // Committed (or failed) already.
             return false;
         };
-        let missing_lost = lost
-            .iter()
-            .any(|&n| c.ranks_on(n).iter().any(|r| !got.contains(r)));
+        // Ranks that left the group (elastic training) write nothing.
+        let left = c.machine.retired();
+        let missing_lost = lost.iter().any(|&n| {
+            c.ranks_on(n)
+                .iter()
+                .any(|r| !got.contains(r) && !left.contains(r))
+        });
         f.failed.is_none() && !missing_lost && Instant::now() < f.until
     }
 

@@ -299,7 +299,11 @@ pub fn write_ranks(
                     })
                     .collect();
                 Ok(checkpoint::write_rank(
-                    tmp, src.map, src.rank, step, &views,
+                    tmp,
+                    src.map,
+                    src.map.checkpoint_rank(src.rank),
+                    step,
+                    &views,
                 )?)
             })
             .map_err(|_| PersistError::Changed {
@@ -328,8 +332,9 @@ pub fn write_share(
     };
     std::fs::create_dir_all(&tmp).map_err(io)?;
     let ranks: Vec<usize> = sources.iter().map(|s| s.rank).collect();
-    for &r in &ranks {
-        match std::fs::remove_dir_all(checkpoint::rank_dir(&tmp, r)) {
+    for s in sources {
+        let dir = checkpoint::rank_dir(&tmp, s.map.checkpoint_rank(s.rank));
+        match std::fs::remove_dir_all(dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
             _ => {}
         }

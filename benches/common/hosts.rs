@@ -1,0 +1,128 @@
+//! A job of several hosts of one rank each, for the host-loss benchmarks:
+//! their agents, a host vanishing, and the timings read from the log.
+
+use super::{agent, now, steps, trainer, worker_pids};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// The agents of a job of `nnodes` hosts of one rank (and `standbys`
+/// spare agents), each on its own loopback address and shm root.
+pub struct Launch<'a> {
+    pub dir: &'a Path,
+    pub job: String,
+    pub ports: (u16, u16),
+    pub secret: &'a Path,
+    pub ha: bool,
+    pub nnodes: usize,
+    pub standbys: usize,
+    /// `--snapshot-slots` with high availability.
+    pub slots: usize,
+    /// More agent flags.
+    pub extra: &'a [&'a str],
+    pub train: &'a [String],
+}
+
+impl Launch<'_> {
+    pub fn shm(&self, node: usize) -> PathBuf {
+        self.dir.join(format!("{}-host{node}", self.job))
+    }
+
+    /// Where agent `node` logs.
+    pub fn log(&self, node: usize) -> PathBuf {
+        self.dir.join(format!("{}-agent{node}.log", self.job))
+    }
+
+    /// Waits for agent `node`; a failure shows the end of its log.
+    pub fn expect_success(&self, node: usize, agent: &mut Child) {
+        if !agent.wait().unwrap().success() {
+            let log = std::fs::read_to_string(self.log(node)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!("agent {node} of {} failed:\n{}", self.job, tail.join("\n"));
+        }
+    }
+
+    pub fn start(&self, node: usize) -> Child {
+        let mut c = Command::new(agent());
+        c.args(["launch", "--nnodes", &self.nnodes.to_string()])
+            .args(["--nproc-per-node", "1"])
+            .args(["--node-rank", &node.to_string(), "--job-id", &self.job])
+            .args(["--master-addr", "127.0.0.1"])
+            .args(["--master-port", &self.ports.0.to_string()])
+            .args(["--rdzv-port", &self.ports.1.to_string()])
+            .args(["--local-addr", &format!("127.0.0.{}", node + 1)])
+            .args(["--stop-grace-secs", "2"])
+            .arg("--secret-file")
+            .arg(self.secret)
+            .arg("--shm-root")
+            .arg(self.shm(node));
+        if self.ha {
+            c.args(["--enable-high-availability", "--enable-worker-reboot"])
+                .args(["--standby-nodes", &self.standbys.to_string()])
+                .args(["--snapshot-slots", &self.slots.to_string()])
+                .args(["--pause-timeout-secs", "20"]);
+            if node >= self.nnodes {
+                c.arg("--standby");
+            }
+            c.args(self.extra);
+        }
+        c.arg("--")
+            .arg(trainer())
+            .args(self.train)
+            .env("RUST_LOG", "warn")
+            .env_remove("SLURM_JOB_ID")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.log(node)).expect("an agent log"));
+        c.spawn().expect("start hatrain-agent")
+    }
+}
+
+/// Host 1 vanishes: its agent and worker SIGKILLed, its shm deleted.
+/// Returns when it was killed.
+pub fn vanish(agent: &mut Child, shm: &Path) -> f64 {
+    let pids = worker_pids(agent.id());
+    let t = now();
+    // SAFETY: kill(2) with plain integers.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGKILL) };
+    for (_, pid) in pids {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let _ = agent.wait();
+    let _ = std::fs::remove_dir_all(shm);
+    t
+}
+
+/// Seconds from `t_kill` to the first step after it and to step `k` again,
+/// and the steps redone.
+pub fn timings(log: &Path, t_kill: f64, k: u64) -> (f64, f64, usize) {
+    let s = steps(log);
+    let after = |e: &&serde_json::Value| e["unix_s"].as_f64() > Some(t_kill);
+    let first = s
+        .iter()
+        .filter(after)
+        .filter_map(|e| e["unix_s"].as_f64())
+        .next();
+    let back = s
+        .iter()
+        .filter(after)
+        .find(|e| e["step"].as_u64() >= Some(k))
+        .and_then(|e| e["unix_s"].as_f64());
+    let redone = s
+        .iter()
+        .filter(after)
+        .filter(|e| e["step"].as_u64() < Some(k))
+        .count();
+    (
+        first.expect("a step after the loss") - t_kill,
+        back.expect("step K again") - t_kill,
+        redone,
+    )
+}
