@@ -185,6 +185,9 @@ pub(super) struct Mirror {
     pub world_size: Option<usize>,
     #[serde(default)]
     pub resizes: Vec<hatrain_shared::control::ResizeRecord>,
+    /// The ranks that left the group: a successor does not wait for them.
+    #[serde(default)]
+    pub retired: BTreeSet<usize>,
 }
 
 impl Mirror {
@@ -200,6 +203,8 @@ impl Mirror {
             checkpoint: self.checkpoint,
             last_words: self.last_words.clone(),
             group_restarts: self.group_restarts,
+            retired: self.retired.clone(),
+            resizes: self.resizes.clone(),
         }
     }
 }
@@ -677,6 +682,7 @@ impl Controller {
             filling: self.filling.clone(),
             world_size: Some(m.world_size()),
             resizes: m.resizes().to_vec(),
+            retired: m.retired().clone(),
         }
     }
 }

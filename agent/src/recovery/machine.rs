@@ -120,6 +120,9 @@ pub struct Inherited {
     pub checkpoint: bool,
     pub last_words: Option<Written>,
     pub group_restarts: u32,
+    /// Ranks that left the group (elastic training), and its resizes.
+    pub retired: BTreeSet<usize>,
+    pub resizes: Vec<Resize>,
 }
 
 /// What one [`Machine::step`] decided.
@@ -233,6 +236,12 @@ impl Machine {
         m.checkpoint = from.checkpoint;
         m.last_words = from.last_words;
         m.group_restarts = from.group_restarts;
+        m.ranks.retain(|r| !from.retired.contains(r));
+        for r in &from.retired {
+            m.views.remove(r);
+        }
+        m.retired = from.retired;
+        m.resizes = from.resizes;
         m
     }
 

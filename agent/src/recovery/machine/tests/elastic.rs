@@ -218,3 +218,14 @@ fn a_host_lost_during_a_grow_leaves_in_the_same_reshape() {
     sim.run(20);
     assert!(sim.ranks[0].step > before + 10, "training goes on");
 }
+
+#[test]
+fn a_successor_knows_the_ranks_that_left() {
+    let from = Inherited {
+        retired: BTreeSet::from([1]),
+        ..Inherited::default()
+    };
+    let m = Machine::take_over(elastic(1), (0..4).collect(), from);
+    assert_eq!(m.world_size(), 3);
+    assert_eq!(m.retired(), &BTreeSet::from([1]));
+}
