@@ -17,6 +17,7 @@
 
 mod args;
 mod disk;
+mod recover;
 mod reshape;
 
 pub use args::TrainArgs;
@@ -598,108 +599,6 @@ impl Trainer<'_> {
             }))?;
         }
         Ok(())
-    }
-
-    /// Waits for the agent's directive and carries it out: restores the
-    /// snapshot of the step it names (unless the live state is exactly that
-    /// step) and joins the new epoch's communicator.
-    fn recover(&mut self, rt: &mut Runtime, dist: &mut Dist) -> Result<Communicator, TrainError> {
-        loop {
-            match rt.await_directive() {
-                Directive::Resume { epoch, step } => {
-                    let live = !self.torn && self.state.scalars.step == step;
-                    if !live {
-                        let meta = rt.restore(step)?;
-                        self.state.scalars = Scalars::decode(&meta).ok_or_else(|| {
-                            TrainError::Args("snapshot metadata block is malformed".into())
-                        })?;
-                        self.torn = false;
-                    }
-                    self.epoch = epoch;
-                    let built = if self.plan.fails(step, Point::Rebuild) {
-                        Err(TrainError::Collective(CollectiveError::Connect {
-                            epoch,
-                            peer: (self.rank + 1) % self.world,
-                            addr: "(the fault plan)".into(),
-                            source: std::io::ErrorKind::ConnectionRefused.into(),
-                        }))
-                    } else {
-                        dist.communicator(epoch, &|| rt.directive_pending())
-                    };
-                    // Sliced snapshots restore this rank's slice of the
-                    // parameters: one all-gather, in which every rank (kept
-                    // or restored) gives its slice, rebuilds the rest.
-                    let built = built.and_then(|mut comm| {
-                        rt.set_communicator(&comm);
-                        rt.rebuild_replicated(|buf| comm.all_gather(buf))?;
-                        Ok(comm)
-                    });
-                    match built {
-                        Ok(comm) => {
-                            eprintln!(
-                                "rank {}: resumed at step {step} under epoch {epoch} ({})",
-                                self.rank,
-                                if live {
-                                    "live state kept"
-                                } else {
-                                    "restored from shared memory"
-                                }
-                            );
-                            self.log.write(serde_json::json!({
-                                "event": "resume", "step": step, "epoch": epoch, "restored": !live,
-                            }))?;
-                            return Ok(comm);
-                        }
-                        // A newer directive came while building: obey it.
-                        Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
-                        Err(e) => {
-                            let peer = match &e {
-                                TrainError::Collective(c) => c.peer(),
-                                _ => None,
-                            };
-                            eprintln!(
-                                "rank {}: rebuilding the communicator for epoch {epoch} failed: {}; told the agent",
-                                self.rank,
-                                error_chain(&e)
-                            );
-                            rt.rebuild_failed(epoch, peer);
-                        }
-                    }
-                }
-                Directive::Reshape {
-                    epoch,
-                    step,
-                    rank,
-                    world,
-                } => {
-                    let place = (
-                        usize::try_from(rank).unwrap_or(usize::MAX),
-                        usize::try_from(world).unwrap_or(0),
-                    );
-                    let reshaped = self.reshape(rt, dist, epoch, step, place);
-                    if reshaped.is_err() {
-                        // The rank keeps its place until a reshape completes.
-                        dist.place(self.rank, self.world);
-                    }
-                    match reshaped {
-                        Ok(comm) => return Ok(comm),
-                        Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
-                        Err(TrainError::Collective(c)) => {
-                            eprintln!(
-                                "rank {}: reshaping under epoch {epoch} failed: {}; told the agent",
-                                self.rank,
-                                error_chain(&c)
-                            );
-                            rt.rebuild_failed(epoch, c.peer());
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-                Directive::Stop | Directive::Pause { .. } | Directive::None => {
-                    return Err(TrainError::Stopped);
-                }
-            }
-        }
     }
 }
 

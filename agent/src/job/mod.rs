@@ -53,7 +53,7 @@ use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outco
 use crate::supervisor::{Supervisor, WorkerSpec};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
-use hatrain_shared::shm::{Directive, Injection, Store};
+use hatrain_shared::shm::{Directive, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
 use std::collections::{BTreeSet, HashMap};
@@ -756,33 +756,6 @@ impl Driver<'_> {
         self.shutdown_unanswered();
         self.fill_adopted(sup);
         self.tick_views(sup);
-    }
-
-    /// A GPU memory error: its rank is asked to treat it as a UCE in its
-    /// state, so the step is recomputed from s\* (see [`crate::gpu`]).
-    fn on_gpu_fault(&mut self, sup: &Supervisor, f: GpuFault) {
-        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-        let local = crate::gpu::local_rank_of(f.device, visible.as_deref(), sup.ranks().len());
-        let target = local
-            .map(|l| sup.ranks()[l])
-            .and_then(|r| Some((r, self.stores.get(&r)?, self.maps.get(&r)?)));
-        match target {
-            Some((rank, store, map)) => {
-                tracing::warn!(
-                    rank,
-                    device = f.device,
-                    xid = f.xid,
-                    "GPU uncorrectable memory error: handled as a UCE"
-                );
-                let part = map.largest_part().unwrap_or(0) as u64;
-                store.page().inject(Injection::Uce { part, offset: 0 }, 0);
-            }
-            None => tracing::warn!(
-                device = f.device,
-                xid = f.xid,
-                "GPU memory error on a device no local rank uses"
-            ),
-        }
     }
 }
 
