@@ -1,16 +1,23 @@
 //! Elastic training: a host lost with no standby shrinks the data-parallel
-//! group instead of stopping the job. Three hosts of two ranks each (no
-//! standby, `--enable-elastic-training`); while the job stands still at
-//! step 30 (rank 0 naps), host 1 vanishes: its agent and workers SIGKILLed,
-//! its shared memory deleted. The four ranks left re-slice their ZeRO
-//! shards, with ranks 2 and 3 taken from their replicas on host 2, and go
-//! on at size 4 from the consistent step s*, without restarting a process
-//! or reading the disk.
+//! group instead of stopping the job, and the group grows back onto a
+//! standby that starts later. A host vanishes as a machine would (its agent
+//! and workers SIGKILLed, its shared memory deleted) while the job stands
+//! still (rank 0 naps), so the replicas have caught up.
 //!
-//! The elastic invariant: the run after the resize equals, bit for bit
-//! (every step's loss and the final checksum), a fresh run of four ranks
-//! started with `--load` from a checkpoint of step s*. The global batch is
-//! the same at both sizes, and nothing is left behind.
+//! - 3 hosts × 2 ranks, host 1 lost: 6 → 4 ranks; the agents' saves after
+//!   it are of 4 ranks; a rank that crashes afterwards restarts at its new
+//!   place.
+//! - 5 hosts × 1 rank: two shrinks, 5 → 4 → 3 (the replicas placed past
+//!   the lost host).
+//! - 4 hosts × 1 rank and a late standby: shrink, grow back, shrink again;
+//!   and a host lost during a grow.
+//! - Below `--min-nodes`: the last words, and a stop that says why.
+//!
+//! The elastic invariant, at every resize: the run after it equals, bit for
+//! bit (every step's loss and the final checksum), a fresh run at the new
+//! size started with `--load` from a checkpoint of its s* (chained over the
+//! resizes). The global batch is the same at every size, and nothing is
+//! left behind.
 
 mod common;
 use common::cluster::*;
@@ -24,8 +31,9 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
     let (train, _six) = six_ranks_reference(tmp.path());
     let dir = tmp.path().to_path_buf();
     // Rank 0 naps again in step 45, so the resize can be seen while the
-    // job runs.
-    let plan = format!("{NAP};0:45:forward:sleep3000");
+    // job runs; rank 5 (place 3 of 4 by then) crashes in step 50 and is
+    // started again at its place in the smaller group.
+    let plan = format!("{NAP};0:45:forward:sleep3000;5:50:forward:kill");
     // The agents save every 10 steps (and at the end), at either size.
     let save = dir.join("saves");
     let mut saving = train.clone();
@@ -65,6 +73,11 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
     assert!(
         controller.contains("shrinking the data-parallel group from 6 to 4 ranks"),
         "{controller}"
+    );
+    assert!(
+        stderr(&outs, 2).contains("replacement started rank=5"),
+        "rank 5 was started again after its crash:\n{}",
+        logs(&outs)
     );
     let run = read_log(&c.log);
     let reshape = run

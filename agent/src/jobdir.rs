@@ -276,7 +276,7 @@ impl JobDir {
     }
 
     /// Removes file `name` that the agent made here (a store whose creation
-    /// failed).
+    /// failed, or one a reshape replaces: a mapping of it stays valid).
     pub fn forget(&mut self, name: &str) {
         if let Some(i) = self.made.iter().position(|m| m == name) {
             self.made.remove(i);

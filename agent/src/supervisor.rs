@@ -139,7 +139,14 @@ impl Supervisor {
 
     /// Starts `rank` again, with `HATRAIN_RESTART_COUNT=restarts`. The old
     /// process must have been reaped.
-    pub fn respawn(&mut self, rank: usize, restarts: u32) -> Result<i32, SupervisorError> {
+    /// With `place`, the process takes that place `(rank, world)` in a
+    /// data-parallel group elastic training resized.
+    pub fn respawn(
+        &mut self,
+        rank: usize,
+        restarts: u32,
+        place: Option<(u64, u64)>,
+    ) -> Result<i32, SupervisorError> {
         let idx = self.index(rank).expect("respawn of a rank of this host");
         debug_assert!(matches!(self.states[idx], WorkerState::Exited(_)));
         let mut spec = self.specs[idx].clone();
@@ -147,6 +154,11 @@ impl Supervisor {
             if k == "HATRAIN_RESTART_COUNT" {
                 *v = restarts.to_string();
             }
+        }
+        let key = hatrain_shared::rendezvous::ENV_GROUP_PLACE;
+        spec.env.retain(|(k, _)| k != key);
+        if let Some((r, w)) = place {
+            spec.env.push((key.to_string(), format!("{r}/{w}")));
         }
         let pid = self.spawn(&spec)?;
         self.states[idx] = WorkerState::Running { pid };

@@ -25,6 +25,11 @@ pub const PROTOCOL: Protocol = Protocol {
 /// master address, so the trainer also runs under other launchers.
 pub const ENV_AGENT_STORE: &str = "HATRAIN_AGENT_STORE";
 
+/// A worker's place in a data-parallel group that elastic training
+/// resized, `RANK/WORLD` (its `RANK` stays the launcher's, its identity
+/// with the agent): given to a process restarted after a resize.
+pub const ENV_GROUP_PLACE: &str = "HATRAIN_GROUP_PLACE";
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum Request {

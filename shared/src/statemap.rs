@@ -264,8 +264,6 @@ impl StateMap {
         self.slot_offsets(sliced).last().map_or(0, |r| r.end as u64)
     }
 
-    /// Whether slicing changes anything: some part is replicated over a
-    /// group of more than one rank.
     /// The rank directory a checkpoint of this map goes to: the rank's
     /// index in its data-parallel group (a replicated part of the
     /// checkpoint's world size says it; after an elastic resize it is not
@@ -281,6 +279,8 @@ impl StateMap {
             .unwrap_or(rank)
     }
 
+    /// Whether slicing changes anything: some part is replicated over a
+    /// group of more than one rank.
     pub fn has_replicated(&self) -> bool {
         self.parts
             .iter()

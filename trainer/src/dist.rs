@@ -5,15 +5,19 @@
 use crate::collective::Communicator;
 use crate::trainer::{CONNECT_TIMEOUT, TrainError};
 use hatrain_shared::auth::Secret;
-use hatrain_shared::rendezvous::ENV_AGENT_STORE;
+use hatrain_shared::rendezvous::{ENV_AGENT_STORE, ENV_GROUP_PLACE};
 use hatrain_shared::store::{StoreClient, StoreServer};
 use std::net::{SocketAddr, ToSocketAddrs};
 
 /// Where this process sits in the job, from the torchrun-style environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DistEnv {
+    /// This rank's place in the data-parallel group.
     pub rank: usize,
     pub world_size: usize,
+    /// Its identity with the agent: the launcher's `RANK` (the place too,
+    /// unless elastic training resized the group).
+    pub slot: usize,
     pub local_rank: usize,
     pub master: Option<SocketAddr>,
     /// Where the launcher hosts the rendezvous store (`None`: rank 0 hosts
@@ -22,8 +26,9 @@ pub struct DistEnv {
 }
 
 impl DistEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`
-    /// and the agent's store address (`HATRAIN_AGENT_STORE`, `HOST:PORT`).
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`,
+    /// the agent's store address (`HATRAIN_AGENT_STORE`, `HOST:PORT`) and a
+    /// place in a resized group (`HATRAIN_GROUP_PLACE`, `RANK/WORLD`).
     /// Without `WORLD_SIZE` the process is a job of one.
     pub fn from_env() -> Result<Self, TrainError> {
         Self::from_lookup(|k| std::env::var(k).ok())
@@ -39,8 +44,17 @@ impl DistEnv {
                     .map_err(|_| TrainError::Env(format!("{k}={v:?} is not a number"))),
             }
         };
-        let world_size = num("WORLD_SIZE", 1)?;
-        let rank = num("RANK", 0)?;
+        let mut world_size = num("WORLD_SIZE", 1)?;
+        let slot = num("RANK", 0)?;
+        let mut rank = slot;
+        if let Some(v) = get(ENV_GROUP_PLACE) {
+            let place = v
+                .split_once('/')
+                .and_then(|(r, w)| Some((r.trim().parse().ok()?, w.trim().parse().ok()?)));
+            (rank, world_size) = place.ok_or_else(|| {
+                TrainError::Env(format!("{ENV_GROUP_PLACE}={v:?} is not RANK/WORLD"))
+            })?;
+        }
         let local_rank = num("LOCAL_RANK", rank)?;
         if world_size == 0 || rank >= world_size {
             return Err(TrainError::Env(format!(
@@ -80,6 +94,7 @@ impl DistEnv {
         Ok(Self {
             rank,
             world_size,
+            slot,
             local_rank,
             master,
             agent_store,
@@ -227,5 +242,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("HATRAIN_AGENT_STORE"), "{e}");
+        // A process started again after a resize: its place, and its
+        // launcher's rank as its identity.
+        let placed = env(&[
+            ("WORLD_SIZE", "6"),
+            ("RANK", "5"),
+            (ENV_GROUP_PLACE, "3/4"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!((placed.rank, placed.world_size, placed.slot), (3, 4, 5));
+        for bad in ["3", "4/4", "x/4"] {
+            let e = env(&[("WORLD_SIZE", "6"), ("RANK", "5"), (ENV_GROUP_PLACE, bad)]);
+            assert!(e.is_err(), "{bad}");
+        }
     }
 }

@@ -292,7 +292,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let plan = Arc::new(match std::env::var(ENV_FAULT_PLAN) {
-        Ok(text) => FaultPlan::parse(&text, rank, incarnation)?,
+        Ok(text) => FaultPlan::parse(&text, env.slot, incarnation)?,
         Err(_) => FaultPlan::default(),
     });
     let save = args.save.as_ref().map(|dir| SaveTo {
@@ -306,8 +306,9 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         save.as_ref(),
         serde_json::to_value(args).unwrap_or(serde_json::Value::Null),
     );
+    // Registered under the launcher's rank, its identity with the agent.
     let (mut rt, start) = Runtime::connect(
-        rank,
+        env.slot,
         map.clone(),
         vec![
             Arc::clone(&state.params),

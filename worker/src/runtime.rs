@@ -573,7 +573,8 @@ impl Runtime {
 
     /// Parks the rank until the agent says how to go on: acknowledges
     /// pauses (after finishing any snapshot copy) and returns the first
-    /// `Resume` or `Stop`. Without an agent, returns `Stop` at once.
+    /// `Resume`, `Reshape` or `Stop`. Without an agent, returns `Stop` at
+    /// once.
     pub fn await_directive(&mut self) -> Directive {
         let Some(a) = &self.attached else {
             return Directive::Stop;

@@ -331,9 +331,17 @@ impl Controller {
             .iter()
             .copied()
             .find(|s| self.heard.contains(s))?;
+        // By the node the ranks were launched on: a standby that held them
+        // may be lost since.
+        let per = self.per_node;
         let (node, ranks) = (0..self.nodes)
             .filter(|n| !self.members.contains(n))
-            .map(|n| (n, self.ranks_on(n)))
+            .map(|n| {
+                (
+                    n,
+                    (n as usize * per..(n as usize + 1) * per).collect::<Vec<_>>(),
+                )
+            })
             .find(|(_, r)| !r.is_empty() && r.iter().all(|x| retired.contains(x)))?;
         self.spares.remove(&spare);
         self.members.insert(spare);
@@ -518,6 +526,7 @@ impl Controller {
             world_size: Some(m.world_size()),
             resizes: m.resizes().to_vec(),
             retired: m.retired().clone(),
+            places: m.places().clone(),
         }
     }
 }
@@ -619,6 +628,14 @@ impl Decider {
         match self {
             Self::Controller(c) => c.machine.resizes(),
             Self::Follower(f) => &f.mirror.resizes,
+        }
+    }
+
+    /// The place of `rank` in the group after a resize (elastic training).
+    pub fn place_of(&self, rank: usize) -> Option<(u64, u64)> {
+        match self {
+            Self::Controller(c) => c.machine.place_now(rank),
+            Self::Follower(f) => f.mirror.places.get(&rank).copied(),
         }
     }
 

@@ -582,17 +582,19 @@ impl Driver<'_> {
                 }
                 None
             }
-            Command::Respawn { rank, restarts } => match sup.respawn(rank, restarts) {
-                Ok(pid) => {
-                    tracing::info!(rank, pid, restarts, "replacement started");
-                    self.oom.started(rank, pid);
-                    None
+            Command::Respawn { rank, restarts } => {
+                match sup.respawn(rank, restarts, self.decider.place_of(rank)) {
+                    Ok(pid) => {
+                        tracing::info!(rank, pid, restarts, "replacement started");
+                        self.oom.started(rank, pid);
+                        None
+                    }
+                    Err(e) => Some(Event::SpawnFailed {
+                        rank,
+                        error: crate::error_chain(&e),
+                    }),
                 }
-                Err(e) => Some(Event::SpawnFailed {
-                    rank,
-                    error: crate::error_chain(&e),
-                }),
-            },
+            }
             Command::Collect { epoch } => {
                 self.collect(epoch);
                 None

@@ -120,9 +120,11 @@ pub struct Inherited {
     pub checkpoint: bool,
     pub last_words: Option<Written>,
     pub group_restarts: u32,
-    /// Ranks that left the group (elastic training), and its resizes.
+    /// Ranks that left the group (elastic training), its resizes, and
+    /// each rank's place after them.
     pub retired: BTreeSet<usize>,
     pub resizes: Vec<Resize>,
+    pub places: BTreeMap<usize, (u64, u64)>,
 }
 
 /// What one [`Machine::step`] decided.
@@ -172,10 +174,12 @@ pub struct Machine {
     warned: BTreeSet<usize>,
     /// Group restarts so far.
     group_restarts: u32,
-    /// A shrink in progress, and the ranks that left the group.
+    /// A resize in progress, and the ranks that left the group.
     reshape: Option<elastic::Reshaping>,
     retired: BTreeSet<usize>,
     resizes: Vec<Resize>,
+    /// Each rank's place after the last resize (none before one).
+    places: BTreeMap<usize, (u64, u64)>,
     out: Step,
 }
 
@@ -209,6 +213,7 @@ impl Machine {
             reshape: None,
             retired: BTreeSet::new(),
             resizes: Vec::new(),
+            places: BTreeMap::new(),
             out: Step::default(),
         }
     }
@@ -242,6 +247,7 @@ impl Machine {
         }
         m.retired = from.retired;
         m.resizes = from.resizes;
+        m.places = from.places;
         m
     }
 

@@ -94,14 +94,26 @@ impl Replicator {
         }
     }
 
-    /// Node `node` left the job for good (the group shrank without it):
-    /// the nodes that streamed to it stream to the next ones in the
-    /// placement, which hold their replicas from now on.
-    pub fn retire(&self, node: u64) {
-        if self.ring.lock().expect("not poisoned").retired.insert(node) {
+    /// Host `host` left the job for good (the group shrank without it):
+    /// the node it played is retired, and the nodes that streamed to it
+    /// stream to the next ones in the placement, which hold their replicas
+    /// from now on. A node that a standby plays since is not retired with
+    /// the host it replaced.
+    pub fn retire(&self, host: u64) {
+        let replaced = self.replaced.read().map(|m| m.clone()).unwrap_or_default();
+        let mut ring = self.ring.lock().expect("not poisoned");
+        let nodes: Vec<u64> = (0..ring.domains.len() as u64)
+            .filter(|&j| resolve(&replaced, j) == host)
+            .collect();
+        let mut changed = false;
+        for j in nodes {
+            changed |= ring.retired.insert(j);
+        }
+        drop(ring);
+        if changed {
             tracing::info!(
-                node,
-                "the group shrank without this node: replicas placed past it"
+                host,
+                "the group shrank without this host: replicas placed past it"
             );
             self.arrange();
         }

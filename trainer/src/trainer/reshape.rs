@@ -15,9 +15,10 @@
 //!    map, new store), and commit `s*` as the first snapshot of the new
 //!    layout.
 //!
-//! Until step 4 the old buffers and the old store are untouched: a fault
-//! during the exchange brings another reshape directive (or a resume), and
-//! the rank starts again from its snapshot of `s*`.
+//! Until step 4 the old moment buffers and the old store are untouched
+//! (the parameters may take the values of `s*` in step 3): a fault during
+//! the exchange brings another reshape directive (or a resume), and the
+//! rank, still counted torn, starts again from its snapshot of `s*`.
 //!
 //! The global batch and the sample order do not depend on the world size
 //! (every rank draws every seed; rank `r` takes sequences `r·B/W..`), so a
@@ -205,8 +206,10 @@ impl Trainer<'_> {
             let meta = rt.restore(step)?;
             self.state.scalars = Scalars::decode(&meta)
                 .ok_or_else(|| TrainError::Args("snapshot metadata block is malformed".into()))?;
+            // Still torn until the reshape completes: with a sliced
+            // snapshot only this rank's slice of the parameters is valid,
+            // so an attempt that fails restores again.
             params_held = rt.held().first().cloned().unwrap_or(params_held);
-            self.torn = false;
         }
         let start = self.shard.start;
         let pieces = vec![

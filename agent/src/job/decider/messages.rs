@@ -152,6 +152,10 @@ pub(in crate::job) struct Mirror {
     /// The ranks that left the group: a successor does not wait for them.
     #[serde(default)]
     pub retired: BTreeSet<usize>,
+    /// Each rank's place in the group after a resize: a process started
+    /// again takes it.
+    #[serde(default)]
+    pub places: BTreeMap<usize, (u64, u64)>,
 }
 
 impl Mirror {
@@ -169,6 +173,7 @@ impl Mirror {
             group_restarts: self.group_restarts,
             retired: self.retired.clone(),
             resizes: self.resizes.clone(),
+            places: self.places.clone(),
         }
     }
 }

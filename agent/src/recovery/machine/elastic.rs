@@ -21,7 +21,7 @@
 
 use super::*;
 
-/// A shrink in progress.
+/// A resize in progress: a shrink, a grow, or both at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Reshaping {
     /// The ranks leaving the group.
@@ -168,7 +168,13 @@ impl Machine {
         for x in &r.leaving {
             self.views.remove(x);
         }
-        let to = self.participants().len();
+        let stay = self.participants();
+        let to = stay.len();
+        self.places = stay
+            .iter()
+            .enumerate()
+            .map(|(i, &rank)| (rank, (i as u64, to as u64)))
+            .collect();
         let seconds = now.saturating_sub(r.since).as_secs_f64();
         self.note(
             Level::Info,
@@ -190,6 +196,17 @@ impl Machine {
     /// The size of the group: its ranks but those that left.
     pub fn world_size(&self) -> usize {
         self.ranks.iter().filter(|&&r| !self.left(r)).count()
+    }
+
+    /// The place a process of `rank` started now takes: its place after
+    /// the last resize (none before one, or while it is leaving).
+    pub fn place_now(&self, rank: usize) -> Option<(u64, u64)> {
+        self.places.get(&rank).copied()
+    }
+
+    /// Every rank's place after the last resize.
+    pub fn places(&self) -> &BTreeMap<usize, (u64, u64)> {
+        &self.places
     }
 
     /// The resizes so far.

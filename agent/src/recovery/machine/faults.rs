@@ -439,9 +439,11 @@ impl Machine {
     /// peer replicas: with worker reboot and a `spare` host, every lost rank
     /// is started there (its store filled from its replica by the hosts)
     /// and the job recovers as from a crash of all of them at once.
-    /// Otherwise the job stops, saying so (shrinking the group is not
-    /// built yet), after its last-words checkpoint when the dump mode is
-    /// on: the hosts holding the lost ranks' replicas write those ranks.
+    /// Otherwise, with elastic training and at least `--min-nodes` hosts
+    /// left, the group shrinks without them ([`Machine::shrink`]); else
+    /// the job stops, saying so, after its last-words checkpoint when the
+    /// dump mode is on: the hosts holding the lost ranks' replicas write
+    /// those ranks.
     /// When some rank's state is gone with every replica of it,
     /// the job stops at once, naming those ranks and the newest complete
     /// checkpoint on disk: nothing can claim a later step.
@@ -541,7 +543,7 @@ impl Machine {
                 format!("host {node} lost"),
                 "write the last-words checkpoint, then stop the job".into(),
                 format!(
-                    "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby; shrinking the group is not supported yet): the last-words checkpoint takes their state from their peer replicas"
+                    "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby, or turn on elastic training to shrink the group): the last-words checkpoint takes their state from their peer replicas"
                 ),
             ),
             (None, None) => (
@@ -549,7 +551,7 @@ impl Machine {
                 format!("host {node} lost"),
                 "stop the job".into(),
                 format!(
-                    "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby; shrinking the group is not supported yet)"
+                    "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby, or turn on elastic training to shrink the group)"
                 ),
             ),
             (None, Some(_)) if !self.cfg.modes.recover => (
