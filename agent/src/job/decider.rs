@@ -243,9 +243,10 @@ impl Controller {
         rank < self.nodes as usize * self.per_node && self.node_of(rank) == node
     }
 
-    /// How many hosts hold ranks now.
-    pub fn hosts(&self) -> usize {
-        self.members.len()
+    /// How many hosts hold ranks now and are not lost (`gone`: the hosts
+    /// lost so far, some perhaps not decided on yet).
+    pub fn hosts_left(&self, gone: &[u64]) -> usize {
+        self.members.iter().filter(|n| !gone.contains(n)).count()
     }
 
     /// Whether this controller decides for several hosts.

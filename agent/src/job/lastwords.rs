@@ -113,8 +113,9 @@ impl Driver<'_> {
         let Decider::Controller(c) = &mut self.decider else {
             return None;
         };
-        // The group's size now (elastic training resizes it).
-        let world = c.machine.world_size();
+        // The size of the group the snapshots are of (elastic training
+        // resizes it).
+        let world = c.machine.layout_size();
         let shares: BTreeMap<u64, Vec<usize>> = match c.shares(step) {
             Ok(s) => s,
             Err(missing) => {

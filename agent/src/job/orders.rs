@@ -408,7 +408,7 @@ impl Driver<'_> {
                         tracing::warn!(node, "a standby host is lost");
                         continue;
                     };
-                    let hosts_left = c.hosts();
+                    let hosts_left = c.hosts_left(&gone);
                     if let Some(to) = placed.spare {
                         self.send_to_standby(node, to, &placed.ranks);
                     }

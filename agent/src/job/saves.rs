@@ -148,9 +148,10 @@ impl Driver<'_> {
             );
             return;
         }
-        // The group's size now (elastic training resizes it).
+        // The size of the group the snapshots are of (elastic training
+        // resizes it).
         let world = if c.joined() {
-            c.machine.world_size()
+            c.machine.layout_size()
         } else {
             world
         };

@@ -312,3 +312,17 @@ fn a_standby_not_heard_yet_takes_no_ranks() {
     assert_eq!(c.host_lost(1, true, &[1]), placed(vec![2, 3], None, vec![]));
     assert_eq!(c.grow_onto(), None, "nothing left the group");
 }
+
+#[test]
+fn hosts_lost_at_once_all_count_against_the_hosts_left() {
+    let mut c = ring();
+    c.heard = (0..3).collect();
+    c.host_lost(1, true, &[1, 2]);
+    assert_eq!(
+        c.hosts_left(&[1, 2]),
+        1,
+        "host 2 is lost too, not yet decided on"
+    );
+    c.host_lost(2, true, &[1, 2]);
+    assert_eq!(c.hosts_left(&[1, 2]), 1);
+}

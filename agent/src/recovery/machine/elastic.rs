@@ -198,6 +198,14 @@ impl Machine {
         self.ranks.iter().filter(|&&r| !self.left(r)).count()
     }
 
+    /// The size of the group the snapshots are of: during a resize, the
+    /// size before it (a checkpoint written then is of that layout).
+    pub fn layout_size(&self) -> usize {
+        self.reshape
+            .as_ref()
+            .map_or_else(|| self.world_size(), |r| r.from)
+    }
+
     /// The place a process of `rank` started now takes: its place after
     /// the last resize (none before one, or while it is leaving).
     pub fn place_now(&self, rank: usize) -> Option<(u64, u64)> {

@@ -32,8 +32,14 @@ fn a_host_lost_with_no_standby_shrinks_the_group() {
         sim.ranks[r].gone = true;
     }
     sim.feed(loss(2));
+    assert_eq!(
+        (sim.m.world_size(), sim.m.layout_size()),
+        (4, 6),
+        "a checkpoint during the shrink is of the snapshots' 6 ranks"
+    );
     sim.run_until("the reshape", 300, |s| !s.m.recovering());
     assert_eq!(sim.outcome, None, "{:?}", sim.notes);
+    assert_eq!(sim.m.layout_size(), 4);
     let s_star = sim.m.faults()[0].s_star.expect("an s*");
     // Ranks 0, 1, 4, 5 take places 0..4 of 4; nobody posts to 2 or 3.
     for (rank, place) in [(0, 0), (1, 1), (4, 2), (5, 3)] {
