@@ -381,7 +381,7 @@ impl LastWords {
         // Nothing is saved before the end (no --save-interval): only the
         // last words can be on disk.
         saving.extend(s(&["--save", save.to_str().unwrap()]));
-        let cluster = Cluster::start(tmp, name, 0, &[], &saving);
+        let mut cluster = Cluster::start(tmp, name, 0, &[], &saving);
         cluster.wait_held(2, &[2, 3]);
         Self {
             cluster,

@@ -154,13 +154,13 @@ impl Cluster {
 
     /// Waits until host `k` holds the replicas of `ranks` at step 29 or
     /// later, where the job stands still.
-    pub fn wait_held(&self, k: usize, ranks: &[u64]) {
+    pub fn wait_held(&mut self, k: usize, ranks: &[u64]) {
         self.wait_held_at(k, ranks, 29);
     }
 
     /// Waits until host `k` holds the replicas of `ranks` at step `step`
     /// or later.
-    pub fn wait_held_at(&self, k: usize, ranks: &[u64], step: u64) {
+    pub fn wait_held_at(&mut self, k: usize, ranks: &[u64], step: u64) {
         let socket = self.shm[k].join(&self.job).join("agent.sock");
         let caught_up = poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
             let held = v["status"]["replicas"]["held"].as_array()?;
@@ -170,10 +170,12 @@ impl Cluster {
             };
             ranks.iter().all(|&r| at(r)).then_some(())
         });
-        assert!(
-            caught_up.is_some(),
-            "host {k} never held the replicas of ranks {ranks:?} at step {step}"
-        );
+        if caught_up.is_none() {
+            panic!(
+                "host {k} never held the replicas of ranks {ranks:?} at step {step}:\n{}",
+                self.kill_all()
+            );
+        }
     }
 
     /// Hosts `hosts` vanish at once.
