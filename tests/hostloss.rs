@@ -30,43 +30,7 @@ use common::cluster::*;
 use common::hosts::*;
 use common::*;
 use std::path::PathBuf;
-use std::process::Output;
 use std::time::Duration;
-
-/// The standby's log `standby` says it filled each of `ranks` from its
-/// replica.
-fn assert_filled(standby: &str, ranks: &[usize]) {
-    for rank in ranks {
-        assert!(
-            standby.contains(&format!("store filled from the peer replica rank={rank}")),
-            "the standby filled rank {rank} from its replica:\n{standby}"
-        );
-        assert!(
-            standby.contains(&format!(
-                "replica store removed: this host holds the rank itself rank={rank} "
-            )),
-            "the standby gave up the replica it filled rank {rank} from:\n{standby}"
-        );
-    }
-}
-
-/// Every survivor succeeded, the run equals the reference, and nothing is
-/// left in their roots.
-fn assert_recovered(c: &Cluster, outs: &[(usize, Output)], reference: &[serde_json::Value]) {
-    for (k, out) in outs {
-        assert_success(out, &format!("host {k}"));
-    }
-    let run = read_log(&c.log);
-    assert_eq!(
-        final_losses(&run),
-        final_losses(reference),
-        "every step's loss"
-    );
-    assert_eq!(final_checksum(&run), final_checksum(reference));
-    for (k, _) in outs {
-        assert_nothing_left(&c.shm[*k]);
-    }
-}
 
 /// Host 1 vanishes; the controller gives its ranks to the standby, whose
 /// stores are filled from their replicas on host 2 ((1 + 1) mod 3); every

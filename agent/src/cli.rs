@@ -204,4 +204,14 @@ pub struct HaArgs {
     /// its last words and stops.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub min_nodes: u64,
+    /// With several nodes: where membership and leadership are kept.
+    /// `embedded` (the default): the agents agree among themselves.
+    /// `etcd://HOST:PORT[,HOST:PORT...]`: leases and a leader key in etcd
+    /// (v3 API; 3.4 and 3.5 are supported).
+    #[arg(long, env = "HATRAIN_COORDINATOR", default_value = "embedded")]
+    pub coordinator: String,
+    /// With etcd: how long a fault waits for etcd to answer again before
+    /// the job writes its last words and stops.
+    #[arg(long, alias = "coordinator-timeout", default_value_t = 30.0)]
+    pub coordinator_timeout_secs: f64,
 }

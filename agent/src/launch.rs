@@ -95,6 +95,34 @@ pub struct HaSettings {
     pub standby: bool,
     /// Elastic training shrinks only while this many hosts are left.
     pub min_nodes: usize,
+    /// Where membership and leadership are kept.
+    pub coordinator: CoordinatorChoice,
+    /// With etcd: how long a fault waits for etcd before the job stops.
+    pub coordinator_timeout: Duration,
+}
+
+/// Where a job of several nodes keeps membership and leadership.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum CoordinatorChoice {
+    /// The agents agree among themselves (heartbeats and a majority).
+    #[default]
+    Embedded,
+    /// etcd's members, as `host:port`.
+    Etcd(Vec<String>),
+}
+
+impl std::str::FromStr for CoordinatorChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "embedded" => Ok(Self::Embedded),
+            _ if s.starts_with("etcd://") => crate::coordinator::etcd::parse_url(s).map(Self::Etcd),
+            _ => Err(format!(
+                "--coordinator {s:?}: expected `embedded` or etcd://HOST:PORT[,HOST:PORT...]"
+            )),
+        }
+    }
 }
 
 /// Where the workers' output goes (torchrun's `--log-dir`, `--redirects`,
@@ -126,6 +154,8 @@ impl Default for HaSettings {
             standby_nodes: 0,
             standby: false,
             min_nodes: 1,
+            coordinator: CoordinatorChoice::Embedded,
+            coordinator_timeout: Duration::from_secs(30),
         }
     }
 }

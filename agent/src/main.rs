@@ -244,6 +244,8 @@ fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
         standby_nodes: h.standby_nodes,
         min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
         standby: h.standby,
+        coordinator: h.coordinator.parse().map_err(LaunchError::Config)?,
+        coordinator_timeout: seconds("--coordinator-timeout-secs", h.coordinator_timeout_secs)?,
     };
     if a.standalone && a.nnodes != 1 {
         return Err(LaunchError::Config(format!(

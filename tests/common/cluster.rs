@@ -189,6 +189,26 @@ impl Cluster {
         }
     }
 
+    /// Host `k` freezes, as a machine that stalls: its agent and workers
+    /// SIGSTOPped.
+    pub fn freeze(&self, k: usize) {
+        for pid in job_pids(&format!("{}-h{k}", self.job)) {
+            kill(pid, libc::SIGSTOP);
+        }
+    }
+
+    /// Host `k` runs again (SIGCONT).
+    pub fn thaw(&self, k: usize) {
+        for pid in job_pids(&format!("{}-h{k}", self.job)) {
+            kill(pid, libc::SIGCONT);
+        }
+    }
+
+    /// The agent socket of host `k`.
+    pub fn socket(&self, k: usize) -> PathBuf {
+        self.shm[k].join(&self.job).join("agent.sock")
+    }
+
     /// How the agents of `hosts` ended.
     pub fn ends(&mut self, hosts: &[usize]) -> Vec<(usize, Output)> {
         hosts
@@ -210,4 +230,39 @@ pub fn stderr(outs: &[(usize, Output)], k: usize) -> String {
         .find(|(h, _)| *h == k)
         .map(|(_, o)| String::from_utf8_lossy(&o.stderr).into_owned())
         .unwrap_or_default()
+}
+
+/// The standby's log `standby` says it filled each of `ranks` from its
+/// replica.
+pub fn assert_filled(standby: &str, ranks: &[usize]) {
+    for rank in ranks {
+        assert!(
+            standby.contains(&format!("store filled from the peer replica rank={rank}")),
+            "the standby filled rank {rank} from its replica:\n{standby}"
+        );
+        assert!(
+            standby.contains(&format!(
+                "replica store removed: this host holds the rank itself rank={rank} "
+            )),
+            "the standby gave up the replica it filled rank {rank} from:\n{standby}"
+        );
+    }
+}
+
+/// Every survivor succeeded, the run equals the reference, and nothing is
+/// left in their roots.
+pub fn assert_recovered(c: &Cluster, outs: &[(usize, Output)], reference: &[serde_json::Value]) {
+    for (k, out) in outs {
+        assert_success(out, &format!("host {k}"));
+    }
+    let run = read_log(&c.log);
+    assert_eq!(
+        final_losses(&run),
+        final_losses(reference),
+        "every step's loss"
+    );
+    assert_eq!(final_checksum(&run), final_checksum(reference));
+    for (k, _) in outs {
+        assert_nothing_left(&c.shm[*k]);
+    }
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod etcd;
 pub mod hosts;
 
 use std::collections::HashSet;

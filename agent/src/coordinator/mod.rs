@@ -40,6 +40,7 @@
 //! declared lost has already passed its lease and follows the successor at
 //! once.
 
+pub mod etcd;
 pub mod wire;
 
 use std::time::Duration;

@@ -16,6 +16,7 @@
 //! (kept, in order, while its session is not open), and the frames that
 //! come in are handed over by [`Membership::take_inbox`]'s channel.
 
+use super::etcd::{Etcd, EtcdConfig};
 use super::{Coordinator, Embedded, EmbeddedConfig, Heartbeat, Observed, View};
 use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::peer::{Beat, Kind, Pending, Session};
@@ -56,11 +57,37 @@ pub enum MembershipError {
     },
 }
 
+/// Which coordinator keeps membership and leadership.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// Agent to agent, over the heartbeats.
+    Embedded(EmbeddedConfig),
+    /// Leases and a leader key in etcd; the heartbeats still carry the
+    /// control messages (and the newest term).
+    Etcd(EtcdConfig),
+}
+
+impl Backend {
+    fn node(&self) -> u64 {
+        match self {
+            Self::Embedded(c) => c.node,
+            Self::Etcd(c) => c.node,
+        }
+    }
+
+    fn start(self) -> Box<dyn Coordinator> {
+        match self {
+            Self::Embedded(c) => Box::new(Embedded::new(c)),
+            Self::Etcd(c) => Box::new(Etcd::start(c)),
+        }
+    }
+}
+
 /// How the membership runs.
 #[derive(Debug, Clone)]
 pub struct MembershipConfig {
     pub secret: Secret,
-    pub coordinator: EmbeddedConfig,
+    pub coordinator: Backend,
     pub bind: IpAddr,
 }
 
@@ -140,8 +167,8 @@ impl Membership {
         router.set_maxmsgsize(MAX_FRAME).map_err(err)?;
         router.bind(&addr).map_err(err)?;
         let endpoint = router.get_last_endpoint().map_err(err)?.unwrap_or_default();
-        let node = cfg.coordinator.node;
-        let mut coordinator = Embedded::new(cfg.coordinator);
+        let node = cfg.coordinator.node();
+        let mut coordinator = cfg.coordinator.start();
         let start = Instant::now();
         let seen = Arc::new(Mutex::new(Seen {
             view: coordinator.view(Duration::ZERO),
@@ -299,7 +326,7 @@ struct Driver {
     sessions: HashMap<Vec<u8>, Session>,
     order: Vec<Vec<u8>>,
     peers: Vec<Peer>,
-    coordinator: Embedded,
+    coordinator: Box<dyn Coordinator>,
     start: Instant,
     joined: Vec<u64>,
 }

@@ -105,6 +105,10 @@ pub(super) struct Controller {
     pub final_save: Option<super::saves::FinalSave>,
     /// The hosts heard now: a standby is taken only once it runs.
     pub heard: BTreeSet<u64>,
+    /// The term this controller last acted under (0 before it first
+    /// acts): its orders carry it, so that once another controller acts
+    /// under a newer one, none of this one's is taken.
+    pub term: u64,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -163,6 +167,7 @@ impl Controller {
             filling: BTreeSet::new(),
             settling: None,
             cut_off: None,
+            term: 0,
             replica_steps: BTreeMap::new(),
             writing: None,
             saves: BTreeMap::new(),
@@ -685,6 +690,38 @@ impl Decider {
                 epoch: f.mirror.epoch,
             },
         }
+    }
+}
+
+/// What a follower does with orders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Admit {
+    /// From the controller it follows.
+    Take,
+    /// From a controller that took over under a newer term: it follows
+    /// that one from now on.
+    Follow,
+    /// Of a term older than the newest its coordinator knows: a controller
+    /// that another replaced (it was paused, or cut off, past its lease)
+    /// cannot act, even before the newer one's first orders come.
+    Stale,
+    /// From a node that is not the controller.
+    NotController,
+}
+
+/// The fence, for orders of `term` from node `from` to a follower of
+/// `leader` whose orders came under term `followed`, while its coordinator
+/// knows of term `newest`. Term 0 is a controller that has not acted yet:
+/// the job's first, at its start.
+pub(super) fn admit(from: u64, term: u64, (leader, followed): (u64, u64), newest: u64) -> Admit {
+    if term != 0 && term < newest {
+        Admit::Stale
+    } else if from == leader {
+        Admit::Take
+    } else if term > followed {
+        Admit::Follow
+    } else {
+        Admit::NotController
     }
 }
 

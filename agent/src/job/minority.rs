@@ -10,7 +10,6 @@
 
 use super::Driver;
 use super::decider::Decider;
-use super::takeover::SUCCESSOR_WAIT;
 use crate::recovery::{HostLoss, Outcome};
 use crate::supervisor::Supervisor;
 use std::time::Instant;
@@ -90,17 +89,48 @@ impl Driver<'_> {
                 ))
             })
             .unwrap_or_default();
+        let wait = self.successor_wait();
         let reason = match view.follows {
-            Some(n) if n != me => format!(
-                "this host ran the job's controller and was cut off from the majority of the job's agents, which follow node {n} now (term {}): the job goes on without this host",
-                view.term
-            ),
-            _ if since.elapsed() >= SUCCESSOR_WAIT => format!(
-                "this host ran the job's controller and was cut off from the majority of the job's agents for {} s: a controller needs a strict majority, so it decided nothing on the hosts it does not hear ({unheard}){newest}",
-                SUCCESSOR_WAIT.as_secs()
+            Some(n) if n != me => match self.cfg.ha.coordinator {
+                crate::launch::CoordinatorChoice::Embedded => format!(
+                    "this host ran the job's controller and was cut off from the majority of the job's agents, which follow node {n} now (term {}): the job goes on without this host",
+                    view.term
+                ),
+                crate::launch::CoordinatorChoice::Etcd(_) => format!(
+                    "this host ran the job's controller and its lease in etcd ran out; node {n} holds the job's leader key now (term {}): the job goes on without this host",
+                    view.term
+                ),
+            },
+            _ if since.elapsed() >= wait => format!(
+                "this host ran the job's controller and could not act for {} s: {}; so it decided nothing on the hosts it does not hear ({unheard}){newest}",
+                wait.as_secs_f64(),
+                self.who_acts()
             ),
             _ => return,
         };
+        tracing::error!(reason, "stopping");
+        self.stop_reason = Some(reason);
+        self.outcome = Some(Outcome::RecoveryFailed);
+    }
+
+    /// A controller that another replaced, under a newer term (it was
+    /// paused, or cut off, past its lease), stops: its orders are refused
+    /// anyway, and the job goes on without this host.
+    pub(super) fn stop_if_replaced(&mut self, view: &crate::coordinator::View) {
+        let Decider::Controller(c) = &self.decider else {
+            return;
+        };
+        let me = c.node;
+        let Some(n) = view.follows.filter(|&n| n != me) else {
+            return;
+        };
+        if view.acting || c.term == 0 || view.term <= c.term || self.outcome.is_some() {
+            return;
+        }
+        let reason = format!(
+            "this host ran the job's controller under term {}, and node {n} acts in its place under term {}: the job goes on without this host",
+            c.term, view.term
+        );
         tracing::error!(reason, "stopping");
         self.stop_reason = Some(reason);
         self.outcome = Some(Outcome::RecoveryFailed);

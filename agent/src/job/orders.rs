@@ -6,7 +6,7 @@
 //! frames on the heartbeat sessions; a message that does not parse is
 //! dropped and logged.
 
-use super::decider::{Adopt, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up};
+use super::decider::{Admit, Adopt, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up, admit};
 use super::{Collected, Driver, log};
 use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
 use crate::supervisor::Supervisor;
@@ -103,15 +103,19 @@ impl Driver<'_> {
         }
     }
 
-    /// Sends `node` the controller's orders, under its term now.
+    /// Sends `node` the controller's orders, under the term it acts
+    /// under now (or last acted under: a controller that another replaced
+    /// cannot stamp the newer term it hears of).
     pub(super) fn send_down(&self, node: u64, down: Down) {
         let Some(peers) = &self.peers else {
             return;
         };
-        let down = Down {
-            term: peers.membership.seen().view.term,
-            ..down
+        let view = peers.membership.seen().view;
+        let term = match &self.decider {
+            Decider::Controller(c) if !view.acting => c.term,
+            _ => view.term,
         };
+        let down = Down { term, ..down };
         match serde_json::to_vec(&down) {
             Ok(bytes) => peers.membership.send(node, &bytes),
             Err(e) => tracing::error!(node, error = %e, "orders not encoded"),
@@ -181,33 +185,44 @@ impl Driver<'_> {
 
     /// A control message from another agent.
     pub(super) fn on_peer(&mut self, sup: &mut Supervisor, from: u64, bytes: &[u8]) {
+        let newest = self
+            .peers
+            .as_ref()
+            .map_or(0, |p| p.membership.seen().view.term);
         match &mut self.decider {
             Decider::Controller(_) => match serde_json::from_slice::<Up>(bytes) {
                 Ok(up) => self.on_up(sup, from, up),
                 Err(e) => tracing::warn!(node = from, error = %e, "a host's report refused"),
             },
             Decider::Follower(f) => match serde_json::from_slice::<Down>(bytes) {
-                Ok(down) if from == f.leader => self.on_down(sup, down),
-                // A controller of a newer term took over.
-                Ok(down) if down.term > f.term => {
-                    tracing::warn!(
+                Ok(down) => match admit(from, down.term, (f.leader, f.term), newest) {
+                    Admit::Stale => tracing::warn!(
                         node = from,
                         term = down.term,
-                        "following the controller that took over"
-                    );
-                    f.leader = from;
-                    f.orphaned = None;
-                    let again = f.shutdown_passed;
-                    self.on_down(sup, down);
-                    if again {
-                        // The shutdown passed on to the lost controller.
-                        self.feed(sup, Event::Shutdown);
+                        newest,
+                        "orders of an older controller term refused"
+                    ),
+                    Admit::Take => self.on_down(sup, down),
+                    Admit::Follow => {
+                        tracing::warn!(
+                            node = from,
+                            term = down.term,
+                            "following the controller that took over"
+                        );
+                        f.leader = from;
+                        f.orphaned = None;
+                        let again = f.shutdown_passed;
+                        self.on_down(sup, down);
+                        if again {
+                            // The shutdown passed on to the lost controller.
+                            self.feed(sup, Event::Shutdown);
+                        }
                     }
-                }
-                Ok(_) => tracing::warn!(
-                    node = from,
-                    "orders from a node that is not the controller refused"
-                ),
+                    Admit::NotController => tracing::warn!(
+                        node = from,
+                        "orders from a node that is not the controller refused"
+                    ),
+                },
                 // A host that already reports to this one as the successor,
                 // before it took over: it reports again.
                 Err(_) if from != f.leader && serde_json::from_slice::<Up>(bytes).is_ok() => {
@@ -389,6 +404,7 @@ impl Driver<'_> {
             iteration: hatrain_shared::checkpoint::read_tracker(p.dir()).ok(),
         });
         let acting = self.acting();
+        let successor_wait = self.successor_wait();
         for loss in lost {
             if !acting && matches!(&self.decider, Decider::Controller(c) if c.settling.is_none()) {
                 self.hold_back(loss);
@@ -434,7 +450,7 @@ impl Driver<'_> {
                         detail = loss.detail,
                         "the controller's host is lost: waiting for a successor"
                     );
-                    f.orphaned = Some(Instant::now() + super::takeover::SUCCESSOR_WAIT);
+                    f.orphaned = Some(Instant::now() + successor_wait);
                 }
             }
         }
@@ -594,8 +610,16 @@ impl Driver<'_> {
                     None => format!("rank {} (no complete snapshot yet)", h.rank),
                 })
                 .collect();
+            let why = match self.cfg.ha.coordinator {
+                crate::launch::CoordinatorChoice::Embedded => format!(
+                    "no heartbeat from host {node} within --host-timeout-secs, or its connection dropped"
+                ),
+                crate::launch::CoordinatorChoice::Etcd(_) => format!(
+                    "host {node}'s lease in etcd expired (TTL --host-timeout-secs) or it left; or, while etcd does not answer, its heartbeats stopped"
+                ),
+            };
             let detail = format!(
-                "no heartbeat from host {node} within --host-timeout-secs, or its connection dropped; {}",
+                "{why}; {}",
                 if replicas.is_empty() {
                     "this host holds no replica of its ranks".to_string()
                 } else {

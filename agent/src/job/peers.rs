@@ -10,8 +10,9 @@
 //! meanwhile; a node that never shows up only delays what goes to it.
 
 use crate::coordinator::EmbeddedConfig;
-use crate::coordinator::wire::{Membership, MembershipConfig};
-use crate::launch::{LaunchConfig, LaunchError};
+use crate::coordinator::etcd::EtcdConfig;
+use crate::coordinator::wire::{Backend, Membership, MembershipConfig};
+use crate::launch::{CoordinatorChoice, LaunchConfig, LaunchError};
 use crate::replicator::{self, Replicator, ReplicatorConfig};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::store::StoreClient;
@@ -94,13 +95,34 @@ pub(super) fn start(
     (store, own_store): (SocketAddr, SocketAddr),
     bind: IpAddr,
 ) -> Result<Peers, LaunchError> {
+    let (nodes, node) = (
+        (cfg.nnodes + cfg.ha.standby_nodes) as u64,
+        cfg.node_rank as u64,
+    );
+    let coordinator = match &cfg.ha.coordinator {
+        CoordinatorChoice::Embedded => Backend::Embedded(EmbeddedConfig::with_timeout(
+            nodes,
+            node,
+            cfg.ha.host_timeout,
+        )),
+        CoordinatorChoice::Etcd(endpoints) => Backend::Etcd(EtcdConfig {
+            endpoints: endpoints.clone(),
+            prefix: format!("/hatrain/{}/", cfg.job_id),
+            nodes,
+            node,
+            ttl: cfg.ha.host_timeout,
+            about: serde_json::json!({
+                "node": node,
+                "standby": cfg.ha.standby,
+                "failure_domain": cfg.ha.failure_domain,
+                "ranks_per_node": cfg.nproc_per_node,
+            })
+            .to_string(),
+        }),
+    };
     let membership = Membership::start(MembershipConfig {
         secret: secret.clone(),
-        coordinator: EmbeddedConfig::with_timeout(
-            (cfg.nnodes + cfg.ha.standby_nodes) as u64,
-            cfg.node_rank as u64,
-            cfg.ha.host_timeout,
-        ),
+        coordinator,
         bind,
     })?;
     let replicator = if cfg.replicates() {

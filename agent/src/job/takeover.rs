@@ -12,6 +12,7 @@
 
 use super::decider::{Controller, Decider};
 use super::{Driver, machine_config};
+use crate::launch::CoordinatorChoice;
 use crate::recovery::{Event, Machine, Outcome};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{FaultKind, FaultRecord};
@@ -20,6 +21,29 @@ use std::time::{Duration, Instant};
 
 /// How long a follower whose controller is lost waits for a successor.
 pub const SUCCESSOR_WAIT: Duration = Duration::from_secs(10);
+
+impl Driver<'_> {
+    /// How long a host without a controller that acts waits for one:
+    /// [`SUCCESSOR_WAIT`] with the embedded coordinator; with etcd,
+    /// `--coordinator-timeout` (etcd itself may be what is missing).
+    pub(super) fn successor_wait(&self) -> Duration {
+        match self.cfg.ha.coordinator {
+            CoordinatorChoice::Embedded => SUCCESSOR_WAIT,
+            CoordinatorChoice::Etcd(_) => self.cfg.ha.coordinator_timeout,
+        }
+    }
+
+    /// Who may act, for the messages that say why nobody did.
+    pub(super) fn who_acts(&self) -> String {
+        match &self.cfg.ha.coordinator {
+            CoordinatorChoice::Embedded => "a controller needs a strict majority of the job's agents, and this host does not hear one".into(),
+            CoordinatorChoice::Etcd(e) => format!(
+                "a controller acts only while it holds its lease and the job's leader key in etcd ({}), and etcd did not answer or gave the key to nobody",
+                e.join(",")
+            ),
+        }
+    }
+}
 
 impl Driver<'_> {
     /// On a tick: a follower whose controller is lost follows whom the
@@ -33,9 +57,13 @@ impl Driver<'_> {
         let me = self.cfg.node_rank as u64;
         match &mut self.decider {
             Decider::Controller(c) => {
+                if view.acting {
+                    c.term = view.term;
+                }
                 let settled = c.settle(None);
                 self.on_hosts_lost(sup, settled);
                 self.mend_or_stop(sup);
+                self.stop_if_replaced(&view);
             }
             Decider::Follower(f) => {
                 let Some(deadline) = f.orphaned else {
@@ -106,6 +134,7 @@ impl Driver<'_> {
         if let Some(s) = &mut c.settling {
             s.losses = std::mem::take(&mut f.losses);
         }
+        c.term = term;
         tracing::warn!(
             term,
             lost = ?self.lost,
@@ -121,6 +150,7 @@ impl Driver<'_> {
 
     /// Nobody took over in time: this host stops.
     fn no_successor(&mut self) {
+        let (wait, who) = (self.successor_wait(), self.who_acts());
         let Decider::Follower(f) = &mut self.decider else {
             return;
         };
@@ -148,8 +178,9 @@ impl Driver<'_> {
             recovery_s: None,
             steps_lost: None,
             reason: format!(
-                "host {leader} ran the job's controller, and no successor acted within {} s: a controller needs a strict majority of the job's agents, and this host does not hear one",
-                SUCCESSOR_WAIT.as_secs()
+                "host {leader} ran the job's controller, and no successor acted within {} s: {}",
+                wait.as_secs_f64(),
+                who
             ),
         });
         self.outcome = Some(Outcome::RecoveryFailed);

@@ -326,3 +326,24 @@ fn hosts_lost_at_once_all_count_against_the_hosts_left() {
     c.host_lost(2, true, &[1, 2]);
     assert_eq!(c.hosts_left(&[1, 2]), 1);
 }
+
+#[test]
+fn orders_of_a_replaced_controller_are_refused_before_its_successors_come() {
+    // Node 0 controlled under term 6; node 1 took the leader key at 9.
+    // Orders of term 6 are refused once the coordinator knows of 9, even
+    // by a follower that still follows node 0 and heard nothing of node 1.
+    assert_eq!(admit(0, 6, (0, 6), 9), Admit::Stale);
+    assert_eq!(admit(0, 6, (1, 9), 9), Admit::Stale);
+    // Before the coordinator knows, node 0 is still the controller: the
+    // follower cannot tell (the successor's first orders tell it).
+    assert_eq!(admit(0, 6, (0, 6), 6), Admit::Take);
+    // The successor's first orders: followed from now on.
+    assert_eq!(admit(1, 9, (0, 6), 9), Admit::Follow);
+    assert_eq!(admit(1, 9, (0, 6), 6), Admit::Follow);
+    // Another node, of no newer term, is not the controller.
+    assert_eq!(admit(2, 6, (0, 6), 6), Admit::NotController);
+    assert_eq!(admit(2, 0, (0, 6), 6), Admit::NotController);
+    // The job's first controller, before it acts (term 0), at the start.
+    assert_eq!(admit(0, 0, (0, 0), 0), Admit::Take);
+    assert_eq!(admit(0, 0, (0, 0), 1), Admit::Take);
+}

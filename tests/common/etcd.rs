@@ -1,0 +1,169 @@
+//! Debian's `etcd-server`, started by the tests themselves: a member (or a
+//! cluster of them) on loopback ports, its data under a temporary folder,
+//! killed by pid when the test ends, even when it fails.
+
+use super::hosts::free_port;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Installs `etcd-server` the first time (the project's own script).
+pub fn install() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/system-packages.sh");
+    let ok = Command::new(&script)
+        .arg("etcd-server")
+        .status()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(ok.success(), "{} etcd-server failed", script.display());
+}
+
+/// One etcd member.
+pub struct Member {
+    pub name: String,
+    pub client: u16,
+    pub peer: u16,
+    pub dir: PathBuf,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+/// A running etcd cluster (one member or several).
+pub struct Etcd {
+    pub members: Vec<Member>,
+    cluster: String,
+}
+
+impl Etcd {
+    /// Starts `n` members under `dir` and waits until each takes
+    /// connections.
+    pub fn start(dir: &Path, n: usize) -> Self {
+        install();
+        let members: Vec<Member> = (0..n)
+            .map(|i| Member {
+                name: format!("m{i}"),
+                client: free_port(),
+                peer: free_port(),
+                dir: dir.join(format!("etcd-m{i}")),
+                child: None,
+                log: dir.join(format!("etcd-m{i}.log")),
+            })
+            .collect();
+        let cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut e = Self { members, cluster };
+        for i in 0..n {
+            e.run(i, "new");
+        }
+        for i in 0..n {
+            e.wait_up(i);
+        }
+        e
+    }
+
+    /// `etcd://...` naming every member.
+    pub fn url(&self) -> String {
+        let eps: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client))
+            .collect();
+        format!("etcd://{}", eps.join(","))
+    }
+
+    fn run(&mut self, i: usize, state: &str) {
+        let cluster = self.cluster.clone();
+        let m = &mut self.members[i];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&m.log)
+            .expect("etcd log");
+        let client = format!("http://127.0.0.1:{}", m.client);
+        let peer = format!("http://127.0.0.1:{}", m.peer);
+        let child = Command::new("etcd")
+            .args(["--name", &m.name, "--data-dir"])
+            .arg(&m.dir)
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args([
+                "--initial-cluster",
+                &cluster,
+                "--initial-cluster-state",
+                state,
+            ])
+            .args(["--initial-cluster-token", "hatrain-test"])
+            .args(["--logger", "zap", "--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("etcd log"))
+            .stderr(log)
+            .spawn()
+            .expect("etcd starts (Debian's etcd-server)");
+        m.child = Some(child);
+    }
+
+    fn wait_up(&self, i: usize) {
+        let m = &self.members[i];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = format!("127.0.0.1:{}", m.client).parse().unwrap();
+        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "etcd member {} never took connections:\n{}",
+                m.name,
+                std::fs::read_to_string(&m.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILLs member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts member `i` again, on its data.
+    pub fn restart(&mut self, i: usize) {
+        self.run(i, "existing");
+        self.wait_up(i);
+    }
+
+    /// Every member's log.
+    pub fn logs(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| {
+                format!(
+                    "--- etcd {} ---\n{}",
+                    m.name,
+                    std::fs::read_to_string(&m.log).unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+            let _ = std::fs::remove_dir_all(&self.members[i].dir);
+        }
+    }
+}
