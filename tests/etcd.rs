@@ -16,13 +16,19 @@
 //!   resumed, sees another act under a newer term and stops, and no agent
 //!   follows it again.
 //!
+//! - with three etcd members: one killed mid-run changes nothing; two
+//!   killed, then a worker killed, the job waits, and recovers once the
+//!   members are back, bit-identical; or, with them kept down, it writes
+//!   its last words after `--coordinator-timeout` and stops, saying why,
+//!   and the run resumed from them is bit-identical.
+//!
 //! Nothing is left: no agent, no etcd, no data directory, no shm file.
 
 mod common;
 use common::cluster::*;
 use common::etcd::Etcd;
 use common::hosts::*;
-use common::poll_agentctl;
+use common::{poll_agentctl, s};
 use std::time::Duration;
 
 /// Starts one etcd member in a folder of its own (kept apart from the
@@ -170,4 +176,112 @@ fn a_controller_paused_past_its_lease_cannot_act_again_and_the_successors_recove
     assert_filled(&stderr(&outs, 3), &[0, 1]);
     assert_recovered(&c, &outs[1..], &reference);
     assert_nothing_left(&c.shm[0]);
+}
+
+/// Rank 0 naps 14 s in step 30 (the job stands still while etcd is
+/// changed, and the leases of its agents run out: 3 s); rank 3 (host 1)
+/// dies in step 32, after the nap.
+const NAP_THEN_KILL: &str = "0:30:forward:sleep14000;3:32:forward:kill";
+
+/// Three etcd members and a job of three hosts, standing still in step 30.
+fn three_members(
+    name: &str,
+    plan: &str,
+    extra: &[&str],
+    save: bool,
+) -> (tempfile::TempDir, Etcd, Cluster, Resume) {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 3);
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let rest = Resume {
+        train: train.clone(),
+        reference,
+        save: tmp.path().join("ckpt"),
+        log: tmp.path().join("resumed.jsonl"),
+    };
+    let mut args = train;
+    if save {
+        args.extend(s(&["--save", rest.save.to_str().unwrap()]));
+    }
+    let url = etcd.url();
+    let mut flags = vec!["--coordinator", url.as_str()];
+    flags.extend(extra);
+    let mut c = Cluster::start_with_plan(tmp, name, 0, &flags, &args, plan);
+    c.wait_held(2, &[2, 3]);
+    (dir, etcd, c, rest)
+}
+
+#[test]
+fn one_etcd_member_of_three_lost_changes_nothing() {
+    let (_dir, mut etcd, mut c, rest) = three_members("etcdone", NAP, &[], false);
+    etcd.kill(0);
+    let outs = c.ends(&[0, 1, 2]);
+    for (k, _) in &outs {
+        let log = stderr(&outs, *k);
+        assert!(
+            !log.contains(" lost") && !log.contains("waits for etcd"),
+            "host {k} saw no loss and waited for nothing:\n{log}"
+        );
+    }
+    assert_recovered(&c, &outs, &rest.reference);
+}
+
+#[test]
+fn a_fault_while_etcd_has_no_quorum_waits_for_it_and_recovers_when_it_returns() {
+    let (_dir, mut etcd, mut c, rest) = three_members("etcdback", NAP_THEN_KILL, &[], false);
+    etcd.kill(1);
+    etcd.kill(2);
+    // The nap ends, rank 3 dies in step 32 and its fault waits: the
+    // controller's lease ran out meanwhile.
+    std::thread::sleep(Duration::from_secs(18));
+    etcd.restart(1);
+    etcd.restart(2);
+    let outs = c.ends(&[0, 1, 2]);
+    let controller = stderr(&outs, 0);
+    assert!(
+        controller.contains("the job waits for etcd")
+            && controller.contains("deciding the faults that waited"),
+        "the fault waited for etcd, and was decided once it answered:\n{controller}\n{}",
+        etcd.logs()
+    );
+    assert!(
+        controller.contains("ranks=[3] s_star="),
+        "rank 3 was recovered:\n{controller}"
+    );
+    assert_recovered(&c, &outs, &rest.reference);
+}
+
+#[test]
+fn a_fault_while_etcd_stays_without_quorum_ends_in_last_words_after_the_coordinator_timeout() {
+    let (_dir, mut etcd, mut c, rest) = three_members(
+        "etcdgone",
+        NAP_THEN_KILL,
+        &["--coordinator-timeout", "4"],
+        true,
+    );
+    etcd.kill(1);
+    etcd.kill(2);
+    let outs = c.ends(&[0, 1, 2]);
+    let controller = stderr(&outs, 0);
+    assert_eq!(
+        outs[0].1.status.code(),
+        Some(3),
+        "the job stops:\n{}",
+        logs(&outs)
+    );
+    assert!(
+        controller.contains("a fault waited 4 s (--coordinator-timeout) for etcd"),
+        "the controller says why it stopped:\n{controller}"
+    );
+    let it = hatrain_shared::checkpoint::read_tracker(&rest.save)
+        .unwrap_or_else(|e| panic!("no last words on disk ({e}):\n{}", logs(&outs)));
+    assert!(
+        controller.contains(&format!("last-words checkpoint of iteration {it} written")),
+        "the controller says where the last words are:\n{controller}"
+    );
+    for k in 0..3 {
+        assert_nothing_left(&c.shm[k]);
+    }
+    rest.resumes_from(it, "etcdgone-resume");
 }

@@ -266,3 +266,31 @@ pub fn assert_recovered(c: &Cluster, outs: &[(usize, Output)], reference: &[serd
         assert_nothing_left(&c.shm[*k]);
     }
 }
+
+/// How a run resumed from the last words is checked: the trainer's
+/// arguments, the run without faults, and where the resumed run logs.
+pub struct Resume {
+    pub train: Vec<String>,
+    pub reference: Vec<serde_json::Value>,
+    pub save: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Resume {
+    /// Resumed with `--load` from iteration `it` on one host of six ranks,
+    /// the run ends with every loss and the checksum of the run without
+    /// faults.
+    pub fn resumes_from(&self, it: u64, name: &str) {
+        let mut args = self.train.clone();
+        args.extend(s(&["--load", self.save.to_str().unwrap(), "--log-jsonl"]));
+        args.push(self.log.display().to_string());
+        assert_success(&run_launch(6, name, &args), "the resumed run");
+        let run = read_log(&self.log);
+        assert_eq!(run[0]["resumed_from"], it);
+        assert_eq!(final_checksum(&run), final_checksum(&self.reference));
+        let want = final_losses(&self.reference);
+        for (step, loss) in final_losses(&run) {
+            assert_eq!(loss.to_bits(), want[&step].to_bits(), "loss of step {step}");
+        }
+    }
+}

@@ -109,6 +109,11 @@ pub(super) struct Controller {
     /// acts): its orders carry it, so that once another controller acts
     /// under a newer one, none of this one's is taken.
     pub term: u64,
+    /// Faults waiting for this controller to hold its lease in etcd again.
+    pub waiting: Option<super::unled::Held>,
+    /// It waited past `--coordinator-timeout`: the job writes its last
+    /// words and stops, deciding without etcd.
+    pub given_up: bool,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -168,6 +173,8 @@ impl Controller {
             settling: None,
             cut_off: None,
             term: 0,
+            waiting: None,
+            given_up: false,
             replica_steps: BTreeMap::new(),
             writing: None,
             saves: BTreeMap::new(),

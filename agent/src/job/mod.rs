@@ -37,6 +37,7 @@ mod requests;
 mod saves;
 mod standby;
 mod takeover;
+mod unled;
 
 use decider::{Controller, Decider, Follower};
 use orders::recv;
@@ -754,6 +755,7 @@ impl Driver<'_> {
         let lost = self.take_lost_hosts();
         self.on_hosts_lost(sup, lost);
         self.follow_successor(sup);
+        self.lead_or_give_up(sup);
         self.try_grow();
         self.shutdown_unanswered();
         self.fill_adopted(sup);

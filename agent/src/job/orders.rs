@@ -39,7 +39,10 @@ impl Driver<'_> {
 
     /// The machine decides on `event`, and what it decides is carried out
     /// here and sent to the other hosts, with whatever follows from that.
-    fn decide(&mut self, sup: &mut Supervisor, event: Event) {
+    pub(super) fn decide(&mut self, sup: &mut Supervisor, event: Event) {
+        let Some(event) = self.unless_unled(event) else {
+            return;
+        };
         let mut queue = VecDeque::from([event]);
         let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
         while let Some(e) = queue.pop_front() {

@@ -285,6 +285,10 @@ impl Machine {
             Event::HostLost(loss) => self.host_lost(now, loss),
             Event::DumpRequested => self.dump_requested(now),
             Event::Shutdown => self.shutdown(now),
+            Event::Unled { reason } => {
+                self.note(Level::Error, None, &reason);
+                self.stop_with(now, Outcome::RecoveryFailed);
+            }
         }
         std::mem::take(&mut self.out)
     }

@@ -131,6 +131,9 @@ pub enum Event {
     DumpRequested,
     /// The agent is asked to stop (SIGTERM).
     Shutdown,
+    /// No coordinator let this controller act for longer than it may wait
+    /// (etcd did not answer): the job writes its last words and stops.
+    Unled { reason: String },
 }
 
 /// A host of the job that is gone, as the controller found it.
