@@ -501,6 +501,140 @@ impl Keeper {
 mod tests {
     use super::*;
 
+    fn cfg(node: u64) -> EtcdConfig {
+        EtcdConfig {
+            endpoints: vec!["127.0.0.1:1".into()],
+            prefix: "/hatrain/j/".into(),
+            nodes: 4,
+            node,
+            ttl: Duration::from_secs(3),
+            about: "{}".into(),
+        }
+    }
+
+    /// A coordinator with no thread: what etcd said is set by hand.
+    fn detached(node: u64) -> Etcd {
+        Etcd {
+            cfg: cfg(node),
+            known: Arc::new(Mutex::new(Known::default())),
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: None,
+            heard_term: 0,
+            heard: Heard {
+                at: vec![None; 4],
+                dropped: vec![false; 4],
+            },
+        }
+    }
+
+    fn told(e: &Etcd, live: &[u64], leader: Option<(u64, u64)>, lease: bool) {
+        let mut k = e.known.lock().unwrap();
+        k.live = live.iter().copied().collect();
+        k.ever.extend(live.iter().copied());
+        k.leader = leader;
+        let now = Instant::now();
+        k.valid_until = Some(if lease {
+            now + Duration::from_secs(3)
+        } else {
+            now
+        });
+        k.answered = Some(now);
+    }
+
+    #[test]
+    fn an_agent_acts_only_with_a_valid_lease_and_the_leader_key_of_the_newest_term() {
+        let mut e = detached(0);
+        told(&e, &[0, 1, 2], Some((0, 7)), true);
+        let v = e.view(Duration::ZERO);
+        assert!(v.acting);
+        assert_eq!((v.follows, v.term), (Some(0), 7));
+        // Its lease ran out by its own clock: it stops acting, whatever
+        // etcd said last.
+        told(&e, &[0, 1, 2], Some((0, 7)), false);
+        assert!(!e.view(Duration::ZERO).acting);
+        // Another's key: it follows that one.
+        told(&e, &[0, 1, 2], Some((1, 9)), true);
+        let v = e.view(Duration::ZERO);
+        assert!(!v.acting);
+        assert_eq!((v.follows, v.term), (Some(1), 9));
+    }
+
+    #[test]
+    fn a_newer_term_heard_in_a_heartbeat_stops_the_old_leader_acting() {
+        let mut e = detached(0);
+        told(&e, &[0, 1], Some((0, 7)), true);
+        e.observe(
+            Duration::from_secs(1),
+            Observed::Heartbeat(Heartbeat {
+                from: 1,
+                stamp: Duration::ZERO,
+                follows: Some(1),
+                echo: None,
+                term: 12,
+            }),
+        );
+        let v = e.view(Duration::from_secs(1));
+        assert!(!v.acting, "a newer leader exists");
+        assert_eq!(v.term, 12);
+        assert_eq!(e.heartbeat(Duration::from_secs(1)).term, 12);
+    }
+
+    #[test]
+    fn a_host_is_lost_when_its_key_goes_and_never_before_it_joined() {
+        let mut e = detached(0);
+        told(&e, &[0, 1, 2], Some((0, 7)), true);
+        let v = e.view(Duration::ZERO);
+        assert_eq!(v.live, vec![0, 1, 2]);
+        assert!(v.lost.is_empty(), "node 3 never joined: starting, not lost");
+        told(&e, &[0, 2], Some((0, 7)), true);
+        let v = e.view(Duration::ZERO);
+        assert_eq!((v.live, v.lost), (vec![0, 2], vec![1]));
+        // Its heartbeats alone do not bring it back while etcd answers.
+        e.observe(
+            Duration::from_secs(1),
+            Observed::Heartbeat(Heartbeat {
+                from: 1,
+                stamp: Duration::ZERO,
+                follows: Some(0),
+                echo: None,
+                term: 7,
+            }),
+        );
+        assert_eq!(e.view(Duration::from_secs(1)).lost, vec![1]);
+    }
+
+    #[test]
+    fn while_etcd_is_silent_a_host_whose_heartbeats_stop_is_lost_and_nobody_else() {
+        let mut e = detached(0);
+        told(&e, &[0, 1, 2], Some((0, 7)), true);
+        for from in [1, 2] {
+            e.observe(
+                Duration::ZERO,
+                Observed::Heartbeat(Heartbeat {
+                    from,
+                    stamp: Duration::ZERO,
+                    follows: Some(0),
+                    echo: None,
+                    term: 7,
+                }),
+            );
+        }
+        e.observe(Duration::from_secs(1), Observed::Dropped { node: 2 });
+        // etcd answers: a dropped connection alone loses nobody.
+        assert!(e.view(Duration::from_secs(1)).lost.is_empty());
+        // etcd silent past the TTL: host 2's drop counts, host 1 (heard)
+        // does not; nobody acts once the lease is gone.
+        {
+            let mut k = e.known.lock().unwrap();
+            k.answered = Some(Instant::now() - Duration::from_secs(4));
+            k.valid_until = Some(Instant::now());
+        }
+        let v = e.view(Duration::from_secs(1));
+        assert_eq!(v.lost, vec![2]);
+        assert!(!v.acting);
+        assert!(v.live.contains(&1));
+    }
+
     #[test]
     fn coordinator_urls_name_every_member_or_say_what_is_wrong() {
         assert_eq!(
