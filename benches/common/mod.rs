@@ -1,6 +1,9 @@
 //! Helpers shared by the benchmark harnesses.
 #![allow(dead_code)]
 
+/// The tests' etcd launcher (Debian's `etcd-server` on loopback ports).
+#[path = "../../tests/common/etcd.rs"]
+pub mod etcd;
 pub mod hosts;
 
 use hatrain_trainer::config::ModelConfig;

@@ -283,6 +283,10 @@ pub struct MembershipReport {
     /// that follows it).
     pub acting: bool,
     pub term: u64,
+    /// Faults the controller holds undecided until it may act again (with
+    /// etcd: until it holds its lease and the leader key).
+    #[serde(default)]
+    pub waiting_faults: usize,
 }
 
 /// Peer replicas, as one agent sees them.

@@ -84,7 +84,8 @@ impl Etcd {
             .expect("etcd log");
         let client = format!("http://127.0.0.1:{}", m.client);
         let peer = format!("http://127.0.0.1:{}", m.peer);
-        let child = Command::new("etcd")
+        let mut child = Command::new("etcd");
+        child
             .args(["--name", &m.name, "--data-dir"])
             .arg(&m.dir)
             .args([
@@ -109,9 +110,17 @@ impl Etcd {
             .args(["--logger", "zap", "--log-level", "warn"])
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("etcd log"))
-            .stderr(log)
-            .spawn()
-            .expect("etcd starts (Debian's etcd-server)");
+            .stderr(log);
+        // SAFETY: prctl(2) is async-signal-safe; an etcd whose test died
+        // (SIGKILL included) dies with it.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            child.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = child.spawn().expect("etcd starts (Debian's etcd-server)");
         m.child = Some(child);
     }
 

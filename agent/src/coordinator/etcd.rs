@@ -22,6 +22,12 @@
 //! order, [`STAGGER`] apart, so that the lowest live node takes over as
 //! with the embedded coordinator.
 //!
+//! What each reads: the controller (and everyone while the key is vacant)
+//! reads the members' keys (keys only) every [`POLL`]; a follower watches
+//! the leader key and reads nothing while it stands, so the load on etcd
+//! grows with the hosts, not with their square. A follower reports no loss
+//! but its controller's: the controller decides on the others.
+//!
 //! An agent acts only while its own lease is valid by its clock: the last
 //! keep-alive's answer plus the TTL, counted from when it was sent. While
 //! etcd cannot be reached, nothing new is known: nobody is declared lost by
@@ -33,7 +39,9 @@
 //! Snapshot bytes and replica streams never go through etcd.
 
 use super::{Coordinator, Heartbeat, Observed, View};
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,6 +54,9 @@ pub const STAGGER: Duration = Duration::from_millis(300);
 const POLL: Duration = Duration::from_millis(200);
 /// One request's limit.
 const REQUEST: Duration = Duration::from_secs(1);
+/// A follower reads the leader key again this often, should its watch
+/// have missed a change.
+const REREAD: Duration = Duration::from_secs(5);
 
 /// Where etcd is and what this agent puts there.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,16 +110,27 @@ pub fn parse_url(url: &str) -> Result<Vec<String>, String> {
     Ok(endpoints)
 }
 
+/// The leader key as last read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Leader {
+    node: u64,
+    /// Its create revision: the term.
+    term: u64,
+    /// The lease it is bound to.
+    lease: i64,
+}
+
 /// What the etcd thread knows.
 #[derive(Debug, Default)]
 struct Known {
-    /// Nodes with a membership key at the last read.
-    live: BTreeSet<u64>,
-    /// Nodes that ever had one.
+    /// Nodes with a membership key at the last read of them (`None`: not
+    /// read since the leader key was last held by another).
+    live: Option<BTreeSet<u64>>,
+    /// Nodes seen with a key in any read.
     ever: BTreeSet<u64>,
-    /// The leader key: its node and its create revision.
-    leader: Option<(u64, u64)>,
-    /// This agent's lease holds until then, by its clock.
+    leader: Option<Leader>,
+    /// This agent's lease, and until when it holds by this agent's clock.
+    lease: Option<i64>,
     valid_until: Option<Instant>,
     /// When etcd last answered.
     answered: Option<Instant>,
@@ -130,6 +152,8 @@ pub struct Etcd {
     /// The newest term heard in a heartbeat.
     heard_term: u64,
     heard: Heard,
+    /// The term it last acted under.
+    acted: u64,
 }
 
 impl std::fmt::Debug for Etcd {
@@ -174,6 +198,7 @@ impl Etcd {
                 at: vec![None; n],
                 dropped: vec![false; n],
             },
+            acted: 0,
         }
     }
 }
@@ -227,26 +252,46 @@ impl Coordinator for Etcd {
             .answered
             .is_none_or(|a| clock.duration_since(a) > self.cfg.ttl);
         let unheard = |n: u64| {
-            self.heard.dropped[n as usize]
-                || self.heard.at[n as usize].is_some_and(|t| now.saturating_sub(t) > self.cfg.ttl)
+            self.heard.dropped.get(n as usize).copied().unwrap_or(false)
+                || self
+                    .heard
+                    .at
+                    .get(n as usize)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|t| now.saturating_sub(t) > self.cfg.ttl)
         };
         let (mut live, mut lost) = (Vec::new(), Vec::new());
         for n in 0..self.cfg.nodes {
+            // Without a read of the members (a follower while its
+            // controller stands), nobody is lost by lease. With one, a node
+            // is lost once its key went, or, never seen with one (it was
+            // gone before this agent read them), once its heartbeats
+            // stopped too: one that starts has no key yet.
+            let keyless = k.live.as_ref().is_some_and(|l| !l.contains(&n));
             let gone = n != me
-                && ((k.ever.contains(&n) && !k.live.contains(&n)) || (silent && unheard(n)));
+                && ((keyless && (k.ever.contains(&n) || unheard(n))) || (silent && unheard(n)));
             if gone {
                 lost.push(n);
-            } else if n == me || k.live.contains(&n) {
+            } else {
                 live.push(n);
             }
         }
-        let term = k.leader.map_or(0, |(_, t)| t).max(self.heard_term);
+        let term = k.leader.map_or(0, |l| l.term).max(self.heard_term);
+        let acting = valid
+            && k.lease.is_some()
+            && k.leader
+                .is_some_and(|l| l.node == me && Some(l.lease) == k.lease && l.term >= term);
+        if acting {
+            self.acted = term;
+        }
         View {
             live,
             lost,
-            follows: k.leader.map(|(n, _)| n),
-            acting: valid && k.leader.is_some_and(|(n, t)| n == me && t >= term),
+            follows: k.leader.map(|l| l.node),
+            acting,
             term,
+            acted: self.acted,
         }
     }
 }
@@ -259,6 +304,13 @@ struct Keeper {
     lease: Option<Lease>,
     /// A leader key was seen (or held) once.
     followed: bool,
+    /// The leader key as last read, and when.
+    leader: Option<Leader>,
+    read_at: Option<Instant>,
+    /// The watch on the leader key (a follower's), and whether it saw a
+    /// change not read yet.
+    watch: Option<(etcd_client::Watcher, etcd_client::WatchStream)>,
+    changed: bool,
     /// Since when the leader key has been missing.
     vacant_since: Option<Instant>,
     /// etcd has not answered since then (for the log, once).
@@ -291,6 +343,10 @@ impl Keeper {
             client: None,
             lease: None,
             followed: false,
+            leader: None,
+            read_at: None,
+            watch: None,
+            changed: false,
             vacant_since: None,
             unreachable_since: None,
         }
@@ -315,17 +371,33 @@ impl Keeper {
                     // A fresh connection next time; the lease is kept
                     // alive on it (or granted again, if it expired).
                     self.client = None;
+                    self.watch = None;
                     if let Some(l) = &mut self.lease {
                         l.stream = None;
                         l.next = Instant::now();
                     }
                 }
             }
-            tokio::time::sleep(POLL).await;
+            // Until the next round, or a change of the leader key.
+            let watch = async {
+                match &mut self.watch {
+                    Some((_, w)) => w.message().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(POLL) => {}
+                m = watch => match m {
+                    Ok(Some(r)) if !r.canceled() => self.changed = true,
+                    _ => self.watch = None,
+                },
+            }
         }
         // A clean leave: the keys go at once.
-        if let (Some(c), Some(l)) = (&mut self.client, &self.lease) {
-            let _ = within(c.lease_revoke(l.id)).await;
+        if let Some(id) = self.lease.as_ref().map(|l| l.id)
+            && let Ok(c) = self.client().await
+        {
+            let _ = within(c.lease_revoke(id)).await;
         }
     }
 
@@ -340,56 +412,118 @@ impl Keeper {
         Ok(self.client.as_mut().expect("set above"))
     }
 
-    /// One round: the lease kept alive (or taken again, with the key), the
-    /// job's keys read, the leader key tried for when it is this agent's
-    /// turn.
+    fn holds_key(&self) -> bool {
+        let lease = self.lease.as_ref().map(|l| l.id);
+        self.leader
+            .is_some_and(|l| l.node == self.cfg.node && Some(l.lease) == lease)
+    }
+
+    /// One round: the lease kept alive (or taken again, with the key); the
+    /// leader key read when it may have changed; the members read by the
+    /// controller (and by everyone while the key is vacant); the key tried
+    /// for when it is this agent's turn.
     async fn round(&mut self) -> Result<(), String> {
         self.keep_lease().await?;
-        let prefix = self.cfg.prefix.clone();
-        let c = self.client().await?;
-        let got = within(c.get(prefix.as_bytes(), Some(GetOptions::new().with_prefix()))).await?;
-        let members = format!("{prefix}members/");
-        let leader_key = self.cfg.leader_key();
-        let (mut live, mut leader) = (BTreeSet::new(), None);
-        for kv in got.kvs() {
-            let key = String::from_utf8_lossy(kv.key());
-            if let Some(n) = key
-                .strip_prefix(&members)
-                .and_then(|n| n.parse::<u64>().ok())
-            {
-                if n < self.cfg.nodes {
-                    live.insert(n);
-                }
-            } else if key == leader_key {
-                let node = std::str::from_utf8(kv.value())
-                    .ok()
-                    .and_then(|v| v.parse::<u64>().ok());
-                match node {
-                    Some(n) => leader = Some((n, kv.create_revision() as u64)),
-                    None => tracing::warn!(
-                        value = %String::from_utf8_lossy(kv.value()),
-                        "a leader key that names no node: ignored"
-                    ),
-                }
-            }
+        let reread = self.watch.is_none()
+            || self.changed
+            || self.read_at.is_none_or(|t| t.elapsed() >= REREAD);
+        if reread || self.holds_key() || self.leader.is_none() {
+            self.read_leader().await?;
         }
-        if leader.is_none() && self.turn(&live) {
-            leader = self.campaign().await?;
+        let members = if self.holds_key() || self.leader.is_none() {
+            Some(self.read_members().await?)
+        } else {
+            None
+        };
+        if self.leader.is_none()
+            && let Some(live) = &members
+            && self.turn(live)
+            && let Some(l) = self.campaign().await?
+        {
+            self.leader = Some(l);
         }
-        self.vacant_since = match leader {
+        self.vacant_since = match self.leader {
             Some(_) => None,
             None => self.vacant_since.or(Some(Instant::now())),
         };
-        self.followed |= leader.is_some();
+        self.followed |= self.leader.is_some();
         let mut k = self.known.lock().expect("not poisoned");
-        if k.leader != leader {
-            tracing::info!(leader = ?leader.map(|l| l.0), term = ?leader.map(|l| l.1), "etcd: the job's leader key");
+        if k.leader.map(|l| (l.node, l.term)) != self.leader.map(|l| (l.node, l.term)) {
+            tracing::info!(leader = ?self.leader.map(|l| l.node), term = ?self.leader.map(|l| l.term), "etcd: the job's leader key");
         }
-        k.ever.extend(live.iter().copied());
-        k.live = live;
-        k.leader = leader;
+        // A follower keeps no view of the members: it reports no loss but
+        // its controller's (whose key goes with its lease).
+        if let Some(m) = &members {
+            k.ever.extend(m.iter().copied());
+        }
+        // The leader's key is bound to the lease its member key is: it had
+        // one.
+        if let Some(l) = self.leader {
+            k.ever.insert(l.node);
+        }
+        k.live = members;
+        k.leader = self.leader;
+        k.lease = self.lease.as_ref().map(|l| l.id);
         k.answered = Some(Instant::now());
         Ok(())
+    }
+
+    /// Reads the leader key, and watches it from there on.
+    async fn read_leader(&mut self) -> Result<(), String> {
+        let key = self.cfg.leader_key();
+        let nodes = self.cfg.nodes;
+        let c = self.client().await?;
+        let got = within(c.get(key.as_bytes(), None)).await?;
+        let revision = got.header().map_or(0, |h| h.revision());
+        self.leader = got.kvs().first().and_then(|kv| {
+            let node = std::str::from_utf8(kv.value())
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&n| n < nodes);
+            if node.is_none() {
+                tracing::warn!(
+                    value = %String::from_utf8_lossy(kv.value()),
+                    "a leader key that names no node of the job: ignored"
+                );
+            }
+            node.map(|node| Leader {
+                node,
+                term: kv.create_revision() as u64,
+                lease: kv.lease(),
+            })
+        });
+        self.read_at = Some(Instant::now());
+        self.changed = false;
+        if self.watch.is_none() {
+            let opts = WatchOptions::new().with_start_revision(revision + 1);
+            let c = self.client().await?;
+            self.watch = Some(within(c.watch(key.as_bytes(), Some(opts))).await?);
+        }
+        Ok(())
+    }
+
+    /// The nodes with a membership key now.
+    async fn read_members(&mut self) -> Result<BTreeSet<u64>, String> {
+        let prefix = format!("{}members/", self.cfg.prefix);
+        let nodes = self.cfg.nodes;
+        let c = self.client().await?;
+        let got = within(c.get(
+            prefix.as_bytes(),
+            Some(GetOptions::new().with_prefix().with_keys_only()),
+        ))
+        .await?;
+        Ok(got
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                std::str::from_utf8(kv.key())
+                    .ok()?
+                    .strip_prefix(&prefix)?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .filter(|&n| n < nodes)
+            .collect())
     }
 
     /// Whether this agent tries for the empty leader key now: node 0 at
@@ -405,8 +539,8 @@ impl Keeper {
     }
 
     /// Creates the leader key where there is none, bound to this agent's
-    /// lease: the node and term that hold it after.
-    async fn campaign(&mut self) -> Result<Option<(u64, u64)>, String> {
+    /// lease: the leader after, when this agent got it.
+    async fn campaign(&mut self) -> Result<Option<Leader>, String> {
         let Some(lease) = self.lease.as_ref().map(|l| l.id) else {
             return Ok(None);
         };
@@ -425,11 +559,16 @@ impl Keeper {
             )]);
         let r = within(c.txn(txn)).await?;
         if !r.succeeded() {
+            self.changed = true;
             return Ok(None);
         }
         let term = r.header().map_or(0, |h| h.revision()) as u64;
         tracing::warn!(term, "etcd: this agent holds the job's leader key");
-        Ok(Some((me, term)))
+        Ok(Some(Leader {
+            node: me,
+            term,
+            lease,
+        }))
     }
 
     /// Keeps this agent's lease alive, three times per TTL; a lease that
@@ -444,11 +583,26 @@ impl Keeper {
                 // After a failure: the same lease, on a fresh connection
                 // (a member of etcd went away, not necessarily the lease).
                 let c = self.client().await?;
-                let stream = within(c.lease_keep_alive(id)).await?;
-                if let Some(l) = &mut self.lease {
-                    l.stream = Some(stream);
+                match within(c.lease_keep_alive(id)).await {
+                    Ok(stream) => {
+                        if let Some(l) = &mut self.lease {
+                            l.stream = Some(stream);
+                        }
+                    }
+                    // It expired meanwhile: a new one, below.
+                    Err(e) if e.contains("not found") => {
+                        tracing::warn!(
+                            lease = id,
+                            "etcd: this agent's lease expired; joining again under a new one"
+                        );
+                        self.known.lock().expect("not poisoned").valid_until = None;
+                        self.lease = None;
+                    }
+                    Err(e) => return Err(e),
                 }
             }
+        }
+        if let Some(id) = self.lease.as_ref().map(|l| l.id) {
             let l = self.lease.as_mut().expect("checked above");
             let (keeper, answers) = l.stream.as_mut().expect("opened above");
             let sent = Instant::now();
@@ -524,16 +678,26 @@ mod tests {
                 at: vec![None; 4],
                 dropped: vec![false; 4],
             },
+            acted: 0,
         }
     }
 
-    fn told(e: &Etcd, live: &[u64], leader: Option<(u64, u64)>, lease: bool) {
+    /// What etcd said: the members read (`None`: not read, a follower),
+    /// the leader key's node and term (bound to lease 100 + node), this
+    /// agent's lease (100 + its node) valid or not.
+    fn told(e: &Etcd, live: Option<&[u64]>, leader: Option<(u64, u64)>, valid: bool) {
         let mut k = e.known.lock().unwrap();
-        k.live = live.iter().copied().collect();
-        k.ever.extend(live.iter().copied());
-        k.leader = leader;
+        k.live = live.map(|l| l.iter().copied().collect());
+        k.ever.extend(live.unwrap_or_default());
+        k.ever.extend(leader.map(|(n, _)| n));
+        k.leader = leader.map(|(node, term)| Leader {
+            node,
+            term,
+            lease: 100 + node as i64,
+        });
+        k.lease = Some(100 + e.cfg.node as i64);
         let now = Instant::now();
-        k.valid_until = Some(if lease {
+        k.valid_until = Some(if valid {
             now + Duration::from_secs(3)
         } else {
             now
@@ -544,25 +708,32 @@ mod tests {
     #[test]
     fn an_agent_acts_only_with_a_valid_lease_and_the_leader_key_of_the_newest_term() {
         let mut e = detached(0);
-        told(&e, &[0, 1, 2], Some((0, 7)), true);
+        told(&e, Some(&[0, 1, 2]), Some((0, 7)), true);
         let v = e.view(Duration::ZERO);
         assert!(v.acting);
-        assert_eq!((v.follows, v.term), (Some(0), 7));
+        assert_eq!((v.follows, v.term, v.acted), (Some(0), 7, 7));
         // Its lease ran out by its own clock: it stops acting, whatever
         // etcd said last.
-        told(&e, &[0, 1, 2], Some((0, 7)), false);
+        told(&e, Some(&[0, 1, 2]), Some((0, 7)), false);
         assert!(!e.view(Duration::ZERO).acting);
-        // Another's key: it follows that one.
-        told(&e, &[0, 1, 2], Some((1, 9)), true);
+        // A new lease of its own, and the key still read as bound to the
+        // old one (it went with it): not acting.
+        told(&e, Some(&[0, 1, 2]), Some((0, 7)), true);
+        e.known.lock().unwrap().lease = Some(555);
+        assert!(!e.view(Duration::ZERO).acting);
+        // Another's key: it follows that one, and remembers the term it
+        // acted under.
+        told(&e, Some(&[0, 1, 2]), Some((1, 9)), true);
         let v = e.view(Duration::ZERO);
         assert!(!v.acting);
-        assert_eq!((v.follows, v.term), (Some(1), 9));
+        assert_eq!((v.follows, v.term, v.acted), (Some(1), 9, 7));
     }
 
     #[test]
     fn a_newer_term_heard_in_a_heartbeat_stops_the_old_leader_acting() {
         let mut e = detached(0);
-        told(&e, &[0, 1], Some((0, 7)), true);
+        told(&e, Some(&[0, 1]), Some((0, 7)), true);
+        assert!(e.view(Duration::ZERO).acting);
         e.observe(
             Duration::from_secs(1),
             Observed::Heartbeat(Heartbeat {
@@ -575,20 +746,32 @@ mod tests {
         );
         let v = e.view(Duration::from_secs(1));
         assert!(!v.acting, "a newer leader exists");
-        assert_eq!(v.term, 12);
+        assert_eq!((v.term, v.acted), (12, 7));
         assert_eq!(e.heartbeat(Duration::from_secs(1)).term, 12);
     }
 
     #[test]
-    fn a_host_is_lost_when_its_key_goes_and_never_before_it_joined() {
+    fn the_controller_sees_a_host_lost_when_its_key_goes_and_a_follower_only_its_controller() {
         let mut e = detached(0);
-        told(&e, &[0, 1, 2], Some((0, 7)), true);
+        // Node 3 heartbeats, and has no key yet: starting, not lost.
+        e.observe(
+            Duration::ZERO,
+            Observed::Heartbeat(Heartbeat {
+                from: 3,
+                stamp: Duration::ZERO,
+                follows: Some(0),
+                echo: None,
+                term: 7,
+            }),
+        );
+        told(&e, Some(&[0, 1, 2]), Some((0, 7)), true);
+        assert!(e.view(Duration::ZERO).lost.is_empty());
+        // Never seen with a key and silent past the TTL: gone before this
+        // agent read the members.
+        assert_eq!(e.view(Duration::from_secs(4)).lost, vec![3]);
+        told(&e, Some(&[0, 2, 3]), Some((0, 7)), true);
         let v = e.view(Duration::ZERO);
-        assert_eq!(v.live, vec![0, 1, 2]);
-        assert!(v.lost.is_empty(), "node 3 never joined: starting, not lost");
-        told(&e, &[0, 2], Some((0, 7)), true);
-        let v = e.view(Duration::ZERO);
-        assert_eq!((v.live, v.lost), (vec![0, 2], vec![1]));
+        assert_eq!((v.live, v.lost), (vec![0, 2, 3], vec![1]));
         // Its heartbeats alone do not bring it back while etcd answers.
         e.observe(
             Duration::from_secs(1),
@@ -601,12 +784,23 @@ mod tests {
             }),
         );
         assert_eq!(e.view(Duration::from_secs(1)).lost, vec![1]);
+        // A follower reads no members while its controller stands: no loss.
+        let mut f = detached(2);
+        told(&f, None, Some((0, 7)), true);
+        let v = f.view(Duration::ZERO);
+        assert!(v.lost.is_empty() && !v.acting);
+        assert_eq!(v.follows, Some(0));
+        // The controller's key went (with its lease): it reads them, and
+        // its controller is lost.
+        told(&f, Some(&[1, 2, 3]), None, true);
+        let v = f.view(Duration::ZERO);
+        assert_eq!((v.lost, v.follows), (vec![0], None));
     }
 
     #[test]
     fn while_etcd_is_silent_a_host_whose_heartbeats_stop_is_lost_and_nobody_else() {
         let mut e = detached(0);
-        told(&e, &[0, 1, 2], Some((0, 7)), true);
+        told(&e, Some(&[0, 1, 2, 3]), Some((0, 7)), true);
         for from in [1, 2] {
             e.observe(
                 Duration::ZERO,

@@ -82,6 +82,10 @@ pub struct View {
     pub acting: bool,
     /// The highest term it knows (its own, while acting).
     pub term: u64,
+    /// The term it last acted under (0: never): a controller's orders
+    /// carry it, so one that another replaced cannot stamp the newer term
+    /// it hears of.
+    pub acted: u64,
 }
 
 /// Membership, liveness and leadership.
@@ -150,6 +154,8 @@ pub struct Embedded {
     followed: bool,
     acting: bool,
     term: u64,
+    /// The term it last acted under.
+    acted: u64,
 }
 
 impl Embedded {
@@ -173,6 +179,7 @@ impl Embedded {
             followed: false,
             acting: false,
             term: 0,
+            acted: 0,
         }
     }
 
@@ -252,6 +259,9 @@ impl Embedded {
             self.term += 1;
         }
         self.acting = acting;
+        if acting {
+            self.acted = self.term;
+        }
     }
 }
 
@@ -328,6 +338,7 @@ impl Coordinator for Embedded {
             follows: self.follows,
             acting: self.acting,
             term: self.term,
+            acted: self.acted,
         }
     }
 }

@@ -105,10 +105,6 @@ pub(super) struct Controller {
     pub final_save: Option<super::saves::FinalSave>,
     /// The hosts heard now: a standby is taken only once it runs.
     pub heard: BTreeSet<u64>,
-    /// The term this controller last acted under (0 before it first
-    /// acts): its orders carry it, so that once another controller acts
-    /// under a newer one, none of this one's is taken.
-    pub term: u64,
     /// Faults waiting for this controller to hold its lease in etcd again.
     pub waiting: Option<super::unled::Held>,
     /// It waited past `--coordinator-timeout`: the job writes its last
@@ -172,7 +168,6 @@ impl Controller {
             filling: BTreeSet::new(),
             settling: None,
             cut_off: None,
-            term: 0,
             waiting: None,
             given_up: false,
             replica_steps: BTreeMap::new(),

@@ -90,6 +90,22 @@ impl Driver<'_> {
             })
             .unwrap_or_default();
         let wait = self.successor_wait();
+        if since.elapsed() >= wait
+            && view.follows.is_none_or(|n| n == me)
+            && matches!(
+                self.cfg.ha.coordinator,
+                crate::launch::CoordinatorChoice::Etcd(_)
+            )
+        {
+            // With etcd, the hosts it does not hear go toward the last
+            // words with the faults held, as a fault would.
+            let losses = match &mut self.decider {
+                Decider::Controller(c) => c.cut_off.take().map(|x| x.losses),
+                Decider::Follower(_) => None,
+            };
+            self.give_up(sup, losses.unwrap_or_default());
+            return;
+        }
         let reason = match view.follows {
             Some(n) if n != me => match self.cfg.ha.coordinator {
                 crate::launch::CoordinatorChoice::Embedded => format!(
@@ -120,16 +136,20 @@ impl Driver<'_> {
         let Decider::Controller(c) = &self.decider else {
             return;
         };
-        let me = c.node;
-        let Some(n) = view.follows.filter(|&n| n != me) else {
-            return;
-        };
-        if view.acting || c.term == 0 || view.term <= c.term || self.outcome.is_some() {
+        // A term above its own that it does not act under: another agent
+        // acted since (a term rises only when an agent starts acting). It
+        // stops whomever it follows now: with etcd cut off, its own copy
+        // of the leader key may still name it.
+        if view.acting || view.acted == 0 || view.term <= view.acted || self.outcome.is_some() {
             return;
         }
+        let who = match view.follows.filter(|&n| n != c.node) {
+            Some(n) => format!("node {n}"),
+            None => "another agent".into(),
+        };
         let reason = format!(
-            "this host ran the job's controller under term {}, and node {n} acts in its place under term {}: the job goes on without this host",
-            c.term, view.term
+            "this host ran the job's controller under term {}, and {who} acts in its place under term {}: the job goes on without this host",
+            view.acted, view.term
         );
         tracing::error!(reason, "stopping");
         self.stop_reason = Some(reason);

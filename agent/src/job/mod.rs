@@ -257,6 +257,13 @@ async fn run_with(
         (None, crate::launch::resolve(&cfg.master_addr, port)?)
     };
     let relay_stop = CancellationToken::new();
+    if !(cfg.nnodes > 1 && cfg.ha.modes.any())
+        && cfg.ha.coordinator != crate::launch::CoordinatorChoice::Embedded
+    {
+        tracing::warn!(
+            "--coordinator is for jobs of several nodes with a high-availability switch on: not used here"
+        );
+    }
     let (peers, workers_store) = if cfg.nnodes > 1 && cfg.ha.modes.any() {
         let ip = peers::local_ip(cfg, store_addr)?;
         // Every agent hosts a store: the one in use is the controller's,

@@ -115,8 +115,8 @@ impl Driver<'_> {
         };
         let view = peers.membership.seen().view;
         let term = match &self.decider {
-            Decider::Controller(c) if !view.acting => c.term,
-            _ => view.term,
+            Decider::Controller(_) => view.acted,
+            Decider::Follower(_) => view.term,
         };
         let down = Down { term, ..down };
         match serde_json::to_vec(&down) {
@@ -409,7 +409,9 @@ impl Driver<'_> {
         let acting = self.acting();
         let successor_wait = self.successor_wait();
         for loss in lost {
-            if !acting && matches!(&self.decider, Decider::Controller(c) if c.settling.is_none()) {
+            if !acting
+                && matches!(&self.decider, Decider::Controller(c) if c.settling.is_none() && !c.given_up)
+            {
                 self.hold_back(loss);
                 continue;
             }

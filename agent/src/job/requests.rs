@@ -404,6 +404,10 @@ impl Driver<'_> {
                     follows: seen.view.follows,
                     acting: seen.view.acting,
                     term: seen.view.term,
+                    waiting_faults: match &self.decider {
+                        Decider::Controller(c) => c.waiting.as_ref().map_or(0, |w| w.events.len()),
+                        Decider::Follower(_) => 0,
+                    },
                 }
             }),
             resizes: self.decider.resizes().to_vec(),

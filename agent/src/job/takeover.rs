@@ -57,9 +57,6 @@ impl Driver<'_> {
         let me = self.cfg.node_rank as u64;
         match &mut self.decider {
             Decider::Controller(c) => {
-                if view.acting {
-                    c.term = view.term;
-                }
                 let settled = c.settle(None);
                 self.on_hosts_lost(sup, settled);
                 self.mend_or_stop(sup);
@@ -77,6 +74,23 @@ impl Driver<'_> {
                         if shutdown {
                             // The shutdown this host passed on to the lost
                             // controller is decided here now.
+                            self.feed(sup, Event::Shutdown);
+                        }
+                    }
+                    // The controller it followed acts again under a newer
+                    // term (its lease lapsed, and it took the key back
+                    // first): it is followed again.
+                    Some(n) if n == f.leader && n != me && view.term > f.term => {
+                        tracing::warn!(
+                            node = n,
+                            term = view.term,
+                            "the controller acts again under a newer term: following it"
+                        );
+                        f.orphaned = None;
+                        self.lost.retain(|&l| l != n);
+                        let shutdown = f.shutdown_passed;
+                        self.register_again(sup);
+                        if shutdown {
                             self.feed(sup, Event::Shutdown);
                         }
                     }
@@ -134,7 +148,6 @@ impl Driver<'_> {
         if let Some(s) = &mut c.settling {
             s.losses = std::mem::take(&mut f.losses);
         }
-        c.term = term;
         tracing::warn!(
             term,
             lost = ?self.lost,

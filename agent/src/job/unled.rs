@@ -14,7 +14,7 @@ use super::Driver;
 use super::decider::Decider;
 use crate::launch::CoordinatorChoice;
 use crate::reaper::ExitStatus;
-use crate::recovery::Event;
+use crate::recovery::{Event, HostLoss};
 use crate::supervisor::Supervisor;
 use std::time::Instant;
 
@@ -61,10 +61,20 @@ impl Driver<'_> {
         if c.given_up {
             return Some(event);
         }
+        let first = self
+            .peers
+            .as_ref()
+            .is_none_or(|p| p.membership.seen().view.acted == 0);
         let held = c.waiting.get_or_insert_with(|| {
-            tracing::warn!(
-                "a fault, and this controller does not hold its lease in etcd: the job waits for etcd (or --coordinator-timeout)"
-            );
+            if first {
+                tracing::info!(
+                    "an event to decide before this controller holds the job's leader key in etcd: it waits for the key"
+                );
+            } else {
+                tracing::warn!(
+                    "a fault, and this controller does not hold its lease in etcd: the job waits for etcd (or --coordinator-timeout)"
+                );
+            }
             Held {
                 since: Instant::now(),
                 events: Vec::new(),
@@ -80,6 +90,9 @@ impl Driver<'_> {
     pub(super) fn lead_or_give_up(&mut self, sup: &mut Supervisor) {
         let acting = self.acting();
         let timeout = self.cfg.ha.coordinator_timeout;
+        if self.outcome.is_some() {
+            return;
+        }
         let Decider::Controller(c) = &mut self.decider else {
             return;
         };
@@ -91,7 +104,7 @@ impl Driver<'_> {
             tracing::warn!(
                 waited_s = since.elapsed().as_secs_f64(),
                 faults = held.len(),
-                "this controller holds its lease in etcd again: deciding the faults that waited"
+                "this controller holds its lease in etcd: deciding the faults that waited"
             );
             for e in held {
                 self.decide(sup, e);
@@ -101,10 +114,24 @@ impl Driver<'_> {
         if since.elapsed() < timeout {
             return;
         }
+        self.give_up(sup, Vec::new());
+    }
+
+    /// Past `--coordinator-timeout`: the faults held (and the host losses
+    /// `losses`, held back as well) are decided without etcd, toward the
+    /// last words, and the job stops.
+    pub(super) fn give_up(&mut self, sup: &mut Supervisor, losses: Vec<HostLoss>) {
+        let timeout = self.cfg.ha.coordinator_timeout;
+        let Decider::Controller(c) = &mut self.decider else {
+            return;
+        };
+        if c.given_up {
+            return;
+        }
         c.given_up = true;
         let held = c.waiting.take().map(|h| h.events).unwrap_or_default();
         let reason = format!(
-            "a fault waited {} s (--coordinator-timeout) for etcd ({}), and this controller could not hold its lease and the job's leader key meanwhile: writing the last words from the snapshots and stopping",
+            "a fault waited {} s (--coordinator-timeout-secs) for etcd ({}), and this controller could not hold its lease and the job's leader key meanwhile: writing the last words from the snapshots and stopping",
             timeout.as_secs_f64(),
             match &self.cfg.ha.coordinator {
                 CoordinatorChoice::Etcd(e) => e.join(","),
@@ -117,5 +144,6 @@ impl Driver<'_> {
         for e in held {
             self.decide(sup, e);
         }
+        self.on_hosts_lost(sup, losses);
     }
 }
