@@ -147,8 +147,10 @@ fn a_controller_paused_past_its_lease_cannot_act_again_and_the_successors_recove
         "host 0, resumed, stops:\n{old}"
     );
     assert!(
-        old.contains("acts in its place under term")
-            || old.contains("node 1 holds the job's leader key now"),
+        old.contains("its lease in etcd ran out; node 1 holds the job's leader key now")
+            || old.contains(
+                "its lease in etcd ran out; another agent holds the job's leader key now"
+            ),
         "host 0 says another controller acts in its place:\n{old}"
     );
     for (k, log) in [

@@ -107,21 +107,18 @@ impl Driver<'_> {
             return;
         }
         let reason = match view.follows {
-            Some(n) if n != me => match self.cfg.ha.coordinator {
+            Some(n) if n != me => self.replaced(&format!("node {n}"), view.term),
+            _ if since.elapsed() >= wait => match self.cfg.ha.coordinator {
                 crate::launch::CoordinatorChoice::Embedded => format!(
-                    "this host ran the job's controller and was cut off from the majority of the job's agents, which follow node {n} now (term {}): the job goes on without this host",
-                    view.term
+                    "this host ran the job's controller and was cut off from the majority of the job's agents for {} s: a controller needs a strict majority, so it decided nothing on the hosts it does not hear ({unheard}){newest}",
+                    wait.as_secs()
                 ),
                 crate::launch::CoordinatorChoice::Etcd(_) => format!(
-                    "this host ran the job's controller and its lease in etcd ran out; node {n} holds the job's leader key now (term {}): the job goes on without this host",
-                    view.term
+                    "this host ran the job's controller and could not act for {} s: {}; so it decided nothing on the hosts it does not hear ({unheard}){newest}",
+                    wait.as_secs_f64(),
+                    self.who_acts()
                 ),
             },
-            _ if since.elapsed() >= wait => format!(
-                "this host ran the job's controller and could not act for {} s: {}; so it decided nothing on the hosts it does not hear ({unheard}){newest}",
-                wait.as_secs_f64(),
-                self.who_acts()
-            ),
             _ => return,
         };
         tracing::error!(reason, "stopping");
@@ -147,12 +144,21 @@ impl Driver<'_> {
             Some(n) => format!("node {n}"),
             None => "another agent".into(),
         };
-        let reason = format!(
-            "this host ran the job's controller under term {}, and {who} acts in its place under term {}: the job goes on without this host",
-            view.acted, view.term
-        );
+        let reason = self.replaced(&who, view.term);
         tracing::error!(reason, "stopping");
         self.stop_reason = Some(reason);
         self.outcome = Some(Outcome::RecoveryFailed);
+    }
+
+    /// Why a controller that `who` replaced under `term` stops.
+    fn replaced(&self, who: &str, term: u64) -> String {
+        match self.cfg.ha.coordinator {
+            crate::launch::CoordinatorChoice::Embedded => format!(
+                "this host ran the job's controller and was cut off from the majority of the job's agents, which follow {who} now (term {term}): the job goes on without this host"
+            ),
+            crate::launch::CoordinatorChoice::Etcd(_) => format!(
+                "this host ran the job's controller and its lease in etcd ran out; {who} holds the job's leader key now (term {term}): the job goes on without this host"
+            ),
+        }
     }
 }

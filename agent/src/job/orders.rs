@@ -327,6 +327,12 @@ impl Driver<'_> {
             );
             return;
         }
+        if down.term > f.term {
+            // The successor's first orders (this host may have turned to
+            // it already, from what its coordinator said): the wait for
+            // one is over.
+            f.orphaned = None;
+        }
         f.term = down.term;
         if !down.orphans.is_empty() {
             f.orphans = down.orphans;

@@ -135,6 +135,15 @@ impl Outbox {
         }
     }
 
+    /// `rank`'s snapshots may go again from the one it holds now (the peer
+    /// refused one it was not told to take yet: a standby whose orders
+    /// come after the hand-over).
+    pub fn again(&mut self, rank: u64) {
+        if let Some(p) = self.progress.get_mut(&rank) {
+            p.local_step = None;
+        }
+    }
+
     /// The slot of `rank`'s transfer was rewritten while it was read: the
     /// transfer ends, and the newest snapshot goes next.
     pub fn torn(&mut self, rank: u64) {
@@ -329,5 +338,24 @@ mod tests {
             Some(7),
             "receipts never go back"
         );
+    }
+
+    #[test]
+    fn a_snapshot_the_peer_refused_goes_again_only_when_asked() {
+        let mut o = Outbox::new(10);
+        o.credit(100);
+        o.offer(offer(3, 29, 25));
+        let first = o.next_chunk().expect("the snapshot goes");
+        assert_eq!((first.offer.step, first.offset), (29, 0));
+        // Refused (a standby not told yet): the transfer ends, and the same
+        // step is not offered again by itself.
+        o.dropped(3, 29);
+        o.offer(offer(3, 29, 25));
+        assert_eq!(o.next_chunk(), None);
+        // Asked again: it goes from its first byte.
+        o.again(3);
+        o.offer(offer(3, 29, 25));
+        let again = o.next_chunk().expect("the snapshot goes again");
+        assert_eq!((again.offer.step, again.offset), (29, 0));
     }
 }

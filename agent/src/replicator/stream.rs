@@ -11,7 +11,7 @@ use hatrain_shared::shm::Store;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Sends `frame` once there is room, unless the stream is stopped first
 /// (`Ok(false)`). `Err(EAGAIN)`: the room went away again (the peer's
@@ -32,6 +32,13 @@ fn send_until(sock: &zmq::Socket, frame: Vec<u8>, stop: &AtomicBool) -> Result<b
 
 /// One outgoing stream: connect, say hello, then send what the outbox
 /// says while the peer grants credit.
+/// A snapshot the peer refused as not its to hold goes again after this
+/// long (its orders may come after the stream: a standby told to take a
+/// lost host's ranks while their holder already hands them over)...
+const REFUSED_AGAIN: Duration = Duration::from_millis(100);
+/// ...for this long after the first refusal.
+const REFUSED_FOR: Duration = Duration::from_secs(10);
+
 pub(super) fn send(
     cfg: &ReplicatorConfig,
     sock: zmq::Socket,
@@ -52,7 +59,17 @@ pub(super) fn send(
     let mut session: Option<Session> = None;
     let mut pending: Option<(Pending, Instant)> = None;
     let mut heard = Instant::now();
+    // Ranks the peer refused as not its to hold (yet): first and last
+    // refusal, and whether a try waits. Their newest snapshot goes again
+    // after a pause.
+    let mut refused: BTreeMap<u64, (Instant, Instant, bool)> = BTreeMap::new();
     while !stop.load(Ordering::Relaxed) {
+        for (rank, (_, last, waits)) in &mut refused {
+            if *waits && last.elapsed() >= REFUSED_AGAIN {
+                outbox.again(*rank);
+                *waits = false;
+            }
+        }
         while let Ok((rank, store, map)) = feed.try_recv() {
             stores.insert(rank, store);
             if let Some(m) = map {
@@ -196,6 +213,13 @@ pub(super) fn send(
                                 Ok((rank, step, why)) => {
                                     tracing::warn!(rank, step, reason = %why, "the peer dropped a replica");
                                     outbox.dropped(rank, step);
+                                    if why.contains("holds no replica of rank") {
+                                        let now = Instant::now();
+                                        let r = refused.entry(rank).or_insert((now, now, false));
+                                        if r.0.elapsed() < REFUSED_FOR {
+                                            (r.1, r.2) = (now, true);
+                                        }
+                                    }
                                 }
                                 Err(e) => tracing::warn!(error = %e, "receipt refused"),
                             }
