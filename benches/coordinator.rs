@@ -24,7 +24,7 @@
 
 mod common;
 use common::etcd::Etcd;
-use common::hosts::{Launch, free_port, timings, vanish};
+use common::hosts::{Launch, free_port, secret_file, timings, vanish};
 use common::{median, train_args, wait_step};
 use etcd_client::{Client, GetOptions, PutOptions};
 use hatrain_agent::coordinator::Coordinator;
@@ -250,17 +250,7 @@ fn main() {
         .expect("tempdir");
     let etcd = Etcd::start(dir.path(), 1);
     let url = etcd.url();
-    let secret = dir.path().join("secret");
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&secret)
-            .unwrap();
-        std::io::Write::write_all(&mut f, "5a".repeat(32).as_bytes()).unwrap();
-    }
+    let secret = secret_file(dir.path(), "5a");
     println!(
         "the controller's host lost during step K (10m model, 4 hosts x 1 rank and a standby): seconds from the kill"
     );

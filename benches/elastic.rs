@@ -20,7 +20,7 @@
 //! table gives each run, the medians and the ratios.
 
 mod common;
-use common::hosts::{Launch, free_port, timings, vanish};
+use common::hosts::{Launch, free_port, secret_file, timings, vanish};
 use common::{median, now, steps, train_args, wait_step};
 use std::path::Path;
 use std::process::Child;
@@ -148,17 +148,7 @@ fn main() {
         .prefix("hatrain-bench-")
         .tempdir_in("/dev/shm")
         .expect("tempdir");
-    let secret = dir.path().join("secret");
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&secret)
-            .unwrap();
-        std::io::Write::write_all(&mut f, "5a".repeat(32).as_bytes()).unwrap();
-    }
+    let secret = secret_file(dir.path(), "5a");
     println!(
         "host loss during step K, no standby (10m model, 4 hosts x 1 rank, global batch 12; hatrain: shrink to 3 ranks, then a standby starts and the group grows back to 4; baseline: relaunch 3 hosts from the disk checkpoint saved every 10 steps)"
     );

@@ -18,7 +18,7 @@
 //! `--snapshot-slots 4` (see [`slots`]) and a pause timeout of 20 s.
 
 mod common;
-use common::hosts::{Launch, free_port, timings, vanish};
+use common::hosts::{Launch, free_port, secret_file, timings, vanish};
 use common::{median, train_args, wait_step};
 use std::path::Path;
 use std::process::Child;
@@ -110,17 +110,7 @@ fn main() {
         .prefix("hatrain-bench-")
         .tempdir_in("/dev/shm")
         .expect("tempdir");
-    let secret = dir.path().join("secret");
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&secret)
-            .unwrap();
-        std::io::Write::write_all(&mut f, "5a".repeat(32).as_bytes()).unwrap();
-    }
+    let secret = secret_file(dir.path(), "5a");
     println!(
         "host loss during step K (10m model, 2 hosts x 1 rank; hatrain: a standby filled from the peer replica, {} snapshot slots; baseline: relaunch from the disk checkpoint saved every 10 steps)",
         slots()

@@ -141,17 +141,7 @@ fn free_port() -> u16 {
 /// Median step time (steps 3-9) of one run of `size` on two hosts of one
 /// rank each, with `replicas` peer replicas.
 fn step_time(dir: &Path, size: &str, replicas: usize) -> f64 {
-    let secret = dir.join("secret");
-    if !secret.exists() {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&secret)
-            .unwrap();
-        f.write_all("3c".repeat(32).as_bytes()).unwrap();
-    }
+    let secret = common::hosts::secret_file(dir, "3c");
     let log = dir.join(format!("steps-{size}-{replicas}.jsonl"));
     let _ = std::fs::remove_file(&log);
     let (master, rdzv) = (free_port(), free_port());

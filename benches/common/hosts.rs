@@ -12,6 +12,23 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// A job secret (64 hex digits `byte` repeated, mode 0600) in `dir`, made
+/// once.
+pub fn secret_file(dir: &Path, byte: &str) -> PathBuf {
+    use std::os::unix::fs::OpenOptionsExt;
+    let secret = dir.join("secret");
+    if !secret.exists() {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&secret)
+            .unwrap();
+        std::io::Write::write_all(&mut f, byte.repeat(32).as_bytes()).unwrap();
+    }
+    secret
+}
+
 /// The agents of a job of `nnodes` hosts of one rank (and `standbys`
 /// spare agents), each on its own loopback address and shm root.
 pub struct Launch<'a> {
