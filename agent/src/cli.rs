@@ -22,6 +22,52 @@ pub enum Command {
     /// Launch this host's workers, torchrun-style:
     /// `launch --nproc-per-node P [...] -- <worker command...>`.
     Launch(LaunchArgs),
+    /// Serve this host's jobs as a long-running agent (a systemd service):
+    /// ranks that another launcher starts register through `exec`.
+    Serve(ServeArgs),
+    /// Run one rank under this host's serving agent, as the command an
+    /// mpirun, srun or torchrun starts: `exec [FLAGS] -- <worker command>`.
+    Exec(ExecArgs),
+}
+
+/// `serve`'s flags.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The socket exec shims and agentctl reach this agent on (default:
+    /// /run/hatrain/agent.sock for root, $XDG_RUNTIME_DIR/hatrain/agent.sock
+    /// for others).
+    #[arg(long, env = "HATRAIN_AGENT_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// Root of the served jobs' snapshot stores, unless a job's exec names
+    /// one (default: /dev/shm/hatrain for root, /dev/shm/hatrain-<uid> for
+    /// others).
+    #[arg(long)]
+    pub shm_root: Option<PathBuf>,
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long, default_value_t = 5.0)]
+    pub stop_grace_secs: f64,
+    /// How long a job's ranks have, from the first, to all register.
+    #[arg(long, default_value_t = 120.0)]
+    pub gather_timeout_secs: f64,
+}
+
+/// `exec`'s flags: the host agent's socket, the job id, and the
+/// high-availability switches as `launch` takes them (every rank of a job
+/// gives the same).
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// The host agent's socket (default as `serve`'s).
+    #[arg(long, env = "HATRAIN_AGENT_SOCKET")]
+    pub agent_socket: Option<PathBuf>,
+    /// The job's id (default: the launcher's id of the run: torchrun's run
+    /// id, Open MPI's job id, Slurm's job and step).
+    #[arg(long, env = "HATRAIN_JOB_ID")]
+    pub job_id: Option<JobId>,
+    #[command(flatten)]
+    pub ha: HaArgs,
+    /// The worker command and its arguments, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<OsString>,
 }
 
 /// `launch` takes torchrun's flags in both spellings (`--nproc-per-node`
@@ -111,7 +157,7 @@ pub struct LaunchArgs {
 /// High-availability switches (named as in MindSpeed-LLM). The
 /// HIGH_AVAILABILITY environment variable (a comma-separated set of dump,
 /// retry, recover, elastic-training) turns features on as well.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, PartialEq, Args, serde::Serialize, serde::Deserialize)]
 pub struct HaArgs {
     /// Master switch: high availability, with the last-words dump.
     #[arg(long)]

@@ -57,6 +57,9 @@ pub struct LaunchConfig {
     /// The worker command: program and arguments.
     pub command: Vec<OsString>,
     pub ha: HaSettings,
+    /// The environment the workers start from, when another launcher
+    /// started them (`serve`: their exec shims'); `None`: the agent's own.
+    pub worker_env: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// High-availability settings of a launch.
@@ -374,6 +377,14 @@ impl LaunchConfig {
         self.nnodes > 1 && self.ha.replicas > 0 && self.ha.modes.any()
     }
 
+    /// A variable of the environment the workers start from.
+    pub fn env_var(&self, key: &str) -> Option<String> {
+        match &self.worker_env {
+            Some(env) => env.get(key).cloned(),
+            None => std::env::var(key).ok(),
+        }
+    }
+
     pub fn world_size(&self) -> usize {
         self.nnodes * self.nproc_per_node
     }
@@ -540,6 +551,7 @@ mod tests {
             stop_grace: Duration::from_secs(1),
             command: vec!["train".into(), "--x".into()],
             ha: HaSettings::default(),
+            worker_env: None,
         }
     }
 

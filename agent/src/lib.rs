@@ -21,16 +21,20 @@
 pub mod cli;
 pub mod control;
 pub mod coordinator;
+pub mod exec;
 pub mod gpu;
 pub mod job;
 pub mod jobdir;
 pub mod launch;
+pub mod notify;
 pub mod oom;
 pub mod output;
 pub mod persister;
 pub mod reaper;
 pub mod recovery;
 pub mod replicator;
+pub mod serve;
+pub mod settings;
 pub mod supervisor;
 
 /// Eight random hex digits, to make a name unique on the host (job ids,

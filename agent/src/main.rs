@@ -2,17 +2,17 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use hatrain_agent::cli::{Cli, Command, LaunchArgs};
+use hatrain_agent::cli::{Cli, Command, ExecArgs, ServeArgs};
 use hatrain_agent::exit;
-use hatrain_agent::launch::{self, HaSettings, JobIdSource, LaunchConfig, LaunchError, OutputPlan};
-use hatrain_agent::recovery::{HangPolicy, Outcome, RestartPolicy};
+use hatrain_agent::launch::{self, LaunchError};
+use hatrain_agent::recovery::Outcome;
+use hatrain_agent::serve;
+use hatrain_agent::settings::{launch_config, seconds};
 use hatrain_shared::control::FaultKind;
-use hatrain_shared::ha::{self, HaFlags};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -21,13 +21,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    if let Command::Exec(args) = cli.command {
+        return exec(args);
+    }
+    logging();
     match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
@@ -56,8 +53,15 @@ fn run(command: Command) -> Result<ExitCode> {
         let signaled = Arc::new(AtomicI32::new(0));
         watch_signals(shutdown.clone(), Arc::clone(&signaled))?;
         let (outcome, faults) = match command {
+            Command::Exec(_) => unreachable!("run without the async runtime"),
+            Command::Serve(args) => {
+                let cfg = serve_config(args)?;
+                let local = tokio::task::LocalSet::new();
+                local.run_until(serve::run(cfg, shutdown)).await?;
+                return Ok(ExitCode::SUCCESS);
+            }
             Command::Launch(args) => {
-                let report = launch::run(&launch_config(args)?, shutdown).await?;
+                let report = launch::run(&launch_config(args, &|k| std::env::var(k).ok())?, shutdown).await?;
                 if let Some((it, dir)) = &report.last_words {
                     say(format_args!(
                         "hatrain-agent: last-words checkpoint of iteration {it} written; resume with --load {}",
@@ -123,6 +127,82 @@ fn run(command: Command) -> Result<ExitCode> {
     })
 }
 
+/// Logs go to journald, with their fields (job, rank, fault) as its own,
+/// when systemd connected stderr to the journal (`JOURNAL_STREAM` names
+/// stderr's device and inode); else to stderr as text.
+fn logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter =
+        || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    if journal_is_stderr()
+        && let Ok(journal) = tracing_journald::layer()
+    {
+        tracing_subscriber::registry()
+            .with(filter())
+            .with(journal.with_syslog_identifier("hatrain-agent".into()))
+            .init();
+        return;
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(filter())
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+fn journal_is_stderr() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some(v) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Ok(meta) = std::fs::metadata("/proc/self/fd/2") else {
+        return false;
+    };
+    v.to_str()
+        .and_then(|v| v.split_once(':'))
+        .and_then(|(d, i)| Some((d.parse::<u64>().ok()?, i.parse::<u64>().ok()?)))
+        .is_some_and(|(dev, ino)| dev == meta.dev() && ino == meta.ino())
+}
+
+fn exec(a: ExecArgs) -> ExitCode {
+    let Some(socket) = a.agent_socket.or_else(serve::default_socket) else {
+        say(format_args!(
+            "hatrain-agent exec: error: no host agent socket: give --agent-socket (or HATRAIN_AGENT_SOCKET); XDG_RUNTIME_DIR is not set"
+        ));
+        return ExitCode::from(exit::USAGE);
+    };
+    let opts = hatrain_agent::exec::ExecOptions {
+        socket,
+        job: a.job_id,
+        ha: a.ha,
+        command: a.command,
+    };
+    match hatrain_agent::exec::run(opts) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            say(format_args!("hatrain-agent exec: error: {e}"));
+            ExitCode::from(exit::USAGE)
+        }
+    }
+}
+
+fn serve_config(a: ServeArgs) -> Result<serve::ServeConfig, LaunchError> {
+    let socket = a.socket.or_else(serve::default_socket).ok_or_else(|| {
+        LaunchError::Config(
+            "no socket to serve on: give --socket (or HATRAIN_AGENT_SOCKET); XDG_RUNTIME_DIR is not set".into(),
+        )
+    })?;
+    Ok(serve::ServeConfig {
+        socket,
+        shm_root: a
+            .shm_root
+            .unwrap_or_else(hatrain_shared::trust::default_shm_root),
+        stop_grace: seconds("--stop-grace-secs", a.stop_grace_secs)?,
+        gather_timeout: seconds("--gather-timeout-secs", a.gather_timeout_secs)?,
+    })
+}
+
 /// SIGTERM, SIGINT, SIGHUP and SIGQUIT cancel the root shutdown token, as
 /// torchrun takes them (the terminal or ssh session that started the job
 /// going away is a stop, not a crash: the last words are written). A
@@ -166,120 +246,4 @@ fn watch_signals(shutdown: CancellationToken, signaled: Arc<AtomicI32>) -> Resul
 fn say(msg: std::fmt::Arguments) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn seconds(flag: &str, v: f64) -> Result<Duration, LaunchError> {
-    Duration::try_from_secs_f64(v).map_err(|_| {
-        LaunchError::Config(format!(
-            "{flag} {v} must be a non-negative number of seconds"
-        ))
-    })
-}
-
-fn launch_config(a: LaunchArgs) -> Result<LaunchConfig, LaunchError> {
-    let node_rank = launch::resolve_node_rank(a.node_rank, |k| std::env::var(k).ok())?;
-    let (job_id, source) =
-        launch::resolve_job_id(a.job_id, a.nnodes, node_rank, |k| std::env::var(k).ok())?;
-    match source {
-        JobIdSource::Given => tracing::info!(job = %job_id, "job id"),
-        JobIdSource::Launcher(var) => {
-            tracing::info!(job = %job_id, from = var, "job id (from the launcher's)")
-        }
-        JobIdSource::Made => tracing::info!(
-            job = %job_id,
-            "job id made for this launch (give --job-id to choose one); agentctl finds the job by it"
-        ),
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let h = &a.ha;
-    let flags = HaFlags {
-        enable_high_availability: h.enable_high_availability,
-        enable_hbmfault_repair: h.enable_hbmfault_repair,
-        enable_worker_reboot: h.enable_worker_reboot,
-        enable_elastic_training: h.enable_elastic_training,
-    };
-    let env = std::env::var(ha::ENV).ok();
-    let modes = ha::resolve(flags, env.as_deref(), a.nnodes * a.nproc_per_node)
-        .map_err(|e| LaunchError::Config(e.to_string()))?;
-    let ha = HaSettings {
-        modes,
-        policy: RestartPolicy {
-            max_restarts: h
-                .max_restarts
-                .unwrap_or(RestartPolicy::default().max_restarts),
-            window: seconds("--restart-window-secs", h.restart_window_secs)?,
-            max_in_window: h.max_restarts_in_window,
-            ..RestartPolicy::default()
-        },
-        shm_root: h
-            .shm_root
-            .clone()
-            .unwrap_or_else(hatrain_shared::trust::default_shm_root),
-        slots: h.snapshot_slots,
-        pause_timeout: seconds("--pause-timeout-secs", h.pause_timeout_secs)?,
-        hang: HangPolicy {
-            fixed: h
-                .hang_timeout_secs
-                .map(|v| seconds("--hang-timeout-secs", v))
-                .transpose()?,
-            factor: if h.hang_factor.is_finite() && h.hang_factor >= 1.0 {
-                h.hang_factor
-            } else {
-                return Err(LaunchError::Config(format!(
-                    "--hang-factor {} must be at least 1",
-                    h.hang_factor
-                )));
-            },
-            floor: seconds("--hang-floor-secs", h.hang_floor_secs)?,
-            startup_grace: seconds("--hang-startup-grace-secs", h.hang_startup_grace_secs)?,
-            ..HangPolicy::default()
-        },
-        trainer_saves: h.trainer_saves,
-        register_timeout: seconds("--register-timeout-secs", h.register_timeout_secs)?,
-        slices: h.snapshot_slices == "on",
-        replicas: h.replicas,
-        host_timeout: seconds("--host-timeout-secs", h.host_timeout_secs)?,
-        failure_domain: h.failure_domain.clone(),
-        local_addr: h.local_addr,
-        standby_nodes: h.standby_nodes,
-        min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
-        standby: h.standby,
-        coordinator: h.coordinator.parse().map_err(LaunchError::Config)?,
-        coordinator_timeout: seconds("--coordinator-timeout-secs", h.coordinator_timeout_secs)?,
-    };
-    if a.standalone && a.nnodes != 1 {
-        return Err(LaunchError::Config(format!(
-            "--standalone runs one host; --nnodes {} asks for more",
-            a.nnodes
-        )));
-    }
-    let command = launch::worker_command(
-        a.command,
-        a.no_python,
-        a.module,
-        std::env::var_os("HATRAIN_PYTHON"),
-    )?;
-    Ok(LaunchConfig {
-        nnodes: a.nnodes,
-        node_rank,
-        nproc_per_node: a.nproc_per_node,
-        master_addr: a.master_addr,
-        master_port: a.master_port,
-        rdzv_port: a.rdzv_port,
-        group_restarts: h.max_restarts.unwrap_or(0),
-        output: OutputPlan {
-            log_dir: a.log_dir,
-            redirects: a.redirects,
-            tee: a.tee,
-            filter: a.local_ranks_filter.map(|f| f.0),
-        },
-        job_id,
-        secret_file: a.secret_file,
-        threads_per_worker: a
-            .threads_per_worker
-            .unwrap_or((cores / a.nproc_per_node.max(1)).max(1)),
-        stop_grace: seconds("--stop-grace-secs", a.stop_grace_secs)?,
-        command,
-        ha,
-    })
 }

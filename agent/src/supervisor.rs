@@ -8,6 +8,12 @@
 //! has been reaped, so no worker outlives the supervisor. Workers also get
 //! `PR_SET_PDEATHSIG = SIGKILL`, so they die with an agent that is killed
 //! before it can stop them.
+//!
+//! Who forks a worker is the [`Spawner`]'s choice: the agent itself
+//! (`launch`), or, for a job another launcher started (`serve`), the rank's
+//! `hatrain-agent exec` shim, which stays the launcher's child while its
+//! worker is restarted beneath it. Either way the exits arrive here as
+//! [`ExitEvent`]s and the signals go to the worker's process group.
 
 use crate::launch::{ENV_ERROR_FILE, ENV_GROUP_RESTARTS, OutputPlan, attempt_dir, error_file};
 use crate::output::Sink;
@@ -22,6 +28,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -54,6 +61,15 @@ pub enum SupervisorError {
     },
 }
 
+/// Who forks the workers.
+#[derive(Debug, Clone)]
+pub enum Spawner {
+    /// The agent, through its reaper (`launch`).
+    Own(Reaper),
+    /// Each rank's `exec` shim (`serve`).
+    Shims(Arc<crate::serve::Shims>),
+}
+
 /// A worker's process state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkerState {
@@ -70,7 +86,7 @@ pub struct Supervisor {
     by_pid: HashMap<i32, usize>,
     exits: mpsc::UnboundedReceiver<ExitEvent>,
     exits_tx: mpsc::UnboundedSender<ExitEvent>,
-    reaper: Reaper,
+    spawner: Spawner,
     output: TaskTracker,
     grace: Duration,
     plan: OutputPlan,
@@ -85,12 +101,15 @@ impl Supervisor {
     /// again.
     pub async fn start(
         specs: &[WorkerSpec],
-        reaper: &Reaper,
+        spawner: Spawner,
         grace: Duration,
         plan: OutputPlan,
         run_dir: PathBuf,
     ) -> Result<Self, SupervisorError> {
         let (exits_tx, exits) = mpsc::unbounded_channel();
+        if let Spawner::Shims(shims) = &spawner {
+            shims.watch(exits_tx.clone());
+        }
         let mut sup = Self {
             specs: specs.to_vec(),
             states: Vec::with_capacity(specs.len()),
@@ -98,7 +117,7 @@ impl Supervisor {
             by_pid: HashMap::new(),
             exits,
             exits_tx,
-            reaper: reaper.clone(),
+            spawner,
             output: TaskTracker::new(),
             grace,
             plan,
@@ -246,6 +265,23 @@ impl Supervisor {
                 rank: spec.rank,
                 source,
             })?;
+        let reaper = match &self.spawner {
+            Spawner::Own(reaper) => reaper.clone(),
+            Spawner::Shims(shims) => {
+                let pid = shims.start(spec).map_err(|source| SupervisorError::Spawn {
+                    rank: spec.rank,
+                    program: spec.program.clone(),
+                    source,
+                })?;
+                tracing::info!(
+                    rank = spec.rank,
+                    local_rank = spec.local_rank,
+                    pid,
+                    "worker started by its exec shim"
+                );
+                return Ok(pid);
+            }
+        };
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -263,14 +299,14 @@ impl Supervisor {
                 Ok(())
             });
         }
-        let mut child = self
-            .reaper
-            .spawn(&mut cmd, &self.exits_tx)
-            .map_err(|source| SupervisorError::Spawn {
-                rank: spec.rank,
-                program: spec.program.clone(),
-                source,
-            })?;
+        let mut child =
+            reaper
+                .spawn(&mut cmd, &self.exits_tx)
+                .map_err(|source| SupervisorError::Spawn {
+                    rank: spec.rank,
+                    program: spec.program.clone(),
+                    source,
+                })?;
         let pid = i32::try_from(child.id()).expect("pids fit in i32");
         tracing::info!(
             rank = spec.rank,
@@ -388,7 +424,9 @@ impl Supervisor {
             }
             // A signal we sent may have been delivered before our SIGCHLD
             // wait began; poll once so the exit is not waited for in vain.
-            self.reaper.poll();
+            if let Spawner::Own(reaper) = &self.spawner {
+                reaper.poll();
+            }
             match tokio::time::timeout_at(deadline, self.exits.recv()).await {
                 Err(_) => return self.running().is_empty(),
                 Ok(Some(ev)) => {

@@ -51,7 +51,7 @@ use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
-use crate::supervisor::{Supervisor, WorkerSpec};
+use crate::supervisor::{Spawner, Supervisor, WorkerSpec};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Directive, Store};
@@ -104,8 +104,25 @@ pub async fn run(
     cfg: &LaunchConfig,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
+    run_on(cfg, None, shutdown).await
+}
+
+/// Runs a job whose ranks' exec shims start its workers (`serve`).
+pub async fn run_served(
+    cfg: &LaunchConfig,
+    shims: Arc<crate::serve::Shims>,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
+    run_on(cfg, Some(shims), shutdown).await
+}
+
+async fn run_on(
+    cfg: &LaunchConfig,
+    shims: Option<Arc<crate::serve::Shims>>,
+    shutdown: CancellationToken,
+) -> Result<JobReport, LaunchError> {
     cfg.validate()?;
-    let dir = JobDir::open(&cfg.ha.shm_root, &cfg.job_id)?;
+    let mut dir = JobDir::open(&cfg.ha.shm_root, &cfg.job_id)?;
     let logs = cfg.output.redirects.any() || cfg.output.tee.any();
     let run_dir = match RunDir::create(cfg.output.log_dir.as_deref(), cfg.job_id.as_str(), logs) {
         Ok(r) => r,
@@ -122,7 +139,7 @@ pub async fn run(
         }
     };
     let path = dir.path().to_path_buf();
-    let (result, dir) = run_in(cfg, dir, run_dir.path(), shutdown).await;
+    let result = run_with(cfg, &mut dir, run_dir.path(), shims, shutdown).await;
     // No shared memory is left behind, whatever happened.
     dir.remove();
     run_dir.finish();
@@ -203,22 +220,11 @@ struct Driver<'a> {
     filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
 }
 
-/// Runs the job in its folder, and gives the folder back for removal
-/// whatever happened.
-async fn run_in(
-    cfg: &LaunchConfig,
-    mut dir: JobDir,
-    run_dir: &std::path::Path,
-    shutdown: CancellationToken,
-) -> (Result<JobReport, LaunchError>, JobDir) {
-    let result = run_with(cfg, &mut dir, run_dir, shutdown).await;
-    (result, dir)
-}
-
 async fn run_with(
     cfg: &LaunchConfig,
     dir: &mut JobDir,
     run_dir: &std::path::Path,
+    shims: Option<Arc<crate::serve::Shims>>,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
     // The job's secret: only its holders speak to the store and the ranks.
@@ -300,8 +306,12 @@ async fn run_with(
     dir.made(jobdir::SOCKET);
     control::serve(&socket, ctl_tx, ctl_stop.clone())?;
     // The reaper outlives the event loop: stopping the workers needs it.
+    // Workers that exec shims start are theirs to reap.
     let reaper_stop = CancellationToken::new();
-    let reaper = Reaper::start(reaper_stop.clone())?;
+    let spawner = match shims {
+        Some(shims) => Spawner::Shims(shims),
+        None => Spawner::Own(Reaper::start(reaper_stop.clone())?),
+    };
     let specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec>> = {
         let (socket, secret_file) = (
             socket.display().to_string(),
@@ -316,7 +326,7 @@ async fn run_with(
                 master_port,
                 workers_store,
                 &run_dir,
-                |k| std::env::var(k).ok(),
+                |k| cfg.env_var(k),
             );
             for s in &mut specs {
                 s.env
@@ -335,7 +345,7 @@ async fn run_with(
     } else {
         specs_for(cfg.node_rank)
     };
-    if std::env::var_os("OMP_NUM_THREADS").is_none() && cfg.nproc_per_node > 1 {
+    if cfg.env_var("OMP_NUM_THREADS").is_none() && cfg.nproc_per_node > 1 {
         tracing::warn!(
             "OMP_NUM_THREADS is set to 1 for each worker, as torchrun does, so that the host is not overloaded; set it yourself to tune it"
         );
@@ -351,7 +361,7 @@ async fn run_with(
     );
     let mut sup = Supervisor::start(
         &specs,
-        &reaper,
+        spawner,
         cfg.stop_grace,
         cfg.output.clone(),
         run_dir.to_path_buf(),

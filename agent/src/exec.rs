@@ -1,0 +1,499 @@
+//! `hatrain-agent exec [FLAGS] -- CMD`: one rank of a job that another
+//! launcher (`mpirun`, `srun`, `torchrun`) starts, put under this host's
+//! agent (`hatrain-agent serve`).
+//!
+//! The shim is what the launcher sees: it registers the rank (job id, rank
+//! and world size from the launcher's environment, the high-availability
+//! flags given here), then forks the worker whenever the agent says so and
+//! reports each of its exits. While the agent restarts a crashed worker the
+//! shim stays, so the launcher never sees a rank die that hatrain repairs;
+//! at the end it exits with its worker's status, as the worker would have.
+//!
+//! The worker is the shim's child: it inherits the shim's output (the
+//! launcher's), working folder and environment, with the agent's variables
+//! over it; it dies with the shim (a parent-death signal), and a SIGTERM,
+//! SIGINT, SIGHUP or SIGQUIT from the launcher is passed to its process
+//! group, after which the shim exits with its status. If the agent goes
+//! away, a running worker runs on unprotected and the shim exits with it.
+//!
+//! Threads: the main one forks (a parent-death signal follows the thread
+//! that forked) and decides; one waits for the worker, one reads the
+//! agent's commands, one takes the launcher's signals.
+
+use crate::cli::HaArgs;
+use crate::reaper::ExitStatus;
+use crate::serve::wire::{PROTOCOL, Registration, Reply, Started, ToAgent, ToShim};
+use hatrain_shared::ident::JobId;
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::unistd::Pid;
+use std::ffi::OsString;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::sync::mpsc;
+
+/// What `exec` was given.
+#[derive(Debug, Clone)]
+pub struct ExecOptions {
+    pub socket: PathBuf,
+    pub job: Option<JobId>,
+    pub ha: HaArgs,
+    pub command: Vec<OsString>,
+}
+
+/// A rank's place, from its launcher's environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub launcher: &'static str,
+}
+
+/// The launchers whose variables are read, in order: (name, rank, world
+/// size, local rank, local world size).
+const LAUNCHERS: [(&str, [&str; 4]); 3] = [
+    (
+        "torchrun",
+        ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+    ),
+    (
+        "mpirun",
+        [
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ],
+    ),
+    (
+        "srun",
+        [
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS_PER_NODE",
+        ],
+    ),
+];
+
+/// The rank's place: the first launcher whose rank variable is set gives
+/// all four numbers.
+pub fn identity(get: impl Fn(&str) -> Option<String>) -> Result<Identity, String> {
+    for (launcher, vars) in LAUNCHERS {
+        if get(vars[0]).is_none() {
+            continue;
+        }
+        let mut n = [0usize; 4];
+        for (slot, var) in n.iter_mut().zip(vars) {
+            let v = get(var).ok_or_else(|| format!("{} is set but {var} is not", vars[0]))?;
+            *slot = v
+                .trim()
+                .parse()
+                .map_err(|_| format!("{var}={v:?} is not a number"))?;
+        }
+        let [rank, world_size, local_rank, local_world_size] = n;
+        if rank >= world_size || local_rank >= local_world_size || world_size == 0 {
+            return Err(format!(
+                "{}={rank} of {}={world_size} (local {local_rank} of {local_world_size}) is not a rank of the job",
+                vars[0], vars[1]
+            ));
+        }
+        return Ok(Identity {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            launcher,
+        });
+    }
+    Err(format!(
+        "no launcher's rank is in the environment (looked for {}): start `exec` with mpirun, srun or torchrun",
+        LAUNCHERS.map(|(_, v)| v[0]).join(", ")
+    ))
+}
+
+/// The job id: the flag (or `HATRAIN_JOB_ID`), else the launcher's own id
+/// of the run: torchrun's run id, Open MPI's job id, Slurm's job and step.
+pub fn job_id(flag: Option<JobId>, get: impl Fn(&str) -> Option<String>) -> Result<JobId, String> {
+    if let Some(j) = flag {
+        return Ok(j);
+    }
+    let made = if let Some(id) = get("TORCHELASTIC_RUN_ID").filter(|v| v != "none") {
+        format!("torchrun-{id}")
+    } else if let Some(id) = get("OMPI_MCA_ess_base_jobid") {
+        format!("mpirun-{id}")
+    } else if let Some(id) = get("SLURM_JOB_ID") {
+        let step = get("SLURM_STEP_ID").unwrap_or_else(|| "0".into());
+        format!("slurm-{id}.{step}")
+    } else {
+        return Err(
+            "cannot tell which job this rank belongs to: give --job-id (or HATRAIN_JOB_ID), the same for every rank"
+                .into(),
+        );
+    };
+    JobId::new(&made).map_err(|e| {
+        format!("the launcher's run id gives no job id ({made:?}: {e}); give --job-id")
+    })
+}
+
+/// What the main thread hears.
+enum Ev {
+    Command(ToShim),
+    AgentGone(String),
+    Exited(u32, ExitStatus),
+    Signal(Signal),
+}
+
+const FORWARDED: [Signal; 4] = [
+    Signal::SIGTERM,
+    Signal::SIGINT,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+];
+
+fn say(msg: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "hatrain-agent exec: {msg}");
+}
+
+/// Connects to the host agent and checks that root or this user runs it.
+fn connect(socket: &std::path::Path) -> Result<UnixStream, String> {
+    let s = UnixStream::connect(socket).map_err(|e| {
+        format!(
+            "no hatrain agent answers on {} ({e}): start one with `hatrain-agent serve` (or `systemctl start hatrain-agent`), or name its socket with --agent-socket",
+            socket.display()
+        )
+    })?;
+    let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| format!("{}: cannot read its owner: {e}", socket.display()))?;
+    let me = hatrain_shared::trust::me();
+    if cred.uid() != 0 && cred.uid() != me {
+        return Err(format!(
+            "{} is served by uid {}, neither root nor this user ({me}): not trusted",
+            socket.display(),
+            cred.uid()
+        ));
+    }
+    Ok(s)
+}
+
+fn exchange(s: &mut UnixStream, msg: &ToAgent) -> Result<Reply, String> {
+    PROTOCOL
+        .send_json(s, msg)
+        .and_then(|()| PROTOCOL.recv_json(s))
+        .map_err(|e| format!("the host agent: {e}"))
+}
+
+/// Runs the shim; its exit code.
+pub fn run(opts: ExecOptions) -> Result<u8, String> {
+    let get = |k: &str| std::env::var(k).ok();
+    let id = identity(get)?;
+    let job = job_id(opts.job.clone(), get)?;
+    let command = opts
+        .command
+        .iter()
+        .map(|a| {
+            a.to_str()
+                .map(str::to_string)
+                .ok_or_else(|| format!("the command's argument {a:?} is not UTF-8"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if command.is_empty() {
+        return Err("no worker command given (put it after `--`)".into());
+    }
+    let reg = Registration {
+        job: job.to_string(),
+        rank: id.rank,
+        world_size: id.world_size,
+        local_rank: id.local_rank,
+        local_world_size: id.local_world_size,
+        launcher: id.launcher.into(),
+        ha: opts.ha,
+        command,
+        env: std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect(),
+    };
+    let mut events = connect(&opts.socket)?;
+    match exchange(&mut events, &ToAgent::Register(Box::new(reg)))? {
+        Reply::Registered { .. } => {}
+        Reply::Refused { message } => {
+            return Err(format!(
+                "the host agent refused rank {}: {message}",
+                id.rank
+            ));
+        }
+        other => {
+            return Err(format!(
+                "the host agent answered {other:?} to a registration"
+            ));
+        }
+    }
+    let mut commands = connect(&opts.socket)?;
+    let attach = ToAgent::Commands {
+        job: job.to_string(),
+        rank: id.rank,
+    };
+    match exchange(&mut commands, &attach)? {
+        Reply::Attached => {}
+        Reply::Refused { message } => {
+            return Err(format!(
+                "the host agent refused rank {}: {message}",
+                id.rank
+            ));
+        }
+        other => return Err(format!("the host agent answered {other:?} to an attach")),
+    }
+    // The launcher's signals are taken by one thread; every thread started
+    // from here on inherits the blocked mask.
+    let mut signals = SigSet::empty();
+    for s in FORWARDED {
+        signals.add(s);
+    }
+    signals
+        .thread_block()
+        .map_err(|e| format!("cannot block signals: {e}"))?;
+    let (tx, rx) = mpsc::channel::<Ev>();
+    {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            while let Ok(sig) = signals.wait() {
+                if tx.send(Ev::Signal(sig)).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    {
+        let tx = tx.clone();
+        let mut reader = commands
+            .try_clone()
+            .map_err(|e| format!("cannot read the agent's commands: {e}"))?;
+        std::thread::spawn(move || {
+            loop {
+                match PROTOCOL.recv_json::<_, ToShim>(&mut reader) {
+                    Ok(cmd) => {
+                        if tx.send(Ev::Command(cmd)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Ev::AgentGone(e.to_string()));
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    Shim {
+        rank: id.rank,
+        events: Some(events),
+        commands,
+        signals,
+        tx,
+        worker: None,
+        last: None,
+        stopping: None,
+        agent_gone: false,
+    }
+    .run(rx)
+}
+
+struct Shim {
+    rank: usize,
+    events: Option<UnixStream>,
+    commands: UnixStream,
+    signals: SigSet,
+    tx: mpsc::Sender<Ev>,
+    worker: Option<u32>,
+    last: Option<ExitStatus>,
+    /// A signal from the launcher: the shim ends with its worker.
+    stopping: Option<Signal>,
+    agent_gone: bool,
+}
+
+fn code(status: ExitStatus) -> u8 {
+    u8::try_from(status.code()).unwrap_or(1)
+}
+
+impl Shim {
+    fn run(mut self, rx: mpsc::Receiver<Ev>) -> Result<u8, String> {
+        while let Ok(ev) = rx.recv() {
+            match ev {
+                Ev::Command(ToShim::Start { program, args, env }) => {
+                    let answer = self.start(program, args, env);
+                    if let Err(e) = PROTOCOL.send_json(&mut self.commands, &answer) {
+                        say(format_args!("cannot answer the host agent: {e}"));
+                    }
+                }
+                Ev::Command(ToShim::Finish { error }) => {
+                    if let Some(why) = &error {
+                        say(format_args!("the host agent could not run the job: {why}"));
+                    }
+                    if self.worker.is_some() {
+                        // Not expected: the agent finishes a job once its
+                        // workers have ended. End this one, then go.
+                        self.signal_worker(Signal::SIGTERM);
+                        self.agent_gone = true;
+                        continue;
+                    }
+                    return Ok(self.last.map_or(1, code));
+                }
+                Ev::AgentGone(why) => {
+                    self.agent_gone = true;
+                    self.events = None;
+                    match self.worker {
+                        Some(pid) => say(format_args!(
+                            "the host agent is gone ({why}); rank {}'s worker (pid {pid}) runs on without its protection",
+                            self.rank
+                        )),
+                        None => {
+                            say(format_args!(
+                                "the host agent is gone ({why}) while rank {} had no worker running",
+                                self.rank
+                            ));
+                            return Ok(self.last.map_or(1, code));
+                        }
+                    }
+                }
+                Ev::Exited(pid, status) => {
+                    self.worker = None;
+                    self.last = Some(status);
+                    let report = ToAgent::Exited {
+                        pid: pid as i32,
+                        status,
+                    };
+                    if let Some(ev) = &mut self.events
+                        && PROTOCOL.send_json(ev, &report).is_err()
+                    {
+                        self.agent_gone = true;
+                    }
+                    if self.stopping.is_some() || self.agent_gone {
+                        return Ok(code(status));
+                    }
+                }
+                Ev::Signal(sig) => {
+                    self.stopping = Some(sig);
+                    if self.worker.is_none() {
+                        return Ok(crate::exit::signaled(sig as i32));
+                    }
+                    self.signal_worker(sig);
+                }
+            }
+        }
+        Ok(self.last.map_or(1, code))
+    }
+
+    fn signal_worker(&self, sig: Signal) {
+        if let Some(pid) = self.worker
+            && let Ok(pid) = i32::try_from(pid)
+        {
+            let _ = kill(Pid::from_raw(-pid), sig);
+        }
+    }
+
+    fn start(&mut self, program: String, args: Vec<String>, env: Vec<(String, String)>) -> Started {
+        if let Some(pid) = self.worker {
+            return Started::Failed {
+                message: format!("rank {}'s worker still runs (pid {pid})", self.rank),
+            };
+        }
+        if let Some(sig) = self.stopping {
+            return Started::Failed {
+                message: format!("rank {}'s launcher is stopping it ({sig})", self.rank),
+            };
+        }
+        let mut cmd = std::process::Command::new(&program);
+        cmd.args(&args).envs(env);
+        let unblock = self.signals;
+        // SAFETY: the closure runs in the child between fork and exec and
+        // only calls setpgid(2), prctl(2) and sigprocmask(2), which are
+        // async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                sigprocmask(SigmaskHow::SIG_UNBLOCK, Some(&unblock), None)?;
+                Ok(())
+            });
+        }
+        match cmd.spawn() {
+            Ok(mut child) => {
+                let pid = child.id();
+                self.worker = Some(pid);
+                let tx = self.tx.clone();
+                std::thread::spawn(move || {
+                    let status = match child.wait() {
+                        Ok(s) => match (s.code(), s.signal()) {
+                            (Some(c), _) => ExitStatus::Exited(c),
+                            (None, Some(sig)) => ExitStatus::Signaled(sig),
+                            (None, None) => ExitStatus::Exited(1),
+                        },
+                        Err(_) => ExitStatus::Exited(1),
+                    };
+                    let _ = tx.send(Ev::Exited(pid, status));
+                });
+                Started::Pid(pid as i32)
+            }
+            Err(e) => Started::Failed {
+                message: format!("cannot start {program}: {e}"),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn identity_comes_from_the_launcher() {
+        let mpi = env(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("OMPI_MCA_ess_base_jobid", "791740417"),
+        ]);
+        let id = identity(&mpi).unwrap();
+        assert_eq!((id.rank, id.world_size, id.launcher), (3, 4, "mpirun"));
+        assert_eq!(job_id(None, &mpi).unwrap().as_str(), "mpirun-791740417");
+        let torch = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+        ]);
+        assert_eq!(identity(&torch).unwrap().launcher, "torchrun");
+        let e = job_id(None, &torch).unwrap_err();
+        assert!(e.contains("--job-id"), "{e}");
+        let given = JobId::new("mine").unwrap();
+        assert_eq!(job_id(Some(given.clone()), &torch).unwrap(), given);
+        let e = identity(env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(e.contains("LOCAL_RANK is not"), "{e}");
+        let e = identity(env(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "1"),
+        ]))
+        .unwrap_err();
+        assert!(e.contains("not a rank of the job"), "{e}");
+        let e = identity(env(&[])).unwrap_err();
+        assert!(e.contains("OMPI_COMM_WORLD_RANK"), "{e}");
+        let e = job_id(None, env(&[("SLURM_JOB_ID", "../x")])).unwrap_err();
+        assert!(e.contains("slurm-../x"), "{e}");
+    }
+}

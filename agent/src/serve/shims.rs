@@ -1,0 +1,191 @@
+//! The exec shims of one served job: each rank's commands connection, and
+//! where its worker's exits go.
+//!
+//! A start is one blocking round trip on the rank's commands connection:
+//! the shim forks and answers with the pid at once (a fork and an exec,
+//! about a millisecond), so the supervisor gets its pid as from its own
+//! fork. Exits arrive on the shim's events connection, read by the serve
+//! loop, and are handed to the supervisor as [`ExitEvent`]s. A shim that
+//! vanishes (its launcher killed it) took its worker with it (the worker's
+//! parent-death signal): that worker's exit is reported as a SIGKILL.
+
+use super::wire::{PROTOCOL, Started, ToShim};
+use crate::reaper::{ExitEvent, ExitStatus};
+use crate::supervisor::WorkerSpec;
+use std::collections::BTreeMap;
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// How long a shim has to answer a start.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Default)]
+pub struct Shims {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    ranks: BTreeMap<usize, Shim>,
+    exits: Option<UnboundedSender<ExitEvent>>,
+}
+
+#[derive(Debug, Default)]
+struct Shim {
+    /// `None` until the shim attaches it, and once it is gone.
+    commands: Option<UnixStream>,
+    /// The shim's process (both its connections come from it).
+    pid: i32,
+    /// Its worker while it runs.
+    worker: Option<i32>,
+    gone: bool,
+}
+
+impl Shims {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `rank`'s registration from the shim process `pid`.
+    pub fn register(&self, rank: usize, pid: i32) {
+        self.lock().ranks.insert(
+            rank,
+            Shim {
+                pid,
+                ..Shim::default()
+            },
+        );
+    }
+
+    /// Attaches `rank`'s commands connection, if `pid` is the process that
+    /// registered the rank.
+    pub fn attach(&self, rank: usize, pid: i32, stream: UnixStream) -> Result<(), String> {
+        let mut g = self.lock();
+        let Some(shim) = g.ranks.get_mut(&rank) else {
+            return Err(format!("rank {rank} is not registered"));
+        };
+        if shim.pid != pid {
+            return Err(format!(
+                "rank {rank} was registered by pid {}, not pid {pid}",
+                shim.pid
+            ));
+        }
+        if shim.commands.is_some() {
+            return Err(format!("rank {rank}'s shim is already attached"));
+        }
+        stream
+            .set_read_timeout(Some(START_TIMEOUT))
+            .and_then(|()| stream.set_write_timeout(Some(START_TIMEOUT)))
+            .map_err(|e| e.to_string())?;
+        shim.commands = Some(stream);
+        Ok(())
+    }
+
+    /// The ranks registered, and whether each is attached.
+    pub fn ranks(&self) -> Vec<(usize, bool)> {
+        self.lock()
+            .ranks
+            .iter()
+            .map(|(&r, s)| (r, s.commands.is_some()))
+            .collect()
+    }
+
+    /// Where the workers' exits go from now on.
+    pub fn watch(&self, exits: UnboundedSender<ExitEvent>) {
+        self.lock().exits = Some(exits);
+    }
+
+    /// Has `spec.rank`'s shim start its worker; the worker's pid.
+    pub fn start(&self, spec: &WorkerSpec) -> io::Result<i32> {
+        let mut g = self.lock();
+        let shim = g.ranks.get_mut(&spec.rank).ok_or_else(|| {
+            io::Error::other(format!("no exec shim registered rank {}", spec.rank))
+        })?;
+        let conn = shim.commands.as_mut().ok_or_else(|| {
+            io::Error::other(format!(
+                "rank {}'s exec shim is gone (its launcher stopped it)",
+                spec.rank
+            ))
+        })?;
+        let text = |s: &std::ffi::OsStr| s.to_string_lossy().into_owned();
+        let msg = ToShim::Start {
+            program: text(spec.program.as_os_str()),
+            args: spec.args.iter().map(|a| text(a)).collect(),
+            env: spec.env.clone(),
+        };
+        let answer = PROTOCOL
+            .send_json(conn, &msg)
+            .and_then(|()| PROTOCOL.recv_json::<_, Started>(conn));
+        match answer {
+            Ok(Started::Pid(pid)) => {
+                shim.worker = Some(pid);
+                Ok(pid)
+            }
+            Ok(Started::Failed { message }) => Err(io::Error::other(message)),
+            Err(e) => {
+                shim.commands = None;
+                Err(io::Error::other(format!(
+                    "rank {}'s exec shim did not answer: {e}",
+                    spec.rank
+                )))
+            }
+        }
+    }
+
+    /// `rank`'s worker `pid` ended.
+    pub fn exited(&self, rank: usize, pid: i32, status: ExitStatus) {
+        let mut g = self.lock();
+        if let Some(shim) = g.ranks.get_mut(&rank)
+            && shim.worker == Some(pid)
+        {
+            shim.worker = None;
+        }
+        if let Some(tx) = &g.exits {
+            let _ = tx.send(ExitEvent { pid, status });
+        }
+    }
+
+    /// `rank`'s shim is gone; a worker it had died with it.
+    pub fn gone(&self, rank: usize) {
+        let mut g = self.lock();
+        let Some(shim) = g.ranks.get_mut(&rank) else {
+            return;
+        };
+        shim.commands = None;
+        shim.gone = true;
+        let worker = shim.worker.take();
+        if let (Some(pid), Some(tx)) = (worker, &g.exits) {
+            tracing::warn!(
+                rank,
+                pid,
+                "the rank's exec shim is gone (its launcher stopped it); its worker died with it"
+            );
+            let _ = tx.send(ExitEvent {
+                pid,
+                status: ExitStatus::Signaled(libc::SIGKILL),
+            });
+        }
+    }
+
+    /// Whether every registered shim is gone.
+    pub fn all_gone(&self) -> bool {
+        self.lock().ranks.values().all(|s| s.gone)
+    }
+
+    /// Tells every shim the job is over: each exits with its worker's last
+    /// status, or, with `error` (the job could not run), says it and fails.
+    pub fn finish(&self, error: Option<String>) {
+        let mut g = self.lock();
+        for shim in g.ranks.values_mut() {
+            if let Some(mut conn) = shim.commands.take() {
+                let msg = ToShim::Finish {
+                    error: error.clone(),
+                };
+                let _ = PROTOCOL.send_json(&mut conn, &msg);
+            }
+        }
+    }
+}
