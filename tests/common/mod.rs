@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod etcd;
 pub mod hosts;
+pub mod serve;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

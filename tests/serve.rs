@@ -1,0 +1,224 @@
+//! The service form: `hatrain-agent serve` adopts jobs that the real
+//! `mpirun` starts through `hatrain-agent exec`, repairs them without
+//! mpirun noticing, and speaks systemd's notify protocol.
+
+mod common;
+use common::serve::{Serve, mpirun};
+use common::*;
+use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const HA: [&str; 2] = ["--enable-high-availability", "--enable-worker-reboot"];
+
+fn train(log: &Path) -> Vec<String> {
+    let mut a = tiny_args(40);
+    a.extend(["--log-jsonl".into(), log.display().to_string()]);
+    a
+}
+
+/// The parent pid of a process.
+fn ppid(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Stops the serving agent with SIGTERM and checks that it leaves nothing:
+/// no process, no socket, no job folder.
+fn stop_clean(mut serve: Serve) {
+    kill(serve.job.pid(), libc::SIGTERM);
+    let out = serve.job.wait_output(Duration::from_secs(60));
+    assert_success(&out, "the serving agent's stop");
+    assert!(!serve.socket.exists(), "the socket is removed");
+    let left: Vec<_> = std::fs::read_dir(&serve.shm)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "shared memory left behind: {left:?}");
+    assert!(job_pids(&serve.job.job).is_empty());
+}
+
+#[test]
+fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
+    let d = tempfile::tempdir().unwrap();
+    let serve = Serve::start(d.path(), &[]);
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("faulty.jsonl"));
+
+    let job = job_id("mpi-ref");
+    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&ref_log), &[]);
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(180));
+    assert_success(&out, "the fault-free mpirun job");
+
+    // Rank 2 stops inside its optimizer update at step 12, rank 1 in its
+    // forward pass at step 30; the test kills each worker with SIGKILL.
+    let job = job_id("mpi-kill");
+    let plan = [("HATRAIN_FAULT_PLAN", "2:12:update:stop;1:30:forward:stop")];
+    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&log), &plan);
+    let mut run = Job::spawn(cmd, &job);
+    let mpirun_pid = run.pid();
+    let stopped = |rank| {
+        job_pids(&job)
+            .into_iter()
+            .find(|&p| proc_state(p) == Some('T') && rank_of(p) == Some(rank))
+    };
+    assert!(
+        wait_until(Duration::from_secs(120), || stopped(2).is_some()),
+        "rank 2 never reached its fault"
+    );
+    let victim = stopped(2).unwrap();
+    let shim = ppid(victim).unwrap();
+    let shims = children(mpirun_pid);
+    assert_eq!(shims.len(), 4, "mpirun started 4 exec shims");
+    assert!(shims.contains(&shim), "the worker is its exec shim's child");
+    kill(victim, libc::SIGKILL);
+    // While rank 1 is stopped the job waits: look at it then.
+    assert!(
+        wait_until(Duration::from_secs(120), || stopped(1).is_some()),
+        "rank 1 never reached its fault (was rank 2 repaired?)"
+    );
+    let socket = serve.shm.join(&job).join("agent.sock");
+    let repaired = poll_agentctl(&socket, "faults", Duration::from_secs(30), |v| {
+        let faults = v["faults"].as_array()?;
+        faults
+            .iter()
+            .find(|f| f["recovery_s"].is_number())
+            .map(|f| f["ranks"].clone())
+    });
+    assert_eq!(
+        repaired,
+        Some(serde_json::json!([2])),
+        "rank 2 was repaired"
+    );
+    assert_eq!(
+        children(mpirun_pid),
+        shims,
+        "mpirun's shims are the same processes"
+    );
+    let reborn: Vec<i32> = job_pids(&job)
+        .into_iter()
+        .filter(|&p| rank_of(p) == Some(2) && ppid(p) == Some(shim))
+        .collect();
+    assert!(
+        reborn.len() == 1 && reborn[0] != victim,
+        "rank 2's new worker runs under the same shim: {reborn:?}"
+    );
+    kill(stopped(1).unwrap(), libc::SIGKILL);
+
+    let out = run.wait_output(Duration::from_secs(180));
+    assert_success(&out, "the mpirun job with a killed rank");
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !text.contains("non-zero") && !text.contains("aborted"),
+        "mpirun noticed: {text}"
+    );
+    let (a, b) = (read_log(&ref_log), read_log(&log));
+    assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
+    assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
+    assert!(job_pids(&job).is_empty(), "no worker outlives its job");
+    stop_clean(serve);
+}
+
+/// Reads the datagrams systemd would get until `pick` finds one.
+fn next_with(sock: &UnixDatagram, what: &str, limit: Duration) -> (String, Instant) {
+    let end = Instant::now() + limit;
+    let mut buf = [0u8; 4096];
+    while Instant::now() < end {
+        if let Ok(n) = sock.recv(&mut buf) {
+            let msg = String::from_utf8_lossy(&buf[..n]).to_string();
+            if msg.lines().any(|l| l == what) {
+                return (msg, Instant::now());
+            }
+        }
+    }
+    panic!("no {what} within {limit:?}");
+}
+
+#[test]
+fn the_notify_protocol_says_ready_watchdog_and_stopping() {
+    let d = tempfile::tempdir().unwrap();
+    let notify = d.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let serve = Serve::start(
+        d.path(),
+        &[
+            ("NOTIFY_SOCKET", notify.to_str().unwrap()),
+            ("WATCHDOG_USEC", "1000000"),
+        ],
+    );
+    let (ready, _) = next_with(&sock, "READY=1", Duration::from_secs(20));
+    assert!(ready.contains("STATUS=serving 0 jobs"), "{ready}");
+    UnixStream::connect(&serve.socket).expect("READY comes once the socket takes connections");
+    // Keep-alives: at least every half period, never a whole period apart.
+    let mut at = vec![next_with(&sock, "WATCHDOG=1", Duration::from_secs(5)).1];
+    while at.len() < 5 {
+        at.push(next_with(&sock, "WATCHDOG=1", Duration::from_secs(5)).1);
+    }
+    let longest = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    assert!(
+        longest < Duration::from_secs(1),
+        "keep-alives {longest:?} apart with WATCHDOG_USEC of 1 s"
+    );
+    kill(serve.job.pid(), libc::SIGTERM);
+    let (stopping, _) = next_with(&sock, "STOPPING=1", Duration::from_secs(20));
+    assert!(stopping.contains("STOPPING=1"));
+    stop_clean(serve);
+}
+
+#[test]
+fn exec_says_what_is_missing() {
+    let d = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(agent())
+        .args(["exec", "--agent-socket"])
+        .arg(d.path().join("none.sock"))
+        .args(["--", "true"])
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "1")
+        .env("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        .env("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+        .env("OMPI_MCA_ess_base_jobid", "7")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("no hatrain agent answers on"), "{err}");
+    assert!(err.contains("hatrain-agent serve"), "{err}");
+
+    let serve = Serve::start(d.path(), &[]);
+    let out = std::process::Command::new(agent())
+        .args(["exec", "--agent-socket"])
+        .arg(&serve.socket)
+        .args(["--", "true"])
+        .env_remove("RANK")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("no launcher's rank is in the environment"),
+        "{err}"
+    );
+    // A job that spans hosts is refused with the reason.
+    let out = std::process::Command::new(agent())
+        .args(["exec", "--job-id", "wide", "--agent-socket"])
+        .arg(&serve.socket)
+        .args(["--", "true"])
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "8")
+        .env("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        .env("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("4 of them on this host"), "{err}");
+    stop_clean(serve);
+}
