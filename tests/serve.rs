@@ -222,3 +222,105 @@ fn exec_says_what_is_missing() {
     assert!(err.contains("4 of them on this host"), "{err}");
     stop_clean(serve);
 }
+
+/// The newest step rank 0 has committed to its snapshot store.
+fn committed(shm: &Path, job: &str) -> Option<u64> {
+    let path = hatrain_shared::shm::store_path(&shm.join(job), 0);
+    let store = hatrain_shared::shm::Store::open(&path).ok()?;
+    store.sealed().first().map(|s| s.step)
+}
+
+const STEPS: u64 = 800;
+
+#[test]
+fn an_agent_restart_never_stops_training() {
+    let d = tempfile::tempdir().unwrap();
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("gaps.jsonl"));
+    let train = |log: &Path| {
+        let mut a = tiny_args(STEPS);
+        a.extend(["--log-jsonl".into(), log.display().to_string()]);
+        a
+    };
+    let serve = Serve::start(d.path(), &[]);
+    let job = job_id("mpi-ref");
+    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&ref_log), &[]);
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(300));
+    assert_success(&out, "the fault-free mpirun job");
+
+    // Rank 0 takes 10 ms more per step, so that the run outlasts two
+    // agent restarts (a sleep changes no number).
+    let slow: Vec<String> = (1..=STEPS)
+        .map(|s| format!("0:{s}:forward:sleep10:*"))
+        .collect();
+    let slow = slow.join(";");
+    let job = job_id("mpi-restart");
+    let plan = [("HATRAIN_FAULT_PLAN", slow.as_str())];
+    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&log), &plan);
+    let mut run = Job::spawn(cmd, &job);
+    let socket = serve.shm.join(&job).join("agent.sock");
+    let running = |limit| {
+        poll_agentctl(&socket, "workers", limit, |v| {
+            let w = v["workers"].as_array()?;
+            (w.len() == 4 && w.iter().all(|w| w["pid"].is_number())).then_some(())
+        })
+        .is_some()
+    };
+    assert!(running(Duration::from_secs(60)), "the job started");
+    assert!(
+        wait_until(Duration::from_secs(60), || committed(&serve.shm, &job)
+            .is_some_and(|s| s >= 5)),
+        "rank 0 commits snapshots"
+    );
+
+    // 1. SIGKILL of the agent: the workers train on through the gap, and
+    // the next agent, 2 s later, takes them back.
+    kill(serve.job.pid(), libc::SIGKILL);
+    let before = committed(&serve.shm, &job).expect("rank 0 committed a snapshot");
+    std::thread::sleep(Duration::from_secs(2));
+    let after = committed(&serve.shm, &job).unwrap();
+    assert!(
+        after > before,
+        "snapshots go on without an agent ({before} then {after})"
+    );
+    drop(serve);
+    let serve = Serve::start(d.path(), &[]);
+    assert!(
+        running(Duration::from_secs(30)),
+        "the next agent re-adopted every worker"
+    );
+
+    // 2. SIGKILL of the agent, then of rank 1's worker while no agent runs:
+    // the next agent reboots it from shared memory.
+    kill(serve.job.pid(), libc::SIGKILL);
+    let victim = job_pids(&job)
+        .into_iter()
+        .find(|&p| rank_of(p) == Some(1) && proc_state(p).is_some_and(|s| s != 'Z'))
+        .expect("rank 1's worker");
+    kill(victim, libc::SIGKILL);
+    std::thread::sleep(Duration::from_secs(2));
+    drop(serve);
+    let serve = Serve::start(d.path(), &[]);
+    let repaired = poll_agentctl(&socket, "faults", Duration::from_secs(60), |v| {
+        let faults = v["faults"].as_array()?;
+        faults
+            .iter()
+            .find(|f| f["recovery_s"].is_number() && f["ranks"] == serde_json::json!([1]))
+            .map(|_| ())
+    });
+    assert!(repaired.is_some(), "rank 1 was rebooted by the next agent");
+
+    let out = run.wait_output(Duration::from_secs(300));
+    assert_success(&out, "the mpirun job through two agent restarts");
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("non-zero"), "mpirun noticed: {text}");
+    let (a, b) = (read_log(&ref_log), read_log(&log));
+    assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
+    assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
+    assert!(job_pids(&job).is_empty(), "no worker outlives its job");
+    stop_clean(serve);
+    let state: Vec<_> = std::fs::read_dir(d.path().join("run/jobs"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(state.is_empty(), "no job state is left: {state:?}");
+}

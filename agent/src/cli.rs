@@ -63,6 +63,11 @@ pub struct ExecArgs {
     /// id, Open MPI's job id, Slurm's job and step).
     #[arg(long, env = "HATRAIN_JOB_ID")]
     pub job_id: Option<JobId>,
+    /// When the host agent goes away (a restart), the worker trains on and
+    /// the shim waits for the next agent; a shim whose worker has ended
+    /// waits this long, then exits with the worker's status.
+    #[arg(long, default_value_t = 300.0)]
+    pub agent_wait_secs: f64,
     #[command(flatten)]
     pub ha: HaArgs,
     /// The worker command and its arguments, after `--`.

@@ -22,7 +22,7 @@
 
 use crate::cli::HaArgs;
 use crate::reaper::ExitStatus;
-use crate::serve::wire::{PROTOCOL, Registration, Reply, Started, ToAgent, ToShim};
+use crate::serve::wire::{PROTOCOL, Registration, Reply, Resume, Started, ToAgent, ToShim};
 use hatrain_shared::ident::JobId;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
 use nix::unistd::Pid;
@@ -31,6 +31,7 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 /// What `exec` was given.
 #[derive(Debug, Clone)]
@@ -39,6 +40,9 @@ pub struct ExecOptions {
     pub job: Option<JobId>,
     pub ha: HaArgs,
     pub command: Vec<OsString>,
+    /// How long a shim whose worker has ended waits for an agent that went
+    /// away to come back.
+    pub agent_wait: Duration,
 }
 
 /// A rank's place, from its launcher's environment.
@@ -138,10 +142,11 @@ pub fn job_id(flag: Option<JobId>, get: impl Fn(&str) -> Option<String>) -> Resu
     })
 }
 
-/// What the main thread hears.
+/// What the main thread hears. Events of a commands connection carry its
+/// generation: one that came from a connection replaced since is stale.
 enum Ev {
-    Command(ToShim),
-    AgentGone(String),
+    Command(u64, ToShim),
+    AgentGone(u64, String),
     Exited(u32, ExitStatus),
     Signal(Signal),
 }
@@ -152,6 +157,9 @@ const FORWARDED: [Signal; 4] = [
     Signal::SIGHUP,
     Signal::SIGQUIT,
 ];
+
+/// How often a shim whose agent is gone tries for the next one.
+const RETRY: Duration = Duration::from_millis(200);
 
 fn say(msg: std::fmt::Arguments) {
     use std::io::Write;
@@ -186,6 +194,54 @@ fn exchange(s: &mut UnixStream, msg: &ToAgent) -> Result<Reply, String> {
         .map_err(|e| format!("the host agent: {e}"))
 }
 
+/// Why a registration did not go through: the agent refused it (`true`),
+/// or could not be reached.
+type Refusal = (bool, String);
+
+/// Registers the rank and attaches its commands connection: the events
+/// and commands connections.
+fn register(
+    socket: &std::path::Path,
+    reg: &Registration,
+) -> Result<(UnixStream, UnixStream), Refusal> {
+    let unreachable = |e: String| (false, e);
+    let mut events = connect(socket).map_err(unreachable)?;
+    match exchange(&mut events, &ToAgent::Register(Box::new(reg.clone()))).map_err(unreachable)? {
+        Reply::Registered { .. } => {}
+        Reply::Refused { message } => return Err((true, message)),
+        other => return Err((true, format!("it answered {other:?} to a registration"))),
+    }
+    let mut commands = connect(socket).map_err(unreachable)?;
+    let attach = ToAgent::Commands {
+        job: reg.job.clone(),
+        rank: reg.rank,
+    };
+    match exchange(&mut commands, &attach).map_err(unreachable)? {
+        Reply::Attached => Ok((events, commands)),
+        Reply::Refused { message } => Err((true, message)),
+        other => Err((true, format!("it answered {other:?} to an attach"))),
+    }
+}
+
+/// Reads the agent's commands on one connection, until it closes.
+fn read_commands(mut conn: UnixStream, generation: u64, tx: mpsc::Sender<Ev>) {
+    std::thread::spawn(move || {
+        loop {
+            match PROTOCOL.recv_json::<_, ToShim>(&mut conn) {
+                Ok(cmd) => {
+                    if tx.send(Ev::Command(generation, cmd)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Ev::AgentGone(generation, e.to_string()));
+                    return;
+                }
+            }
+        }
+    });
+}
+
 /// Runs the shim; its exit code.
 pub fn run(opts: ExecOptions) -> Result<u8, String> {
     let get = |k: &str| std::env::var(k).ok();
@@ -215,37 +271,13 @@ pub fn run(opts: ExecOptions) -> Result<u8, String> {
         env: std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
             .collect(),
+        resume: None,
     };
-    let mut events = connect(&opts.socket)?;
-    match exchange(&mut events, &ToAgent::Register(Box::new(reg)))? {
-        Reply::Registered { .. } => {}
-        Reply::Refused { message } => {
-            return Err(format!(
-                "the host agent refused rank {}: {message}",
-                id.rank
-            ));
-        }
-        other => {
-            return Err(format!(
-                "the host agent answered {other:?} to a registration"
-            ));
-        }
-    }
-    let mut commands = connect(&opts.socket)?;
-    let attach = ToAgent::Commands {
-        job: job.to_string(),
-        rank: id.rank,
-    };
-    match exchange(&mut commands, &attach)? {
-        Reply::Attached => {}
-        Reply::Refused { message } => {
-            return Err(format!(
-                "the host agent refused rank {}: {message}",
-                id.rank
-            ));
-        }
-        other => return Err(format!("the host agent answered {other:?} to an attach")),
-    }
+    let (events, commands) =
+        register(&opts.socket, &reg).map_err(|(refused, why)| match refused {
+            true => format!("the host agent refused rank {}: {why}", id.rank),
+            false => why,
+        })?;
     // The launcher's signals are taken by one thread; every thread started
     // from here on inherits the blocked mask.
     let mut signals = SigSet::empty();
@@ -266,52 +298,49 @@ pub fn run(opts: ExecOptions) -> Result<u8, String> {
             }
         });
     }
-    {
-        let tx = tx.clone();
-        let mut reader = commands
-            .try_clone()
-            .map_err(|e| format!("cannot read the agent's commands: {e}"))?;
-        std::thread::spawn(move || {
-            loop {
-                match PROTOCOL.recv_json::<_, ToShim>(&mut reader) {
-                    Ok(cmd) => {
-                        if tx.send(Ev::Command(cmd)).is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Ev::AgentGone(e.to_string()));
-                        return;
-                    }
-                }
-            }
-        });
-    }
+    let reader = commands
+        .try_clone()
+        .map_err(|e| format!("cannot read the agent's commands: {e}"))?;
+    read_commands(reader, 0, tx.clone());
     Shim {
-        rank: id.rank,
+        socket: opts.socket,
+        reg,
+        agent_wait: opts.agent_wait,
+        generation: 0,
         events: Some(events),
-        commands,
+        commands: Some(commands),
         signals,
         tx,
         worker: None,
         last: None,
+        unanswered: None,
         stopping: None,
-        agent_gone: false,
+        gone_since: None,
+        orphaned: false,
     }
     .run(rx)
 }
 
 struct Shim {
-    rank: usize,
+    socket: PathBuf,
+    reg: Registration,
+    /// How long a shim without a worker waits for an agent to come back.
+    agent_wait: Duration,
+    generation: u64,
     events: Option<UnixStream>,
-    commands: UnixStream,
+    commands: Option<UnixStream>,
     signals: SigSet,
     tx: mpsc::Sender<Ev>,
     worker: Option<u32>,
     last: Option<ExitStatus>,
+    /// The worker's last exit, until the agent starts it again.
+    unanswered: Option<(i32, ExitStatus)>,
     /// A signal from the launcher: the shim ends with its worker.
     stopping: Option<Signal>,
-    agent_gone: bool,
+    /// Since when no agent is there.
+    gone_since: Option<Instant>,
+    /// No agent takes the rank back: it runs on to its end unprotected.
+    orphaned: bool,
 }
 
 fn code(status: ExitStatus) -> u8 {
@@ -319,16 +348,39 @@ fn code(status: ExitStatus) -> u8 {
 }
 
 impl Shim {
+    fn rank(&self) -> usize {
+        self.reg.rank
+    }
+
     fn run(mut self, rx: mpsc::Receiver<Ev>) -> Result<u8, String> {
-        while let Ok(ev) = rx.recv() {
+        loop {
+            let ev = match self.gone_since {
+                Some(_) => match rx.recv_timeout(RETRY) {
+                    Ok(ev) => ev,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        if let Some(code) = self.try_to_return() {
+                            return Ok(code);
+                        }
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                },
+                None => match rx.recv() {
+                    Ok(ev) => ev,
+                    Err(_) => break,
+                },
+            };
             match ev {
-                Ev::Command(ToShim::Start { program, args, env }) => {
+                Ev::Command(g, _) | Ev::AgentGone(g, _) if g != self.generation => {}
+                Ev::Command(_, ToShim::Start { program, args, env }) => {
                     let answer = self.start(program, args, env);
-                    if let Err(e) = PROTOCOL.send_json(&mut self.commands, &answer) {
+                    if let Some(conn) = &mut self.commands
+                        && let Err(e) = PROTOCOL.send_json(conn, &answer)
+                    {
                         say(format_args!("cannot answer the host agent: {e}"));
                     }
                 }
-                Ev::Command(ToShim::Finish { error }) => {
+                Ev::Command(_, ToShim::Finish { error }) => {
                     if let Some(why) = &error {
                         say(format_args!("the host agent could not run the job: {why}"));
                     }
@@ -336,31 +388,22 @@ impl Shim {
                         // Not expected: the agent finishes a job once its
                         // workers have ended. End this one, then go.
                         self.signal_worker(Signal::SIGTERM);
-                        self.agent_gone = true;
+                        self.orphaned = true;
                         continue;
                     }
                     return Ok(self.last.map_or(1, code));
                 }
-                Ev::AgentGone(why) => {
-                    self.agent_gone = true;
+                Ev::AgentGone(_, why) => {
                     self.events = None;
-                    match self.worker {
-                        Some(pid) => say(format_args!(
-                            "the host agent is gone ({why}); rank {}'s worker (pid {pid}) runs on without its protection",
-                            self.rank
-                        )),
-                        None => {
-                            say(format_args!(
-                                "the host agent is gone ({why}) while rank {} had no worker running",
-                                self.rank
-                            ));
-                            return Ok(self.last.map_or(1, code));
-                        }
+                    self.commands = None;
+                    if let Some(code) = self.agent_gone(&why) {
+                        return Ok(code);
                     }
                 }
                 Ev::Exited(pid, status) => {
                     self.worker = None;
                     self.last = Some(status);
+                    self.unanswered = Some((pid as i32, status));
                     let report = ToAgent::Exited {
                         pid: pid as i32,
                         status,
@@ -368,9 +411,10 @@ impl Shim {
                     if let Some(ev) = &mut self.events
                         && PROTOCOL.send_json(ev, &report).is_err()
                     {
-                        self.agent_gone = true;
+                        // The agent is gone: the exit goes to the next one.
+                        self.events = None;
                     }
-                    if self.stopping.is_some() || self.agent_gone {
+                    if self.stopping.is_some() || self.orphaned {
                         return Ok(code(status));
                     }
                 }
@@ -386,6 +430,84 @@ impl Shim {
         Ok(self.last.map_or(1, code))
     }
 
+    /// The agent went away: the worker runs on while the shim waits for
+    /// the next agent. `Some(code)` when the shim should end now.
+    fn agent_gone(&mut self, why: &str) -> Option<u8> {
+        if self.stopping.is_some() || self.orphaned {
+            return if self.worker.is_some() {
+                None
+            } else {
+                Some(self.last.map_or(1, code))
+            };
+        }
+        match self.worker {
+            Some(pid) => say(format_args!(
+                "the host agent is gone ({why}); rank {}'s worker (pid {pid}) trains on, and is taken back by the next agent",
+                self.rank()
+            )),
+            None => say(format_args!(
+                "the host agent is gone ({why}); rank {} waits up to {:.0} s for the next agent",
+                self.rank(),
+                self.agent_wait.as_secs_f64()
+            )),
+        }
+        self.gone_since = Some(Instant::now());
+        None
+    }
+
+    /// Tries to register with the next agent. `Some(code)` when the shim
+    /// gives up: no agent came in time and no worker runs.
+    fn try_to_return(&mut self) -> Option<u8> {
+        let since = self.gone_since?;
+        let mut reg = self.reg.clone();
+        reg.resume = Some(Resume {
+            running: self.worker.map(|p| p as i32),
+            exited: self.unanswered,
+        });
+        match register(&self.socket, &reg) {
+            Ok((events, commands)) => {
+                self.generation += 1;
+                match commands.try_clone() {
+                    Ok(reader) => read_commands(reader, self.generation, self.tx.clone()),
+                    Err(e) => {
+                        say(format_args!("cannot read the agent's commands: {e}"));
+                        return None;
+                    }
+                }
+                self.events = Some(events);
+                self.commands = Some(commands);
+                self.gone_since = None;
+                say(format_args!(
+                    "rank {} is back under the host agent after {:.1} s",
+                    self.rank(),
+                    since.elapsed().as_secs_f64()
+                ));
+                None
+            }
+            Err((true, why)) => {
+                say(format_args!(
+                    "the host agent does not take rank {} back: {why}",
+                    self.rank()
+                ));
+                self.orphaned = true;
+                self.gone_since = None;
+                match self.worker {
+                    Some(_) => None,
+                    None => Some(self.last.map_or(1, code)),
+                }
+            }
+            Err((false, _)) if self.worker.is_none() && since.elapsed() > self.agent_wait => {
+                say(format_args!(
+                    "no host agent came back within {:.0} s; rank {} ends with its worker's status",
+                    self.agent_wait.as_secs_f64(),
+                    self.rank()
+                ));
+                Some(self.last.map_or(1, code))
+            }
+            Err((false, _)) => None,
+        }
+    }
+
     fn signal_worker(&self, sig: Signal) {
         if let Some(pid) = self.worker
             && let Ok(pid) = i32::try_from(pid)
@@ -397,12 +519,12 @@ impl Shim {
     fn start(&mut self, program: String, args: Vec<String>, env: Vec<(String, String)>) -> Started {
         if let Some(pid) = self.worker {
             return Started::Failed {
-                message: format!("rank {}'s worker still runs (pid {pid})", self.rank),
+                message: format!("rank {}'s worker still runs (pid {pid})", self.rank()),
             };
         }
         if let Some(sig) = self.stopping {
             return Started::Failed {
-                message: format!("rank {}'s launcher is stopping it ({sig})", self.rank),
+                message: format!("rank {}'s launcher is stopping it ({sig})", self.rank()),
             };
         }
         let mut cmd = std::process::Command::new(&program);
@@ -423,6 +545,7 @@ impl Shim {
             Ok(mut child) => {
                 let pid = child.id();
                 self.worker = Some(pid);
+                self.unanswered = None;
                 let tx = self.tx.clone();
                 std::thread::spawn(move || {
                     let status = match child.wait() {

@@ -115,14 +115,26 @@ impl JobDir {
             Err(e) => return Err(io_err(root)(e)),
             Ok(_) => false,
         };
-        let opened = Self::claim(root, job, created_root);
+        let opened = Self::claim(root, job, created_root, false);
         if opened.is_err() && created_root {
             let _ = std::fs::remove_dir(root);
         }
         opened
     }
 
-    fn claim(root: &Path, job: &JobId, created_root: bool) -> Result<Self, JobDirError> {
+    /// Claims the folder of a job whose agent is gone while its workers
+    /// still run (a serving agent's restart): its files are kept, and
+    /// removed when this agent's job ends.
+    pub fn reopen(root: &Path, job: &JobId) -> Result<Self, JobDirError> {
+        Self::claim(root, job, false, true)
+    }
+
+    fn claim(
+        root: &Path,
+        job: &JobId,
+        created_root: bool,
+        keep: bool,
+    ) -> Result<Self, JobDirError> {
         let me = trust::me();
         trust::check(root, Kind::Dir, me)?;
         let path = root.join(job);
@@ -155,7 +167,11 @@ impl JobDir {
             made: Vec::new(),
         };
         dir.write_holder(job)?;
-        dir.clear_stale();
+        if keep {
+            dir.keep_files();
+        } else {
+            dir.clear_stale();
+        }
         Ok(dir)
     }
 
@@ -225,6 +241,19 @@ impl JobDir {
             .and_then(|()| f.rewind())
             .and_then(|()| f.write_all(line.as_bytes()))
             .map_err(io_err(&path))
+    }
+
+    /// Takes the agent's own files an earlier agent of this job left as
+    /// this agent's.
+    fn keep_files(&mut self) {
+        let Ok(entries) = std::fs::read_dir(&self.path) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if let Some(name) = e.file_name().to_str().filter(|n| is_ours(n)) {
+                self.made(name);
+            }
+        }
     }
 
     /// Removes the agent's own files left by an earlier agent of this job

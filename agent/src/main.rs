@@ -177,6 +177,13 @@ fn exec(a: ExecArgs) -> ExitCode {
         job: a.job_id,
         ha: a.ha,
         command: a.command,
+        agent_wait: match seconds("--agent-wait-secs", a.agent_wait_secs) {
+            Ok(d) => d,
+            Err(e) => {
+                say(format_args!("hatrain-agent exec: error: {e}"));
+                return ExitCode::from(exit::USAGE);
+            }
+        },
     };
     match hatrain_agent::exec::run(opts) {
         Ok(code) => ExitCode::from(code),
@@ -194,13 +201,22 @@ fn serve_config(a: ServeArgs) -> Result<serve::ServeConfig, LaunchError> {
         )
     })?;
     Ok(serve::ServeConfig {
-        socket,
         shm_root: a
             .shm_root
             .unwrap_or_else(hatrain_shared::trust::default_shm_root),
         stop_grace: seconds("--stop-grace-secs", a.stop_grace_secs)?,
         gather_timeout: seconds("--gather-timeout-secs", a.gather_timeout_secs)?,
+        state_dir: socket_dir(&socket).join("jobs"),
+        socket,
     })
+}
+
+fn socket_dir(socket: &std::path::Path) -> std::path::PathBuf {
+    socket
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+        .to_path_buf()
 }
 
 /// SIGTERM, SIGINT, SIGHUP and SIGQUIT cancel the root shutdown token, as

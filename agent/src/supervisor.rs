@@ -106,11 +106,56 @@ impl Supervisor {
         plan: OutputPlan,
         run_dir: PathBuf,
     ) -> Result<Self, SupervisorError> {
+        let mut sup = Self::new(specs, spawner, grace, plan, run_dir);
+        for spec in specs {
+            match sup.spawn(spec) {
+                Ok(pid) => sup.running_as(spec.rank, pid),
+                Err(e) => {
+                    sup.stop_all().await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(sup)
+    }
+
+    /// Takes up workers that run already, started for the agent before
+    /// this one (a serving agent's restart): each rank with the pid its
+    /// shim gave (whose exit, if it ended meanwhile, comes next), none
+    /// started.
+    pub fn resume(
+        specs: &[WorkerSpec],
+        spawner: Spawner,
+        pids: &std::collections::BTreeMap<usize, i32>,
+        grace: Duration,
+        run_dir: PathBuf,
+    ) -> Self {
+        let mut sup = Self::new(specs, spawner, grace, OutputPlan::default(), run_dir);
+        for spec in specs {
+            match pids.get(&spec.rank) {
+                Some(&pid) => sup.running_as(spec.rank, pid),
+                None => {
+                    tracing::warn!(rank = spec.rank, "its shim knows no worker of the rank");
+                    sup.ranks.push(spec.rank);
+                    sup.states.push(WorkerState::Exited(ExitStatus::Exited(1)));
+                }
+            }
+        }
+        sup
+    }
+
+    fn new(
+        specs: &[WorkerSpec],
+        spawner: Spawner,
+        grace: Duration,
+        plan: OutputPlan,
+        run_dir: PathBuf,
+    ) -> Self {
         let (exits_tx, exits) = mpsc::unbounded_channel();
         if let Spawner::Shims(shims) = &spawner {
             shims.watch(exits_tx.clone());
         }
-        let mut sup = Self {
+        Self {
             specs: specs.to_vec(),
             states: Vec::with_capacity(specs.len()),
             ranks: Vec::with_capacity(specs.len()),
@@ -123,21 +168,13 @@ impl Supervisor {
             plan,
             run_dir,
             attempt: 0,
-        };
-        for spec in specs {
-            match sup.spawn(spec) {
-                Ok(pid) => {
-                    sup.states.push(WorkerState::Running { pid });
-                    sup.ranks.push(spec.rank);
-                    sup.by_pid.insert(pid, sup.states.len() - 1);
-                }
-                Err(e) => {
-                    sup.stop_all().await;
-                    return Err(e);
-                }
-            }
         }
-        Ok(sup)
+    }
+
+    fn running_as(&mut self, rank: usize, pid: i32) {
+        self.states.push(WorkerState::Running { pid });
+        self.ranks.push(rank);
+        self.by_pid.insert(pid, self.states.len() - 1);
     }
 
     /// Takes the ranks of `specs` (a lost host's) without starting them: as

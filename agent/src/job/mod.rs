@@ -27,6 +27,7 @@
 
 mod decider;
 mod elastic;
+mod kept;
 mod lastwords;
 mod minority;
 mod observe;
@@ -39,6 +40,10 @@ mod standby;
 mod takeover;
 mod unled;
 
+pub use kept::{Kept, Served};
+use observe::log;
+pub use observe::root_cause;
+
 use decider::{Controller, Decider, Follower};
 use orders::recv;
 
@@ -50,9 +55,8 @@ use crate::oom::OomWatch;
 use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
-use crate::recovery::{Command, Event, Level, Machine, MachineConfig, Note, Outcome};
+use crate::recovery::{Command, Event, Machine, MachineConfig, Outcome};
 use crate::supervisor::{Spawner, Supervisor, WorkerSpec};
-use hatrain_shared::auth::Secret;
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Directive, Store};
 use hatrain_shared::statemap::StateMap;
@@ -107,22 +111,26 @@ pub async fn run(
     run_on(cfg, None, shutdown).await
 }
 
-/// Runs a job whose ranks' exec shims start its workers (`serve`).
+/// Runs a job whose ranks' exec shims start its workers (`serve`), or
+/// re-adopts one whose workers run already.
 pub async fn run_served(
     cfg: &LaunchConfig,
-    shims: Arc<crate::serve::Shims>,
+    served: Served,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
-    run_on(cfg, Some(shims), shutdown).await
+    run_on(cfg, Some(served), shutdown).await
 }
 
 async fn run_on(
     cfg: &LaunchConfig,
-    shims: Option<Arc<crate::serve::Shims>>,
+    served: Option<Served>,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
     cfg.validate()?;
-    let mut dir = JobDir::open(&cfg.ha.shm_root, &cfg.job_id)?;
+    let mut dir = match served.as_ref().is_some_and(|s| s.resume.is_some()) {
+        true => JobDir::reopen(&cfg.ha.shm_root, &cfg.job_id)?,
+        false => JobDir::open(&cfg.ha.shm_root, &cfg.job_id)?,
+    };
     let logs = cfg.output.redirects.any() || cfg.output.tee.any();
     let run_dir = match RunDir::create(cfg.output.log_dir.as_deref(), cfg.job_id.as_str(), logs) {
         Ok(r) => r,
@@ -139,28 +147,12 @@ async fn run_on(
         }
     };
     let path = dir.path().to_path_buf();
-    let result = run_with(cfg, &mut dir, run_dir.path(), shims, shutdown).await;
+    let result = run_with(cfg, &mut dir, run_dir.path(), served, shutdown).await;
     // No shared memory is left behind, whatever happened.
     dir.remove();
     run_dir.finish();
     tracing::debug!(dir = %path.display(), "job folder removed");
     result
-}
-
-/// What a worker's error file (written by torch's `@record`) says ended it:
-/// its message's first line.
-pub fn root_cause(path: &std::path::Path) -> Option<String> {
-    use std::io::Read;
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .ok()?
-        .take(1 << 20)
-        .read_to_string(&mut text)
-        .ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let m = &v["message"];
-    let msg = m["message"].as_str().or_else(|| m.as_str())?;
-    Some(msg.lines().next().unwrap_or(msg).to_string())
 }
 
 /// The snapshots of every rank, verified off the loop's thread.
@@ -218,32 +210,21 @@ struct Driver<'a> {
     /// Registrations of adopted ranks waiting for their replicas: the
     /// reply, the answer, and whether the rank has a checkpoint layout.
     filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
+    /// A served job's state file, kept for the next agent.
+    keeper: Option<kept::Keeper>,
 }
 
 async fn run_with(
     cfg: &LaunchConfig,
     dir: &mut JobDir,
     run_dir: &std::path::Path,
-    shims: Option<Arc<crate::serve::Shims>>,
+    served: Option<Served>,
     shutdown: CancellationToken,
 ) -> Result<JobReport, LaunchError> {
+    let resume = served.as_ref().and_then(|s| s.resume.clone());
     // The job's secret: only its holders speak to the store and the ranks.
     // It reaches the workers in a 0600 file of the 0700 job folder.
-    let secret = match &cfg.secret_file {
-        Some(path) => Secret::load(path)?,
-        None => Secret::generate()?,
-    };
-    let secret_file = {
-        let (mut f, path) = dir.create(jobdir::SECRET)?;
-        secret
-            .write_to(&mut f)
-            .and_then(|()| f.sync_all())
-            .map_err(|source| LaunchError::Io {
-                path: path.clone(),
-                source,
-            })?;
-        path
-    };
+    let (secret, secret_file) = kept::secret(cfg, dir, resume.is_some())?;
     // The rendezvous store lives as long as this function: it outlives every
     // worker. On one node it listens on loopback only, on a port of its own:
     // the workers' MASTER_PORT is theirs.
@@ -253,7 +234,8 @@ async fn run_with(
         } else {
             cfg.master_addr.as_str()
         };
-        let addr = crate::launch::resolve(host, cfg.store_port().unwrap_or(0))?;
+        let port = resume.as_ref().map(|k| k.store.port()).or(cfg.store_port());
+        let addr = crate::launch::resolve(host, port.unwrap_or(0))?;
         let store = StoreServer::bind(addr, Some(secret.clone())).map_err(LaunchError::Store)?;
         let addr = store.local_addr();
         tracing::info!(addr = %addr, "rendezvous store listening (authenticated)");
@@ -296,9 +278,10 @@ async fn run_with(
     } else {
         (None, store_addr)
     };
-    let master_port = match cfg.master_port {
-        Some(p) => p,
-        None => crate::launch::free_port(&cfg.master_addr)?,
+    let master_port = match (cfg.master_port, &resume) {
+        (Some(p), _) => p,
+        (None, Some(k)) => k.master_port,
+        (None, None) => crate::launch::free_port(&cfg.master_addr)?,
     };
     let socket = dir.path().join(jobdir::SOCKET);
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
@@ -308,8 +291,8 @@ async fn run_with(
     // The reaper outlives the event loop: stopping the workers needs it.
     // Workers that exec shims start are theirs to reap.
     let reaper_stop = CancellationToken::new();
-    let spawner = match shims {
-        Some(shims) => Spawner::Shims(shims),
+    let spawner = match &served {
+        Some(s) => Spawner::Shims(Arc::clone(&s.shims)),
         None => Spawner::Own(Reaper::start(reaper_stop.clone())?),
     };
     let specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec>> = {
@@ -359,14 +342,16 @@ async fn run_with(
         socket = %socket.display(),
         "starting workers"
     );
-    let mut sup = Supervisor::start(
-        &specs,
-        spawner,
-        cfg.stop_grace,
-        cfg.output.clone(),
-        run_dir.to_path_buf(),
-    )
-    .await?;
+    let mut sup = match (&served, &resume) {
+        (Some(s), Some(_)) => {
+            let pids = s.shims.pids();
+            Supervisor::resume(&specs, spawner, &pids, cfg.stop_grace, run_dir.into())
+        }
+        _ => {
+            let (plan, run_dir) = (cfg.output.clone(), run_dir.to_path_buf());
+            Supervisor::start(&specs, spawner, cfg.stop_grace, plan, run_dir).await?
+        }
+    };
     let (gpu_tx, mut gpu_rx) = mpsc::channel::<GpuFault>(16);
     crate::gpu::watch(gpu_tx);
     let (collected_tx, mut collected_rx) = mpsc::unbounded_channel();
@@ -380,7 +365,10 @@ async fn run_with(
     } else {
         sup.ranks().to_vec()
     };
-    let machine = Machine::new(machine_config(cfg), ranks, unix_now());
+    let machine = match &resume {
+        Some(k) => Machine::take_over(machine_config(cfg), ranks, k.mirror.inherited()),
+        None => Machine::new(machine_config(cfg), ranks, unix_now()),
+    };
     let decider = if !joined {
         Decider::Controller(Box::new(Controller::new(
             machine,
@@ -424,7 +412,11 @@ async fn run_with(
         filled: BTreeSet::new(),
         donations: std::collections::BTreeMap::new(),
         filling: HashMap::new(),
+        keeper: served.map(|s| kept::Keeper::new(s.state_file, master_port, store_addr)),
     };
+    if let Some(k) = &resume {
+        d.resume(&sup, k)?;
+    }
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
     }
@@ -777,20 +769,6 @@ impl Driver<'_> {
         self.shutdown_unanswered();
         self.fill_adopted(sup);
         self.tick_views(sup);
-    }
-}
-
-/// Logs a machine note at its level, with the rank and the fault's
-/// detail as fields.
-fn log(n: &Note) {
-    fn show(v: &Option<String>) -> Option<tracing::field::DisplayValue<&str>> {
-        v.as_deref().map(tracing::field::display)
-    }
-    let (rank, detail, reason) = (n.rank, show(&n.detail), show(&n.reason));
-    let text = n.text.as_str();
-    match n.level {
-        Level::Info => tracing::info!(rank, detail, reason, "{text}"),
-        Level::Warn => tracing::warn!(rank, detail, reason, "{text}"),
-        Level::Error => tracing::error!(rank, detail, reason, "{text}"),
+        self.keep();
     }
 }

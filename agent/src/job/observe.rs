@@ -4,7 +4,7 @@
 use super::Driver;
 use super::GpuFault;
 use crate::reaper::ExitStatus;
-use crate::recovery::{Event, ExitCause, RankView};
+use crate::recovery::{Event, ExitCause, Level, Note, RankView};
 use crate::supervisor::Supervisor;
 use hatrain_shared::shm::{FaultFlags, Injection};
 
@@ -125,5 +125,36 @@ impl Driver<'_> {
                 "GPU memory error on a device no local rank uses"
             ),
         }
+    }
+}
+
+/// What a worker's error file (written by torch's `@record`) says ended it:
+/// its message's first line.
+pub fn root_cause(path: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(1 << 20)
+        .read_to_string(&mut text)
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let m = &v["message"];
+    let msg = m["message"].as_str().or_else(|| m.as_str())?;
+    Some(msg.lines().next().unwrap_or(msg).to_string())
+}
+
+/// Logs a machine note at its level, with the rank and the fault's
+/// detail as fields.
+pub(super) fn log(n: &Note) {
+    fn show(v: &Option<String>) -> Option<tracing::field::DisplayValue<&str>> {
+        v.as_deref().map(tracing::field::display)
+    }
+    let (rank, detail, reason) = (n.rank, show(&n.detail), show(&n.reason));
+    let text = n.text.as_str();
+    match n.level {
+        Level::Info => tracing::info!(rank, detail, reason, "{text}"),
+        Level::Warn => tracing::warn!(rank, detail, reason, "{text}"),
+        Level::Error => tracing::error!(rank, detail, reason, "{text}"),
     }
 }

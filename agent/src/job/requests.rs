@@ -167,7 +167,11 @@ impl Driver<'_> {
     /// up the persister (which also writes the dumps); in a job of several
     /// hosts it writes this host's share of each, which the controller
     /// commits.
-    fn set_up_persister(&mut self, rank: usize, map: &StateMap) -> Result<bool, RequestError> {
+    pub(super) fn set_up_persister(
+        &mut self,
+        rank: usize,
+        map: &StateMap,
+    ) -> Result<bool, RequestError> {
         let Some(info) = map.checkpoint.as_ref() else {
             return Ok(false);
         };

@@ -10,6 +10,13 @@
 //! rank's shim forks its worker ([`Shims`]). The launcher sees its shims
 //! only, and they live while their workers are restarted beneath them.
 //!
+//! Its workers do not die with it: a SIGKILL or `systemctl restart` of the
+//! agent leaves them training and committing snapshots, their shims wait,
+//! and the next agent re-adopts each job from its state folder (the first
+//! rank's registration and what the job keeps, [`crate::job::Kept`]) and
+//! the shared memory, as the shims come back; a worker that died in the
+//! gap is rebooted, and a memory error flagged in the gap is repaired.
+//!
 //! It tells systemd how it is (READY once the socket is up, a one-line
 //! STATUS, WATCHDOG keep-alives from its loop, STOPPING) through
 //! [`crate::notify`]. On SIGTERM each job is stopped as `launch` stops one
@@ -25,6 +32,7 @@ pub mod wire;
 pub use shims::Shims;
 
 use crate::cli::LaunchArgs;
+use crate::job::{Kept, Served};
 use crate::launch::LaunchConfig;
 use crate::notify;
 use hatrain_shared::ident::JobId;
@@ -56,8 +64,11 @@ pub struct ServeConfig {
     pub shm_root: PathBuf,
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     pub stop_grace: Duration,
-    /// How long a job's first rank waits for the others to register.
+    /// How long a job's first rank waits for the others to register (and
+    /// a re-adopted job for its shims to come back).
     pub gather_timeout: Duration,
+    /// Where each running job's state is kept for the next agent.
+    pub state_dir: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +92,9 @@ struct Entry {
     since: Instant,
     started_unix_s: f64,
     running: bool,
+    /// What the agent before this one kept of the job: its shims are
+    /// coming back.
+    resume: Option<Kept>,
 }
 
 #[derive(Debug)]
@@ -96,6 +110,10 @@ type Shared = Rc<RefCell<State>>;
 /// Serves until `shutdown`, then stops every job and waits for them.
 pub async fn run(cfg: ServeConfig, shutdown: CancellationToken) -> Result<(), ServeError> {
     let listener = bind(&cfg.socket)?;
+    make_private_dir(&cfg.state_dir).map_err(|source| ServeError::Bind {
+        path: cfg.state_dir.clone(),
+        source,
+    })?;
     let socket = cfg.socket.clone();
     let state: Shared = Rc::new(RefCell::new(State {
         cfg,
@@ -104,6 +122,7 @@ pub async fn run(cfg: ServeConfig, shutdown: CancellationToken) -> Result<(), Se
         shutdown: shutdown.clone(),
     }));
     tracing::info!(socket = %socket.display(), "serving: jobs register with `hatrain-agent exec`");
+    recover(&state);
     notify::ready("serving 0 jobs");
     let mut watchdog = notify::watchdog_interval();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
@@ -287,6 +306,17 @@ fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, 
     }
     let serve = st.cfg.clone();
     if let Some(e) = st.jobs.get(&reg.job) {
+        if e.resume.is_some() != reg.resume.is_some() {
+            return Err(match e.resume {
+                Some(_) => format!(
+                    "job {job} is being re-adopted from the agent before this one; a new rank cannot join it"
+                ),
+                None => format!(
+                    "job {job} runs here, and rank {} is not one of its shims",
+                    reg.rank
+                ),
+            });
+        }
         if e.running {
             return Err(format!(
                 "job {job} is already running here; a rank that joins it late is not taken (use another job id)"
@@ -306,8 +336,18 @@ fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, 
             ));
         }
         e.shims.register(reg.rank, pid);
+        if let Some(r) = reg.resume {
+            tracing::info!(job = %reg.job, rank = reg.rank, running = ?r.running, exited = ?r.exited, "a rank's shim came back");
+            e.shims.resumed(reg.rank, r.running, r.exited);
+        }
         let socket = e.cfg.ha.shm_root.join(&reg.job).join(crate::jobdir::SOCKET);
         return Ok((Arc::clone(&e.shims), socket));
+    }
+    if reg.resume.is_some() {
+        return Err(format!(
+            "job {job} is not known here: the agent that ran it kept no state in {}; its worker runs on without protection",
+            serve.state_dir.display()
+        ));
     }
     let cfg = job_config(&reg, job, &serve)?;
     let socket = cfg.ha.shm_root.join(&reg.job).join(crate::jobdir::SOCKET);
@@ -328,6 +368,7 @@ fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, 
             since: Instant::now(),
             started_unix_s: unix_now(),
             running: false,
+            resume: None,
         },
     );
     drop(st);
@@ -415,14 +456,26 @@ fn attach(
 }
 
 fn start(state: &Shared, job: &str) {
-    let (cfg, shims, token, tasks) = {
+    let (cfg, served, token, tasks, files) = {
         let mut st = state.borrow_mut();
         let token = st.shutdown.child_token();
         let tasks = st.tasks.clone();
+        let files = StateFiles::of(&st.cfg.state_dir, job);
         let e = st.jobs.get_mut(job).expect("the job's entry");
         e.running = true;
-        (e.cfg.clone(), Arc::clone(&e.shims), token, tasks)
+        if e.resume.is_none()
+            && let Err(err) = files.write_registration(&e.first)
+        {
+            tracing::warn!(job, error = %err, "cannot keep the job's registration: an agent restart would lose the job");
+        }
+        let served = Served {
+            shims: Arc::clone(&e.shims),
+            state_file: files.kept.clone(),
+            resume: e.resume.clone(),
+        };
+        (e.cfg.clone(), served, token, tasks, files)
     };
+    let shims = Arc::clone(&served.shims);
     tracing::info!(job, ranks = cfg.nproc_per_node, modes = ?cfg.ha.modes.names(), "every rank registered: the job starts");
     status(state);
     let state = Rc::clone(state);
@@ -430,7 +483,7 @@ fn start(state: &Shared, job: &str) {
     let span = tracing::info_span!("job", job = %job);
     tasks.spawn_local(tracing::Instrument::instrument(
         async move {
-            let result = crate::job::run_served(&cfg, Arc::clone(&shims), token).await;
+            let result = crate::job::run_served(&cfg, served, token).await;
             let error = match &result {
                 Ok(report) => {
                     tracing::info!(outcome = ?report.outcome, faults = report.faults.len(), "the job ended");
@@ -443,6 +496,7 @@ fn start(state: &Shared, job: &str) {
                 }
             };
             shims.finish(error);
+            files.remove();
             state.borrow_mut().jobs.remove(&job);
             status(&state);
         },
@@ -479,13 +533,21 @@ fn expire(state: &Shared) {
             continue;
         };
         let why = format!(
-            "only {} of job {job}'s {} ranks registered within {:.0} s",
+            "only {} of job {job}'s {} ranks {} within {:.0} s",
             e.shims.ranks().len(),
             e.first.world_size,
+            if e.resume.is_some() {
+                "came back to this agent"
+            } else {
+                "registered"
+            },
             limit.as_secs_f64()
         );
         tracing::error!("{why}");
         e.shims.finish(Some(why));
+        if e.resume.is_some() {
+            abandon(&state.borrow().cfg.state_dir, &e.cfg.ha.shm_root, &job);
+        }
         status(state);
     }
 }
@@ -527,4 +589,118 @@ fn status(state: &Shared) {
         }
     };
     notify::status(&line);
+}
+
+/// A job's files in the state folder: the registration its first rank
+/// made, and what the job keeps ([`Kept`]).
+#[derive(Debug, Clone)]
+struct StateFiles {
+    registration: PathBuf,
+    kept: PathBuf,
+}
+
+impl StateFiles {
+    fn of(dir: &Path, job: &str) -> Self {
+        Self {
+            registration: dir.join(format!("{job}.reg.json")),
+            kept: dir.join(format!("{job}.json")),
+        }
+    }
+
+    fn write_registration(&self, reg: &Registration) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let tmp = self.registration.with_extension("tmp");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec(reg).map_err(std::io::Error::other)?)?;
+        f.sync_data()?;
+        std::fs::rename(&tmp, &self.registration)
+    }
+
+    fn remove(&self) {
+        let _ = std::fs::remove_file(&self.registration);
+        let _ = std::fs::remove_file(&self.kept);
+    }
+}
+
+fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    hatrain_shared::trust::check(
+        dir,
+        hatrain_shared::trust::Kind::Dir,
+        hatrain_shared::trust::me(),
+    )
+    .map(|_| ())
+    .map_err(|e| std::io::Error::other(e.to_string()))
+}
+
+/// Takes up the jobs the agent before this one ran: each waits for its
+/// shims to come back, for the gather timeout.
+fn recover(state: &Shared) {
+    let serve = state.borrow().cfg.clone();
+    let Ok(entries) = std::fs::read_dir(&serve.state_dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(job) = name.strip_suffix(".reg.json") else {
+            continue;
+        };
+        let files = StateFiles::of(&serve.state_dir, job);
+        let loaded = std::fs::read(&files.registration)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
+            .and_then(|reg| Ok((Kept::load(&files.kept)?, reg)))
+            .and_then(|(kept, reg)| {
+                let id = JobId::new(job).map_err(|e| e.to_string())?;
+                Ok((job_config(&reg, id, &serve)?, kept, reg))
+            });
+        match loaded {
+            Ok((cfg, kept, first)) => {
+                tracing::info!(
+                    job,
+                    ranks = first.world_size,
+                    "a job the previous agent ran: waiting for its shims to come back"
+                );
+                state.borrow_mut().jobs.insert(
+                    job.to_string(),
+                    Entry {
+                        first,
+                        cfg,
+                        shims: Arc::new(Shims::default()),
+                        since: Instant::now(),
+                        started_unix_s: unix_now(),
+                        running: false,
+                        resume: Some(kept),
+                    },
+                );
+            }
+            Err(why) => {
+                tracing::error!(job, "cannot re-adopt the job the previous agent ran: {why}");
+                abandon(&serve.state_dir, &serve.shm_root, job);
+            }
+        }
+    }
+    status(state);
+}
+
+/// Removes what is left of a job that cannot be re-adopted: its state
+/// files and its shared-memory folder.
+fn abandon(state_dir: &Path, shm_root: &Path, job: &str) {
+    StateFiles::of(state_dir, job).remove();
+    if let Ok(id) = JobId::new(job) {
+        match crate::jobdir::JobDir::open(shm_root, &id) {
+            Ok(dir) => dir.remove(),
+            Err(e) => tracing::warn!(job, error = %e, "its shared memory is left"),
+        }
+    }
 }

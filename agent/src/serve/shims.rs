@@ -31,6 +31,9 @@ pub struct Shims {
 struct Inner {
     ranks: BTreeMap<usize, Shim>,
     exits: Option<UnboundedSender<ExitEvent>>,
+    /// Exits heard before the supervisor watched (a re-adopted job's
+    /// workers that ended while no agent ran).
+    pending: Vec<ExitEvent>,
 }
 
 #[derive(Debug, Default)]
@@ -41,6 +44,8 @@ struct Shim {
     pid: i32,
     /// Its worker while it runs.
     worker: Option<i32>,
+    /// The worker it had when it came back to a new agent.
+    resumed: Option<i32>,
     gone: bool,
 }
 
@@ -93,9 +98,38 @@ impl Shims {
             .collect()
     }
 
-    /// Where the workers' exits go from now on.
+    /// Where the workers' exits go from now on (those heard before go
+    /// first).
     pub fn watch(&self, exits: UnboundedSender<ExitEvent>) {
-        self.lock().exits = Some(exits);
+        let mut g = self.lock();
+        for ev in std::mem::take(&mut g.pending) {
+            let _ = exits.send(ev);
+        }
+        g.exits = Some(exits);
+    }
+
+    /// A re-registered shim's worker: running (`Some(pid)`), and the exit
+    /// it saw while no agent ran.
+    pub fn resumed(&self, rank: usize, running: Option<i32>, exited: Option<(i32, ExitStatus)>) {
+        let mut g = self.lock();
+        if let Some(shim) = g.ranks.get_mut(&rank) {
+            shim.worker = running.or(exited.map(|(pid, _)| pid));
+            shim.resumed = shim.worker;
+        }
+        if let Some((pid, status)) = exited {
+            drop(g);
+            self.exited(rank, pid, status);
+        }
+    }
+
+    /// The pid each rank's worker had when its shim came back to this
+    /// agent.
+    pub fn pids(&self) -> BTreeMap<usize, i32> {
+        self.lock()
+            .ranks
+            .iter()
+            .filter_map(|(&r, s)| Some((r, s.resumed?)))
+            .collect()
     }
 
     /// Has `spec.rank`'s shim start its worker; the worker's pid.
@@ -143,8 +177,12 @@ impl Shims {
         {
             shim.worker = None;
         }
-        if let Some(tx) = &g.exits {
-            let _ = tx.send(ExitEvent { pid, status });
+        let ev = ExitEvent { pid, status };
+        match &g.exits {
+            Some(tx) => {
+                let _ = tx.send(ev);
+            }
+            None => g.pending.push(ev),
         }
     }
 

@@ -41,6 +41,21 @@ pub struct Registration {
     /// The shim's environment (its UTF-8 entries), which the worker starts
     /// from.
     pub env: Vec<(String, String)>,
+    /// A shim whose agent went away comes back to the next one with its
+    /// worker as it is.
+    #[serde(default)]
+    pub resume: Option<Resume>,
+}
+
+/// A returning shim's worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resume {
+    /// The worker that runs.
+    pub running: Option<i32>,
+    /// Its last exit that no agent has answered with a new start (it ended
+    /// while no agent ran, or just before the agent went).
+    pub exited: Option<(i32, ExitStatus)>,
 }
 
 /// Shim (or `agentctl`) to agent: the first message of a connection, and
