@@ -3,7 +3,7 @@
 //! mpirun noticing, and speaks systemd's notify protocol.
 
 mod common;
-use common::serve::{Serve, mpirun};
+use common::serve::{Serve, free_port, mpirun, promtool_check, scrape};
 use common::*;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::Path;
@@ -45,7 +45,8 @@ fn stop_clean(mut serve: Serve) {
 #[test]
 fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
     let d = tempfile::tempdir().unwrap();
-    let serve = Serve::start(d.path(), &[]);
+    let port = free_port();
+    let serve = Serve::start_with(d.path(), &[], &["--metrics-addr", &port.to_string()]);
     let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("faulty.jsonl"));
 
     let job = job_id("mpi-ref");
@@ -105,6 +106,22 @@ fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
     assert!(
         reborn.len() == 1 && reborn[0] != victim,
         "rank 2's new worker runs under the same shim: {reborn:?}"
+    );
+    // The metrics say so too, in a form Prometheus takes.
+    let (status, metrics) = scrape(port);
+    assert!(status.contains(" 200 "), "{status}");
+    let (ok, said) = promtool_check(&metrics);
+    assert!(
+        ok && said.trim().is_empty(),
+        "promtool check metrics: {said}\n{metrics}"
+    );
+    let crash = format!("hatrain_faults_total{{job=\"{job}\",kind=\"crash\",action=\"reboot\"}} 1");
+    assert!(metrics.contains(&crash), "{crash} in\n{metrics}");
+    let hist = format!("hatrain_recovery_duration_seconds_count{{job=\"{job}\"}} 1");
+    assert!(metrics.contains(&hist), "{hist} in\n{metrics}");
+    assert!(
+        metrics.contains(&format!("hatrain_world_size{{job=\"{job}\"}} 4")),
+        "{metrics}"
     );
     kill(stopped(1).unwrap(), libc::SIGKILL);
 
@@ -272,9 +289,10 @@ fn an_agent_restart_never_stops_training() {
         "rank 0 commits snapshots"
     );
 
-    // 1. SIGKILL of the agent: the workers train on through the gap, and
-    // the next agent, 2 s later, takes them back.
-    kill(serve.job.pid(), libc::SIGKILL);
+    // 1. SIGTERM of the agent (`systemctl restart`, with the default
+    // --on-stop keep): the workers train on through the gap, and the next
+    // agent, 2 s later, takes them back.
+    kill(serve.job.pid(), libc::SIGTERM);
     let before = committed(&serve.shm, &job).expect("rank 0 committed a snapshot");
     std::thread::sleep(Duration::from_secs(2));
     let after = committed(&serve.shm, &job).unwrap();
@@ -282,6 +300,9 @@ fn an_agent_restart_never_stops_training() {
         after > before,
         "snapshots go on without an agent ({before} then {after})"
     );
+    let mut serve = serve;
+    let out = serve.job.wait_output(Duration::from_secs(10));
+    assert_success(&out, "the agent's stop that leaves the jobs training");
     drop(serve);
     let serve = Serve::start(d.path(), &[]);
     assert!(
@@ -289,7 +310,7 @@ fn an_agent_restart_never_stops_training() {
         "the next agent re-adopted every worker"
     );
 
-    // 2. SIGKILL of the agent, then of rank 1's worker while no agent runs:
+    // 2. SIGKILL of the agent, then of rank 1's worker while none runs:
     // the next agent reboots it from shared memory.
     kill(serve.job.pid(), libc::SIGKILL);
     let victim = job_pids(&job)

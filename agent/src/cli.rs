@@ -21,13 +21,13 @@ pub struct Cli {
 pub enum Command {
     /// Launch this host's workers, torchrun-style:
     /// `launch --nproc-per-node P [...] -- <worker command...>`.
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
     /// Serve this host's jobs as a long-running agent (a systemd service):
     /// ranks that another launcher starts register through `exec`.
     Serve(ServeArgs),
     /// Run one rank under this host's serving agent, as the command an
     /// mpirun, srun or torchrun starts: `exec [FLAGS] -- <worker command>`.
-    Exec(ExecArgs),
+    Exec(Box<ExecArgs>),
 }
 
 /// `serve`'s flags.
@@ -46,9 +46,19 @@ pub struct ServeArgs {
     /// Seconds between SIGTERM and SIGKILL when stopping workers.
     #[arg(long, default_value_t = 5.0)]
     pub stop_grace_secs: f64,
-    /// How long a job's ranks have, from the first, to all register.
+    /// How long a job's ranks have, from the first, to all register (and
+    /// a re-adopted job's shims to come back).
     #[arg(long, default_value_t = 120.0)]
     pub gather_timeout_secs: f64,
+    /// On SIGTERM: `keep` leaves the jobs training for the next agent to
+    /// re-adopt; `stop` stops them (after their last-words checkpoints
+    /// when the dump mode is on).
+    #[arg(long, value_enum, default_value = "keep")]
+    pub on_stop: crate::serve::OnStop,
+    /// Serve Prometheus metrics at http://ADDR/metrics: PORT (on
+    /// 127.0.0.1) or ADDR:PORT (default: off).
+    #[arg(long, value_parser = crate::metrics::parse_addr)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// `exec`'s flags: the host agent's socket, the job id, and the
@@ -150,6 +160,10 @@ pub struct LaunchArgs {
     /// files keep everything.
     #[arg(long, alias = "local_ranks_filter")]
     pub local_ranks_filter: Option<RankFilter>,
+    /// Serve Prometheus metrics at http://ADDR/metrics: PORT (on
+    /// 127.0.0.1) or ADDR:PORT (default: off).
+    #[arg(long, value_parser = crate::metrics::parse_addr)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub ha: HaArgs,
     /// The worker command and its arguments, after `--` or as torchrun

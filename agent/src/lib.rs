@@ -26,6 +26,7 @@ pub mod gpu;
 pub mod job;
 pub mod jobdir;
 pub mod launch;
+pub mod metrics;
 pub mod notify;
 pub mod oom;
 pub mod output;

@@ -22,7 +22,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::Exec(args) = cli.command {
-        return exec(args);
+        return exec(*args);
     }
     logging();
     match run(cli.command) {
@@ -61,7 +61,17 @@ fn run(command: Command) -> Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             Command::Launch(args) => {
-                let report = launch::run(&launch_config(args, &|k| std::env::var(k).ok())?, shutdown).await?;
+                let metrics_addr = args.metrics_addr;
+                let cfg = launch_config(*args, &|k| std::env::var(k).ok())?;
+                if let Some(addr) = metrics_addr {
+                    let socket = cfg.ha.shm_root.join(cfg.job_id.as_str()).join(hatrain_agent::jobdir::SOCKET);
+                    let jobs = hatrain_agent::metrics::Jobs::default();
+                    jobs.lock().unwrap_or_else(|p| p.into_inner()).insert(cfg.job_id.to_string(), socket);
+                    hatrain_agent::metrics::serve(addr, jobs, shutdown.clone())
+                        .await
+                        .with_context(|| format!("cannot serve metrics on {addr}"))?;
+                }
+                let report = launch::run(&cfg, shutdown).await?;
                 if let Some((it, dir)) = &report.last_words {
                     say(format_args!(
                         "hatrain-agent: last-words checkpoint of iteration {it} written; resume with --load {}",
@@ -207,6 +217,8 @@ fn serve_config(a: ServeArgs) -> Result<serve::ServeConfig, LaunchError> {
         stop_grace: seconds("--stop-grace-secs", a.stop_grace_secs)?,
         gather_timeout: seconds("--gather-timeout-secs", a.gather_timeout_secs)?,
         state_dir: socket_dir(&socket).join("jobs"),
+        on_stop: a.on_stop,
+        metrics_addr: a.metrics_addr,
         socket,
     })
 }

@@ -18,7 +18,7 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    minor: 2,
+    minor: 3,
     max_payload: 1 << 20,
 };
 
@@ -249,6 +249,9 @@ pub struct StatusReport {
     /// The resizes of the data-parallel group (elastic training).
     #[serde(default)]
     pub resizes: Vec<ResizeRecord>,
+    /// The median recent step time the hang watchdog measures.
+    #[serde(default)]
+    pub step_time_s: Option<f64>,
 }
 
 /// A resize of the data-parallel group (elastic training).
@@ -365,6 +368,9 @@ pub struct PersistReport {
     pub writing: Option<u64>,
     /// The last failure, if the newest attempt failed.
     pub last_error: Option<String>,
+    /// Bytes of every checkpoint written so far.
+    #[serde(default)]
+    pub bytes_written: u64,
 }
 
 /// What kind of fault a record is about.

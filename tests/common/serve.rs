@@ -31,6 +31,10 @@ pub struct Serve {
 
 impl Serve {
     pub fn start(dir: &Path, extra_env: &[(&str, &str)]) -> Self {
+        Self::start_with(dir, extra_env, &[])
+    }
+
+    pub fn start_with(dir: &Path, extra_env: &[(&str, &str)], args: &[&str]) -> Self {
         let socket = dir.join("run/agent.sock");
         let shm = dir.join("shm");
         let mut cmd = Command::new(agent());
@@ -40,6 +44,7 @@ impl Serve {
             .arg("--shm-root")
             .arg(&shm)
             .args(["--stop-grace-secs", "3"])
+            .args(args)
             .env("RUST_LOG", "info")
             .envs(extra_env.iter().copied());
         let job = Job::spawn(cmd, &job_id("serve"));
@@ -92,4 +97,60 @@ pub fn mpirun(
         .env("RAYON_NUM_THREADS", "1")
         .envs(env.iter().copied());
     c
+}
+
+/// A TCP port free on 127.0.0.1 now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// `GET /metrics` from 127.0.0.1:`port`: the status line and the body.
+pub fn scrape(port: u16) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the metrics endpoint");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP reply");
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
+}
+
+/// Runs `promtool check metrics` on `text` (Debian's `prometheus`,
+/// installed the first time): what it printed, and whether it passed.
+pub fn promtool_check(text: &str) -> (bool, String) {
+    use std::io::Write;
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/system-packages.sh");
+        let st = Command::new(script)
+            .arg("prometheus")
+            .status()
+            .expect("run scripts/system-packages.sh");
+        assert!(st.success(), "cannot install prometheus (promtool)");
+    });
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), said)
 }

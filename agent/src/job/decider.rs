@@ -654,6 +654,14 @@ impl Decider {
         }
     }
 
+    /// The median recent step time (the controller's measure).
+    pub fn median_step(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::Controller(c) => c.machine.median_step(),
+            Self::Follower(_) => None,
+        }
+    }
+
     pub fn restarts(&self, rank: usize) -> u32 {
         match self {
             Self::Controller(c) => c.machine.restarts(rank),

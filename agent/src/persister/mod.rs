@@ -58,6 +58,8 @@ pub struct Persister {
     last_saved: Option<(u64, f64)>,
     last_started: Option<u64>,
     saves: u64,
+    /// Bytes of every checkpoint written.
+    bytes_written: u64,
     skipped: Vec<u64>,
     last_error: Option<String>,
 }
@@ -140,6 +142,7 @@ impl Persister {
             last_saved: None,
             last_started: None,
             saves: 0,
+            bytes_written: 0,
             skipped: Vec::new(),
             last_error: None,
         }
@@ -182,6 +185,7 @@ impl Persister {
             skipped: self.skipped.clone(),
             writing: self.writing.as_ref().map(|w| w.step),
             last_error: self.last_error.clone(),
+            bytes_written: self.bytes_written,
         }
     }
 
@@ -545,6 +549,7 @@ impl Persister {
             if self.part { "this host's share of a checkpoint" } else { "checkpoint" }
         );
         self.last_saved = Some((step, secs));
+        self.bytes_written += bytes;
         if periodic {
             self.saves += 1;
         }

@@ -303,6 +303,11 @@ impl Machine {
         &self.faults
     }
 
+    /// The median recent step time.
+    pub fn median_step(&self) -> Option<Duration> {
+        self.watch.median()
+    }
+
     /// How often `rank` has been restarted.
     pub fn restarts(&self, rank: usize) -> u32 {
         self.history.get(&rank).map_or(0, |h| h.restarts)

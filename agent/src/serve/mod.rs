@@ -19,8 +19,9 @@
 //!
 //! It tells systemd how it is (READY once the socket is up, a one-line
 //! STATUS, WATCHDOG keep-alives from its loop, STOPPING) through
-//! [`crate::notify`]. On SIGTERM each job is stopped as `launch` stops one
-//! (the last-words checkpoint first when the dump mode is on) and its
+//! [`crate::notify`]. On SIGTERM ([`OnStop`]) it leaves its jobs training
+//! for the next agent (the default), or stops each as `launch` stops one
+//! (the last-words checkpoint first when the dump mode is on), and the
 //! shims exit with their workers' statuses.
 //!
 //! INVARIANT: everything runs on the agent's one thread (a `LocalSet`):
@@ -69,6 +70,19 @@ pub struct ServeConfig {
     pub gather_timeout: Duration,
     /// Where each running job's state is kept for the next agent.
     pub state_dir: PathBuf,
+    pub on_stop: OnStop,
+    /// Where Prometheus metrics are served.
+    pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// What a SIGTERM (`systemctl stop` or `restart`) does to the jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnStop {
+    /// The workers train on, and the next agent re-adopts them.
+    Keep,
+    /// Each job is stopped: its last-words checkpoint first when its dump
+    /// mode is on, then its workers.
+    Stop,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +116,10 @@ struct State {
     cfg: ServeConfig,
     jobs: BTreeMap<String, Entry>,
     tasks: TaskTracker,
+    /// Cancelled when the agent stops with its jobs.
+    stop_jobs: CancellationToken,
+    /// The running jobs' control sockets, for the metrics.
+    metrics: crate::metrics::Jobs,
     shutdown: CancellationToken,
 }
 
@@ -119,8 +137,20 @@ pub async fn run(cfg: ServeConfig, shutdown: CancellationToken) -> Result<(), Se
         cfg,
         jobs: BTreeMap::new(),
         tasks: TaskTracker::new(),
+        stop_jobs: CancellationToken::new(),
+        metrics: crate::metrics::Jobs::default(),
         shutdown: shutdown.clone(),
     }));
+    let metrics_addr = state.borrow().cfg.metrics_addr;
+    if let Some(addr) = metrics_addr {
+        let jobs = Arc::clone(&state.borrow().metrics);
+        crate::metrics::serve(addr, jobs, shutdown.clone())
+            .await
+            .map_err(|source| ServeError::Bind {
+                path: PathBuf::from(addr.to_string()),
+                source,
+            })?;
+    }
     tracing::info!(socket = %socket.display(), "serving: jobs register with `hatrain-agent exec`");
     recover(&state);
     notify::ready("serving 0 jobs");
@@ -139,11 +169,20 @@ pub async fn run(cfg: ServeConfig, shutdown: CancellationToken) -> Result<(), Se
         }
     }
     notify::stopping();
+    let (jobs, on_stop) = (state.borrow().jobs.len(), state.borrow().cfg.on_stop);
+    if on_stop == OnStop::Keep {
+        // Nothing of the jobs is undone: their workers, stores and state
+        // files stay as a crash would leave them, for the next agent.
+        tracing::info!(
+            jobs,
+            "stopping; the jobs train on and the next agent re-adopts them (--on-stop keep)"
+        );
+        let _ = std::fs::remove_file(&socket);
+        std::process::exit(0);
+    }
+    tracing::info!(jobs, "stopping: every job is stopped (--on-stop stop)");
+    state.borrow().stop_jobs.cancel();
     let tasks = state.borrow().tasks.clone();
-    tracing::info!(
-        jobs = state.borrow().jobs.len(),
-        "stopping: every job is stopped"
-    );
     tasks.close();
     // Keep-alives go on while the jobs stop (a last-words dump takes time).
     loop {
@@ -402,6 +441,7 @@ fn job_config(reg: &Registration, job: JobId, serve: &ServeConfig) -> Result<Lau
         redirects: Default::default(),
         tee: Default::default(),
         local_ranks_filter: None,
+        metrics_addr: None,
         ha,
         command: reg.command.iter().map(Into::into).collect(),
     };
@@ -458,7 +498,7 @@ fn attach(
 fn start(state: &Shared, job: &str) {
     let (cfg, served, token, tasks, files) = {
         let mut st = state.borrow_mut();
-        let token = st.shutdown.child_token();
+        let token = st.stop_jobs.child_token();
         let tasks = st.tasks.clone();
         let files = StateFiles::of(&st.cfg.state_dir, job);
         let e = st.jobs.get_mut(job).expect("the job's entry");
@@ -468,6 +508,12 @@ fn start(state: &Shared, job: &str) {
         {
             tracing::warn!(job, error = %err, "cannot keep the job's registration: an agent restart would lose the job");
         }
+        let socket = e.cfg.ha.shm_root.join(job).join(crate::jobdir::SOCKET);
+        st.metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(job.to_string(), socket);
+        let e = st.jobs.get_mut(job).expect("the job's entry");
         let served = Served {
             shims: Arc::clone(&e.shims),
             state_file: files.kept.clone(),
@@ -497,7 +543,10 @@ fn start(state: &Shared, job: &str) {
             };
             shims.finish(error);
             files.remove();
-            state.borrow_mut().jobs.remove(&job);
+            let mut st = state.borrow_mut();
+            st.jobs.remove(&job);
+            st.metrics.lock().unwrap_or_else(|p| p.into_inner()).remove(&job);
+            drop(st);
             status(&state);
         },
         span,

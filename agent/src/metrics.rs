@@ -1,0 +1,492 @@
+//! Prometheus metrics: `--metrics-addr` serves `/metrics` (through the
+//! `prometheus-client` crate, over `hyper`): OpenMetrics text to a scraper
+//! that asks for it (Prometheus does, in its `Accept` header), else the
+//! classic text format (0.0.4), which `promtool check metrics` and older
+//! tools read.
+//!
+//! A scrape asks each job the agent runs for its status over the job's own
+//! control socket (what `agentctl status` shows) and renders it: so the
+//! numbers are the job's, taken when asked, and a job that is busy does
+//! not hold the endpoint up for more than a moment. Counters count over a
+//! job's life (its fault history is kept across recoveries and agent
+//! restarts); the recovery-time histogram is built from the same history.
+
+use hatrain_shared::control::{FaultKind, PROTOCOL, Request, Response, StatusReport};
+use http_body_util::Full;
+use hyper::body::Bytes;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+/// The jobs whose metrics are served: id to control socket.
+pub type Jobs = Arc<Mutex<BTreeMap<String, PathBuf>>>;
+
+/// How long a scrape waits for one job's status.
+const ASK_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JobLabel {
+    job: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RankLabels {
+    job: String,
+    rank: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    job: String,
+    kind: String,
+    action: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HostLabels {
+    job: String,
+    state: String,
+}
+
+type GaugeF = Gauge<f64, AtomicU64>;
+
+/// The fixed set a fault's action falls in (its record says it in words).
+pub fn action_class(action: &str) -> &'static str {
+    if action.starts_with("stop the job") {
+        "stop"
+    } else if action.starts_with("restart ranks") && action.contains("standby") {
+        "standby"
+    } else if action.starts_with("restart rank") {
+        "reboot"
+    } else if action.starts_with("restart the whole group") {
+        "group_restart"
+    } else if action.starts_with("shrinking") {
+        "shrink"
+    } else if action.contains("recompute") || action.contains("repair") {
+        "repair"
+    } else {
+        "other"
+    }
+}
+
+fn kind_name(kind: FaultKind) -> String {
+    serde_json::to_value(kind)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{kind:?}"))
+}
+
+/// The OpenMetrics text of `reports`.
+pub fn render(reports: &[StatusReport]) -> String {
+    let mut reg = Registry::default();
+    let jobs = Gauge::<i64>::default();
+    jobs.set(reports.len() as i64);
+    reg.register("hatrain_jobs", "Jobs this agent runs", jobs);
+
+    let world = Family::<JobLabel, Gauge>::default();
+    let uptime = Family::<JobLabel, GaugeF>::default();
+    let recovering = Family::<JobLabel, Gauge>::default();
+    let epoch = Family::<JobLabel, Gauge>::default();
+    let step_time = Family::<JobLabel, GaugeF>::default();
+    let step = Family::<RankLabels, Gauge>::default();
+    let restarts = Family::<RankLabels, Counter>::default();
+    let snap_age = Family::<RankLabels, GaugeF>::default();
+    let snap_bytes = Family::<RankLabels, Gauge>::default();
+    let faults = Family::<FaultLabels, Counter>::default();
+    let recovery = Family::<JobLabel, Histogram>::new_with_constructor(|| {
+        Histogram::new(exponential_buckets(0.1, 2.0, 13))
+    });
+    let saves = Family::<JobLabel, Counter>::default();
+    let skipped = Family::<JobLabel, Counter>::default();
+    let ckpt_bytes = Family::<JobLabel, Counter>::default();
+    let replica_lag = Family::<RankLabels, Gauge>::default();
+    let hosts = Family::<HostLabels, Gauge>::default();
+
+    for r in reports {
+        let job = JobLabel { job: r.job.clone() };
+        world.get_or_create(&job).set(r.world_size as i64);
+        uptime.get_or_create(&job).set(r.uptime_s);
+        recovering.get_or_create(&job).set(i64::from(r.recovering));
+        epoch.get_or_create(&job).set(r.epoch as i64);
+        if let Some(t) = r.step_time_s {
+            step_time.get_or_create(&job).set(t);
+        }
+        for w in &r.workers {
+            let l = RankLabels {
+                job: r.job.clone(),
+                rank: w.rank.to_string(),
+            };
+            step.get_or_create(&l).set(w.step as i64);
+            restarts.get_or_create(&l).inc_by(w.restarts);
+            if let Some(s) = &w.last_snapshot {
+                snap_age.get_or_create(&l).set(s.age_s);
+                snap_bytes.get_or_create(&l).set(s.bytes as i64);
+            }
+        }
+        for f in &r.faults {
+            let l = FaultLabels {
+                job: r.job.clone(),
+                kind: kind_name(f.kind),
+                action: action_class(&f.action).into(),
+            };
+            faults.get_or_create(&l).inc();
+            if let Some(s) = f.recovery_s {
+                recovery.get_or_create(&job).observe(s);
+            }
+        }
+        if let Some(p) = &r.persist {
+            saves.get_or_create(&job).inc_by(p.saves);
+            skipped.get_or_create(&job).inc_by(p.skipped.len() as u64);
+            ckpt_bytes.get_or_create(&job).inc_by(p.bytes_written);
+        }
+        // The ranks step together: a replica's lag is behind this host's
+        // newest snapshot.
+        let newest = r
+            .workers
+            .iter()
+            .filter_map(|w| w.last_snapshot.as_ref().map(|s| s.step))
+            .max();
+        if let (Some(rep), Some(newest)) = (&r.replicas, newest) {
+            for h in &rep.held {
+                let l = RankLabels {
+                    job: r.job.clone(),
+                    rank: h.rank.to_string(),
+                };
+                let held = h.steps.first().copied().unwrap_or(0);
+                replica_lag
+                    .get_or_create(&l)
+                    .set(newest.saturating_sub(held) as i64);
+            }
+        }
+        if let Some(m) = &r.membership {
+            for (state, n) in [
+                ("live", m.live.len()),
+                ("lost", m.lost.len()),
+                ("starting", m.starting.len()),
+            ] {
+                let l = HostLabels {
+                    job: r.job.clone(),
+                    state: state.into(),
+                };
+                hosts.get_or_create(&l).set(n as i64);
+            }
+        }
+    }
+    reg.register(
+        "hatrain_world_size",
+        "Ranks in the job's data-parallel group",
+        world,
+    );
+    reg.register_with_unit(
+        "hatrain_uptime",
+        "Time since the job started",
+        Unit::Seconds,
+        uptime,
+    );
+    reg.register(
+        "hatrain_recovering",
+        "1 while the job recovers from a fault",
+        recovering,
+    );
+    reg.register("hatrain_epoch", "The job's recovery epoch", epoch);
+    reg.register_with_unit(
+        "hatrain_step_duration",
+        "Median recent step time, as the hang watchdog measures it",
+        Unit::Seconds,
+        step_time,
+    );
+    reg.register("hatrain_step", "The newest step each rank reached", step);
+    reg.register(
+        "hatrain_worker_restarts",
+        "Times each rank's worker was restarted",
+        restarts,
+    );
+    reg.register_with_unit(
+        "hatrain_snapshot_age",
+        "Age of each rank's newest sealed snapshot",
+        Unit::Seconds,
+        snap_age,
+    );
+    reg.register_with_unit(
+        "hatrain_snapshot",
+        "Size of each rank's newest sealed snapshot",
+        Unit::Bytes,
+        snap_bytes,
+    );
+    reg.register(
+        "hatrain_faults",
+        "Faults seen, by kind and the action taken",
+        faults,
+    );
+    reg.register_with_unit(
+        "hatrain_recovery_duration",
+        "Time from a fault's detection to the first step after its recovery",
+        Unit::Seconds,
+        recovery,
+    );
+    reg.register(
+        "hatrain_checkpoint_saves",
+        "Checkpoints written from the snapshots",
+        saves,
+    );
+    reg.register(
+        "hatrain_checkpoint_saves_skipped",
+        "Checkpoint steps passed over because the disk was still busy",
+        skipped,
+    );
+    reg.register_with_unit(
+        "hatrain_checkpoint_written",
+        "Bytes of the checkpoints written from the snapshots",
+        Unit::Bytes,
+        ckpt_bytes,
+    );
+    reg.register(
+        "hatrain_replica_lag_steps",
+        "Steps a held peer replica is behind this host's newest snapshot",
+        replica_lag,
+    );
+    reg.register(
+        "hatrain_hosts",
+        "The job's hosts by state, as this agent hears them",
+        hosts,
+    );
+    let mut out = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &reg) {
+        tracing::warn!(error = %e, "cannot encode the metrics");
+    }
+    out
+}
+
+/// A job's status, asked over its control socket.
+async fn status(socket: &Path) -> Option<StatusReport> {
+    let mut s = tokio::net::UnixStream::connect(socket).await.ok()?;
+    let frame = PROTOCOL
+        .encode(&serde_json::to_vec(&Request::Status).ok()?)
+        .ok()?;
+    s.write_all(&frame).await.ok()?;
+    let mut header = [0u8; hatrain_shared::frame::HEADER_LEN];
+    s.read_exact(&mut header).await.ok()?;
+    let mut body = vec![0u8; PROTOCOL.parse_header(&header).ok()?];
+    s.read_exact(&mut body).await.ok()?;
+    match PROTOCOL.parse_json(&body).ok()? {
+        Response::Status(r) => Some(*r),
+        _ => None,
+    }
+}
+
+async fn scrape(jobs: &Jobs) -> String {
+    let sockets: Vec<PathBuf> = jobs
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    let mut reports = Vec::with_capacity(sockets.len());
+    for s in sockets {
+        if let Ok(Some(r)) = tokio::time::timeout(ASK_TIMEOUT, status(&s)).await {
+            reports.push(r);
+        }
+    }
+    render(&reports)
+}
+
+/// The classic text format (0.0.4) of an OpenMetrics text: a counter's
+/// HELP and TYPE name its `_total` sample, and UNIT and EOF go.
+pub fn classic(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+type Reply = hyper::Response<Full<Bytes>>;
+
+async fn handle(
+    req: hyper::Request<hyper::body::Incoming>,
+    jobs: Jobs,
+) -> Result<Reply, std::convert::Infallible> {
+    let openmetrics = req
+        .headers()
+        .get_all(hyper::header::ACCEPT)
+        .iter()
+        .any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.contains("application/openmetrics-text"))
+        });
+    let (code, kind, body) = if req.method() == hyper::Method::GET && req.uri().path() == "/metrics"
+    {
+        let text = scrape(&jobs).await;
+        match openmetrics {
+            true => (
+                200,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                text,
+            ),
+            false => (
+                200,
+                "text/plain; version=0.0.4; charset=utf-8",
+                classic(&text),
+            ),
+        }
+    } else {
+        (
+            404,
+            "text/plain; charset=utf-8",
+            "only GET /metrics is served here\n".to_string(),
+        )
+    };
+    let mut reply = hyper::Response::new(Full::new(Bytes::from(body)));
+    *reply.status_mut() = hyper::StatusCode::from_u16(code).unwrap_or(hyper::StatusCode::OK);
+    if let Ok(v) = hyper::header::HeaderValue::from_str(kind) {
+        reply.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    Ok(reply)
+}
+
+/// Serves `/metrics` on `addr` until `shutdown`; the address it listens on.
+pub async fn serve(
+    addr: SocketAddr,
+    jobs: Jobs,
+    shutdown: CancellationToken,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    if !local.ip().is_loopback() {
+        tracing::warn!(addr = %local, "metrics are served beyond this host (not a loopback address)");
+    }
+    tracing::info!(addr = %local, "serving Prometheus metrics at /metrics");
+    tokio::spawn(async move {
+        loop {
+            let conn = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                c = listener.accept() => c,
+            };
+            let Ok((stream, _)) = conn else { continue };
+            let jobs = Arc::clone(&jobs);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| handle(req, Arc::clone(&jobs)));
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    Ok(local)
+}
+
+/// `--metrics-addr`: `PORT` (on 127.0.0.1) or `ADDR:PORT`.
+pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.parse()
+        .map_err(|_| format!("--metrics-addr {s:?}: expected PORT (on 127.0.0.1) or ADDR:PORT"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hatrain_shared::control::FaultRecord;
+
+    #[test]
+    fn actions_fall_in_a_fixed_set() {
+        for (action, class) in [
+            ("restart rank 1 in place (restart 1)", "reboot"),
+            ("restart ranks [4, 5] on standby host 3", "standby"),
+            ("restart the whole group (restart 1 of 3)", "group_restart"),
+            (
+                "shrinking the data-parallel group from 6 to 4 ranks",
+                "shrink",
+            ),
+            ("stop the job: the pause timed out", "stop"),
+            (
+                "rank 0: uncorrectable memory error in params: every rank returns to s* and recomputes (no restart)",
+                "repair",
+            ),
+            ("something new", "other"),
+        ] {
+            assert_eq!(action_class(action), class, "{action}");
+        }
+    }
+
+    #[test]
+    fn the_classic_format_names_counters_by_their_samples() {
+        let r = StatusReport {
+            job: "j".into(),
+            world_size: 2,
+            local_ranks: 2,
+            epoch: 1,
+            modes: Default::default(),
+            uptime_s: 3.0,
+            recovering: false,
+            activity: None,
+            store: None,
+            store_addr: None,
+            workers: vec![],
+            faults: vec![FaultRecord {
+                id: 1,
+                ranks: vec![1],
+                kind: FaultKind::Uce,
+                detail: String::new(),
+                detected_unix_s: 0.0,
+                s_star: Some(3),
+                action: "rank 1: uncorrectable memory error in params: every rank returns to s* and recomputes (no restart)".into(),
+                recovery_s: Some(0.5),
+                steps_lost: Some(1),
+                reason: String::new(),
+            }],
+            persist: None,
+            replicas: None,
+            membership: None,
+            resizes: vec![],
+            step_time_s: Some(0.25),
+        };
+        let om = render(&[r]);
+        assert!(om.ends_with("# EOF\n"), "{om}");
+        assert!(om.contains("# TYPE hatrain_faults counter"), "{om}");
+        let c = classic(&om);
+        assert!(c.contains("# TYPE hatrain_faults_total counter"), "{c}");
+        assert!(c.contains("# HELP hatrain_faults_total Faults seen"), "{c}");
+        assert!(
+            c.contains("hatrain_faults_total{job=\"j\",kind=\"uce\",action=\"repair\"} 1"),
+            "{c}"
+        );
+        assert!(
+            c.contains("hatrain_step_duration_seconds{job=\"j\"} 0.25"),
+            "{c}"
+        );
+        assert!(!c.contains("# EOF") && !c.contains("# UNIT"), "{c}");
+    }
+}
