@@ -107,6 +107,28 @@ fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
         reborn.len() == 1 && reborn[0] != victim,
         "rank 2's new worker runs under the same shim: {reborn:?}"
     );
+    // agentctl lists it among the host agent's jobs.
+    let out = std::process::Command::new(agentctl())
+        .arg("--host-socket")
+        .arg(&serve.socket)
+        .arg("--shm-root")
+        .arg(&serve.shm)
+        .args(["--json", "jobs"])
+        .output()
+        .unwrap();
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|j| j["job"] == job.as_str());
+    assert!(
+        listed.is_some_and(|j| j["served"] == true
+            && j["running"] == true
+            && j["launcher"] == "mpirun"
+            && j["world_size"] == 4),
+        "{list}"
+    );
     // The metrics say so too, in a form Prometheus takes.
     let (status, metrics) = scrape(port);
     assert!(status.contains(" 200 "), "{status}");
@@ -344,4 +366,70 @@ fn an_agent_restart_never_stops_training() {
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(state.is_empty(), "no job state is left: {state:?}");
+}
+
+#[test]
+fn the_service_files_pass_systemd_checks() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let unit = repo.join("systemd/hatrain-agent.service");
+    // verify checks that ExecStart's /usr/local/bin/hatrain-agent exists:
+    // in a mount namespace of the test's own, a tmpfs there holds the
+    // binary built here, and the host is not touched.
+    let script = format!(
+        "mount -t tmpfs tmpfs /usr/local/bin && cp '{}' /usr/local/bin/hatrain-agent && systemd-analyze verify '{}'",
+        agent().display(),
+        unit.display()
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .expect("unshare (util-linux)");
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {said}"
+    );
+
+    // The tmpfiles.d entry makes the agent's folders, with their modes.
+    let d = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new("systemd-tmpfiles")
+        .arg("--create")
+        .arg(format!("--root={}", d.path().display()))
+        .arg(
+            repo.join("systemd/hatrain-agent.conf")
+                .canonicalize()
+                .unwrap(),
+        )
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-tmpfiles: {said}"
+    );
+    for (dir, mode) in [
+        ("run/hatrain", 0o755),
+        ("run/hatrain/jobs", 0o700),
+        ("dev/shm/hatrain", 0o700),
+    ] {
+        use std::os::unix::fs::PermissionsExt;
+        let m = std::fs::metadata(d.path().join(dir))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(m, mode, "{dir}");
+    }
+
+    // The example environment file's flags start the agent.
+    let env = std::fs::read_to_string(repo.join("systemd/hatrain-agent.env")).unwrap();
+    let args = env
+        .lines()
+        .find_map(|l| l.strip_prefix("HATRAIN_AGENT_ARGS="))
+        .expect("HATRAIN_AGENT_ARGS in the environment file");
+    let args: Vec<&str> = args.split_whitespace().collect();
+    let serve = Serve::start_with(d.path(), &[], &args);
+    stop_clean(serve);
 }

@@ -3,6 +3,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use hatrain_agent::serve::wire::{self, JobSummary};
 use hatrain_shared::control::{
     FaultRecord, InjectKind, ReplicaReport, Request, Response, WorkerReport,
 };
@@ -31,6 +32,11 @@ struct Cli {
     /// root, /dev/shm/hatrain-<uid> for others).
     #[arg(long)]
     shm_root: Option<PathBuf>,
+    /// The host agent's socket (`hatrain-agent serve`), which `jobs` asks
+    /// first (default: /run/hatrain/agent.sock for root,
+    /// $XDG_RUNTIME_DIR/hatrain/agent.sock for others).
+    #[arg(long, env = "HATRAIN_HOST_SOCKET")]
+    host_socket: Option<PathBuf>,
     /// Print the reply as JSON.
     #[arg(long, global = true)]
     json: bool,
@@ -40,7 +46,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Verb {
-    /// The jobs whose agents run under --shm-root.
+    /// The jobs the host agent serves, and those whose agents run under
+    /// --shm-root.
     Jobs,
     /// The job, its ranks and its recent faults.
     Status,
@@ -109,24 +116,59 @@ fn socket(cli: &Cli, root: &Path) -> Result<PathBuf> {
     }
 }
 
-fn jobs(root: &Path, json: bool) -> Result<()> {
-    let jobs = match joblock::running(root) {
+/// The jobs a host agent serves, if one answers on `socket`.
+fn served(socket: &Path) -> Option<Vec<JobSummary>> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    wire::PROTOCOL
+        .send_json(&mut s, &wire::ToAgent::Jobs)
+        .ok()?;
+    match wire::PROTOCOL.recv_json(&mut s).ok()? {
+        wire::Reply::Jobs(list) => Some(list),
+        _ => None,
+    }
+}
+
+fn jobs(root: &Path, host: Option<&Path>, json: bool) -> Result<()> {
+    let served = host.and_then(served).unwrap_or_default();
+    let jobs: Vec<_> = match joblock::running(root) {
         Ok(j) => j,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(e).with_context(|| format!("cannot list {}", root.display())),
-    };
+    }
+    .into_iter()
+    .filter(|(j, _)| !served.iter().any(|s| s.job == j.as_str()))
+    .collect();
     if json {
-        let list: Vec<_> = jobs
+        let mut list: Vec<_> = served
             .iter()
-            .map(|(j, h)| serde_json::json!({"job": j.as_str(), "pid": h.pid, "started_unix_s": h.started_unix_s}))
+            .map(|s| serde_json::json!({"job": s.job, "served": true, "launcher": s.launcher, "world_size": s.world_size, "registered": s.registered, "running": s.running, "started_unix_s": s.started_unix_s, "socket": s.socket}))
             .collect();
+        list.extend(jobs.iter().map(|(j, h)| serde_json::json!({"job": j.as_str(), "pid": h.pid, "started_unix_s": h.started_unix_s})));
         println!("{}", serde_json::to_string_pretty(&list)?);
-    } else if jobs.is_empty() {
+        return Ok(());
+    }
+    if served.is_empty() && jobs.is_empty() {
         println!("no job is running under {}", root.display());
-    } else {
-        for (j, h) in &jobs {
-            println!("{j}  agent pid {}  started at {}", h.pid, h.started());
-        }
+    }
+    for s in &served {
+        let state = match s.running {
+            true => "running".to_string(),
+            false => format!(
+                "gathering ({} of {} ranks registered)",
+                s.registered, s.world_size
+            ),
+        };
+        println!(
+            "{}  served by the host agent  {} ranks from {}  {state}  {}",
+            s.job,
+            s.world_size,
+            s.launcher,
+            s.socket.display()
+        );
+    }
+    for (j, h) in &jobs {
+        println!("{j}  agent pid {}  started at {}", h.pid, h.started());
     }
     Ok(())
 }
@@ -137,7 +179,11 @@ fn run(cli: Cli) -> Result<()> {
         .clone()
         .unwrap_or_else(hatrain_shared::trust::default_shm_root);
     if matches!(cli.verb, Verb::Jobs) {
-        return jobs(&root, cli.json);
+        let host = cli
+            .host_socket
+            .clone()
+            .or_else(hatrain_agent::serve::default_socket);
+        return jobs(&root, host.as_deref(), cli.json);
     }
     let socket = socket(&cli, &root)?;
     let request = match cli.verb {
