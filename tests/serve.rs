@@ -270,6 +270,12 @@ fn committed(shm: &Path, job: &str) -> Option<u64> {
 }
 
 const STEPS: u64 = 800;
+const UCE_AT: u64 = 600;
+const HA_UCE: [&str; 3] = [
+    "--enable-high-availability",
+    "--enable-worker-reboot",
+    "--enable-hbmfault-repair",
+];
 
 #[test]
 fn an_agent_restart_never_stops_training() {
@@ -282,7 +288,7 @@ fn an_agent_restart_never_stops_training() {
     };
     let serve = Serve::start(d.path(), &[]);
     let job = job_id("mpi-ref");
-    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&ref_log), &[]);
+    let cmd = mpirun(4, &serve.socket, &job, &HA_UCE, &train(&ref_log), &[]);
     let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(300));
     assert_success(&out, "the fault-free mpirun job");
 
@@ -291,10 +297,12 @@ fn an_agent_restart_never_stops_training() {
     let slow: Vec<String> = (1..=STEPS)
         .map(|s| format!("0:{s}:forward:sleep10:*"))
         .collect();
-    let slow = slow.join(";");
+    // Rank 2 gets an uncorrectable memory error in its AdamW moments at
+    // step UCE_AT, while no agent runs.
+    let slow = format!("{};2:{UCE_AT}:update:uce-exp_avg-500", slow.join(";"));
     let job = job_id("mpi-restart");
     let plan = [("HATRAIN_FAULT_PLAN", slow.as_str())];
-    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&log), &plan);
+    let cmd = mpirun(4, &serve.socket, &job, &HA_UCE, &train(&log), &plan);
     let mut run = Job::spawn(cmd, &job);
     let socket = serve.shm.join(&job).join("agent.sock");
     let running = |limit| {
@@ -352,8 +360,41 @@ fn an_agent_restart_never_stops_training() {
     });
     assert!(repaired.is_some(), "rank 1 was rebooted by the next agent");
 
+    // 3. SIGKILL of the agent shortly before rank 2's memory error: the
+    // error is flagged while no agent runs, and the next agent repairs it
+    // by recomputing the step.
+    assert!(
+        wait_until(Duration::from_secs(120), || committed(&serve.shm, &job)
+            .is_some_and(|s| s + 60 >= UCE_AT)),
+        "the job reaches step {}",
+        UCE_AT - 60
+    );
+    kill(serve.job.pid(), libc::SIGKILL);
+    assert!(
+        committed(&serve.shm, &job).is_some_and(|s| s < UCE_AT),
+        "the agent went before the memory error"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    drop(serve);
+    let serve = Serve::start(d.path(), &[]);
+    let repaired = poll_agentctl(&socket, "faults", Duration::from_secs(60), |v| {
+        let faults = v["faults"].as_array()?;
+        faults
+            .iter()
+            .find(|f| {
+                f["recovery_s"].is_number()
+                    && f["kind"] == "uce"
+                    && f["ranks"] == serde_json::json!([2])
+            })
+            .map(|f| f["action"].as_str().unwrap_or("").to_string())
+    });
+    assert!(
+        repaired.as_deref().is_some_and(|a| a.contains("recompute")),
+        "rank 2's memory error was repaired by the next agent: {repaired:?}"
+    );
+
     let out = run.wait_output(Duration::from_secs(300));
-    assert_success(&out, "the mpirun job through two agent restarts");
+    assert_success(&out, "the mpirun job through three agent restarts");
     let text =
         String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!text.contains("non-zero"), "mpirun noticed: {text}");
