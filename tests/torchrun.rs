@@ -620,3 +620,56 @@ fn sighup_stops_the_job_as_sigterm_does_with_its_last_words() {
 fn sigquit_stops_the_job_as_sigterm_does_with_its_last_words() {
     signal_writes_last_words(libc::SIGQUIT, "quit");
 }
+
+/// The real torchrun, in its launch mode, starting each rank as
+/// `hatrain-agent exec` under a serving host agent: torchrun's environment
+/// contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and its
+/// run id) gives the rank and the job, and a worker that kills itself is
+/// rebooted beneath its shim while torchrun sees nothing fail.
+#[test]
+fn torchrun_ranks_run_under_the_host_agent() {
+    let d = tempfile::tempdir().unwrap();
+    let serve = common::serve::Serve::start(d.path(), &[]);
+    let run_under = |log: &Path, plan: &str| {
+        let mut args: Vec<String> = ["--standalone", "--no-python"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.push(agent().display().to_string());
+        args.extend(s(&[
+            "exec",
+            "--enable-high-availability",
+            "--enable-worker-reboot",
+            "--",
+        ]));
+        args.push(trainer().display().to_string());
+        args.extend(tiny_args(40));
+        args.extend(["--log-jsonl".into(), log.display().to_string()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = torchrun(&args, d.path());
+        cmd.env("HATRAIN_AGENT_SOCKET", &serve.socket)
+            .env("HATRAIN_FAULT_PLAN", plan)
+            .env("OMP_NUM_THREADS", "1")
+            .env("RAYON_NUM_THREADS", "1");
+        run(cmd, &job_id("torchrun-exec"))
+    };
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("kill.jsonl"));
+    let out = run_under(&ref_log, "");
+    assert_success(&out, "torchrun of exec shims, no fault");
+    let out = run_under(&log, "1:10:update:kill");
+    assert_success(&out, "torchrun of exec shims, rank 1 killed");
+    let said = text(&out);
+    assert!(
+        said.contains("fault plan: rank 1 Kill at step 10"),
+        "{said}"
+    );
+    assert!(
+        !said.contains("will restart worker group") && !said.contains("FAILED"),
+        "torchrun saw a failure: {said}"
+    );
+    let (a, b) = (read_log(&ref_log), read_log(&log));
+    assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
+    assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
+    kill(serve.job.pid(), libc::SIGTERM);
+    drop(serve);
+}
