@@ -474,3 +474,77 @@ fn the_service_files_pass_systemd_checks() {
     let serve = Serve::start_with(d.path(), &[], &args);
     stop_clean(serve);
 }
+
+/// The agent SIGKILLed at a seeded moment just after a worker's SIGKILL
+/// (before, during or after its recovery), the next agent 1 s later: the
+/// job ends bit-identical every time.
+#[test]
+fn an_agent_killed_during_a_recovery_is_followed_by_the_next() {
+    let d = tempfile::tempdir().unwrap();
+    let serve = Serve::start(d.path(), &[]);
+    let ref_log = d.path().join("ref.jsonl");
+    let train = |log: &Path| {
+        let mut a = tiny_args(120);
+        a.extend(["--log-jsonl".into(), log.display().to_string()]);
+        a
+    };
+    let job = job_id("race-ref");
+    let cmd = mpirun(4, &serve.socket, &job, &HA, &train(&ref_log), &[]);
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(300));
+    assert_success(&out, "the fault-free mpirun job");
+    let want = final_checksum(&read_log(&ref_log));
+    let mut serve = Some(serve);
+    for (seed, delay_ms) in [0u64, 5, 20, 60, 150].into_iter().enumerate() {
+        let log = d.path().join(format!("race{seed}.jsonl"));
+        let job = job_id("race");
+        let s = serve.take().unwrap_or_else(|| Serve::start(d.path(), &[]));
+        let plan = [("HATRAIN_FAULT_PLAN", "1:40:update:stop")];
+        let cmd = mpirun(4, &s.socket, &job, &HA, &train(&log), &plan);
+        let mut run = Job::spawn(cmd, &job);
+        let stopped = || {
+            job_pids(&job)
+                .into_iter()
+                .find(|&p| proc_state(p) == Some('T') && rank_of(p) == Some(1))
+        };
+        assert!(
+            wait_until(Duration::from_secs(120), || stopped().is_some()),
+            "seed {seed}: rank 1 stops"
+        );
+        kill(stopped().unwrap(), libc::SIGKILL);
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        kill(s.job.pid(), libc::SIGKILL);
+        drop(s);
+        std::thread::sleep(Duration::from_secs(1));
+        let mut s = Serve::start(d.path(), &[]);
+        let ended = wait_until(Duration::from_secs(120), || {
+            run.child.as_mut().unwrap().try_wait().unwrap().is_some()
+        });
+        if !ended {
+            kill(s.job.pid(), libc::SIGKILL);
+            let agent = s.job.wait_output(Duration::from_secs(10));
+            kill(run.pid(), libc::SIGKILL);
+            let mpi = run.wait_output(Duration::from_secs(10));
+            panic!(
+                "seed {seed}: the job did not end after the agent was killed {delay_ms} ms after the worker\n--- next agent\n{}\n--- mpirun\n{}",
+                String::from_utf8_lossy(&agent.stderr),
+                String::from_utf8_lossy(&mpi.stderr)
+            );
+        }
+        let out = run.wait_output(Duration::from_secs(10));
+        assert_success(
+            &out,
+            &format!("seed {seed} (agent killed {delay_ms} ms after the worker)"),
+        );
+        assert_eq!(
+            final_checksum(&read_log(&log)),
+            want,
+            "seed {seed}: final weights"
+        );
+        assert!(
+            job_pids(&job).is_empty(),
+            "seed {seed}: no worker outlives its job"
+        );
+        serve = Some(s);
+    }
+    stop_clean(serve.take().unwrap());
+}

@@ -20,7 +20,7 @@ use crate::launch::{LaunchConfig, LaunchError};
 use crate::serve::Shims;
 use crate::supervisor::Supervisor;
 use hatrain_shared::auth::Secret;
-use hatrain_shared::shm::{self, Store};
+use hatrain_shared::shm::{self, Directive, Phase, Store};
 use hatrain_shared::statemap::StateMap;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -44,6 +44,34 @@ impl Kept {
     pub fn load(path: &Path) -> Result<Self, String> {
         let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
         serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// What the next machine takes over: the kept view, with the newest
+    /// epoch any store shows (the agent may have died after posting a
+    /// recovery's directives and before keeping its epoch), so that the
+    /// next recovery's epoch is newer than every one the workers saw; and
+    /// whether a recovery was under way: the view says so, a rank is
+    /// paused or restoring, or a directive was posted that its rank has
+    /// not taken.
+    pub(super) fn inherited(&self, job_dir: &Path) -> (crate::recovery::Inherited, bool) {
+        let mut from = self.mirror.inherited();
+        let mut interrupted = self.mirror.recovering;
+        for &rank in self.maps.keys() {
+            let Ok(store) = Store::open(&shm::store_path(job_dir, rank)) else {
+                continue;
+            };
+            let page = store.page();
+            let posted = match page.directive().1 {
+                Directive::Pause { epoch }
+                | Directive::Resume { epoch, .. }
+                | Directive::Reshape { epoch, .. } => epoch,
+                Directive::None | Directive::Stop => 0,
+            };
+            interrupted |=
+                matches!(page.phase(), Phase::Paused | Phase::Restoring) || posted > page.epoch();
+            from.epoch = from.epoch.max(page.epoch()).max(posted);
+        }
+        (from, interrupted)
     }
 }
 

@@ -365,8 +365,15 @@ async fn run_with(
     } else {
         sup.ranks().to_vec()
     };
-    let machine = match &resume {
-        Some(k) => Machine::take_over(machine_config(cfg), ranks, k.mirror.inherited()),
+    let (inherited, interrupted) = match &resume {
+        Some(k) => {
+            let (from, interrupted) = k.inherited(dir.path());
+            (Some(from), interrupted)
+        }
+        None => (None, false),
+    };
+    let machine = match inherited {
+        Some(from) => Machine::take_over(machine_config(cfg), ranks, from),
         None => Machine::new(machine_config(cfg), ranks, unix_now()),
     };
     let decider = if !joined {
@@ -416,6 +423,9 @@ async fn run_with(
     };
     if let Some(k) = &resume {
         d.resume(&sup, k)?;
+        if interrupted {
+            d.feed(&mut sup, Event::Interrupted);
+        }
     }
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);

@@ -34,7 +34,8 @@ fn is_fault(e: &Event) -> bool {
         | Event::Uce { .. }
         | Event::SpawnFailed { .. }
         | Event::RebuildFailed { .. }
-        | Event::HostLost(_) => true,
+        | Event::HostLost(_)
+        | Event::Interrupted => true,
         Event::Tick(_)
         | Event::Registered { .. }
         | Event::Collected { .. }

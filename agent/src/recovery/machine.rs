@@ -285,6 +285,21 @@ impl Machine {
             Event::HostLost(loss) => self.host_lost(now, loss),
             Event::DumpRequested => self.dump_requested(now),
             Event::Shutdown => self.shutdown(now),
+            Event::Interrupted => {
+                // The faults the previous agent had not recovered from yet.
+                let open: Vec<usize> = (0..self.faults.len())
+                    .filter(|&i| {
+                        self.faults[i].recovery_s.is_none()
+                            && !self.faults[i].action.starts_with("stop the job")
+                    })
+                    .collect();
+                self.note(
+                    Level::Warn,
+                    None,
+                    "the previous agent died during a recovery: it starts again",
+                );
+                self.begin_recovery(now, open);
+            }
             Event::Unled { reason } => {
                 self.note(Level::Error, None, &reason);
                 self.stop_with(now, Outcome::RecoveryFailed);

@@ -134,6 +134,10 @@ pub enum Event {
     /// No coordinator let this controller act for longer than it may wait
     /// (etcd did not answer): the job writes its last words and stops.
     Unled { reason: String },
+    /// A new agent took the job over from one that died during a
+    /// recovery (its ranks wait on directives nobody will finish): the
+    /// recovery starts again under a new epoch.
+    Interrupted,
 }
 
 /// A host of the job that is gone, as the controller found it.
