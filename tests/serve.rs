@@ -548,3 +548,73 @@ fn an_agent_killed_during_a_recovery_is_followed_by_the_next() {
     }
     stop_clean(serve.take().unwrap());
 }
+
+/// Two jobs served at once; another user cannot reach the agent; and with
+/// --on-stop stop, a SIGTERM writes each job's last-words checkpoint before
+/// its workers are stopped.
+#[test]
+fn two_jobs_at_once_then_a_stop_with_last_words() {
+    let d = tempfile::tempdir().unwrap();
+    let serve = Serve::start_with(d.path(), &[], &["--on-stop", "stop"]);
+    let steps = 400;
+    let slow: Vec<String> = (1..=steps)
+        .map(|s| format!("0:{s}:forward:sleep10:*"))
+        .collect();
+    let slow = slow.join(";");
+    let plan = [("HATRAIN_FAULT_PLAN", slow.as_str())];
+    let mut runs = Vec::new();
+    for name in ["first", "second"] {
+        let job = job_id(name);
+        let save = d.path().join(format!("{name}-ckpt"));
+        let mut train = tiny_args(steps);
+        train.extend([
+            "--save".into(),
+            save.display().to_string(),
+            "--save-interval".into(),
+            "1000".into(),
+        ]);
+        let cmd = mpirun(2, &serve.socket, &job, &HA, &train, &plan);
+        runs.push((Job::spawn(cmd, &job), job, save));
+    }
+    for (_, job, _) in &runs {
+        assert!(
+            wait_until(Duration::from_secs(60), || committed(&serve.shm, job)
+                .is_some_and(|s| s >= 20)),
+            "job {job} trains"
+        );
+    }
+    // Another user is not let in.
+    let out = std::process::Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .arg(agent())
+        .args(["exec", "--job-id", "stranger", "--agent-socket"])
+        .arg(&serve.socket)
+        .args(["--", "true"])
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "1")
+        .env("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        .env("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("Permission denied"), "{err}");
+
+    kill(serve.job.pid(), libc::SIGTERM);
+    for (mut run, job, save) in runs {
+        let out = run.wait_output(Duration::from_secs(120));
+        assert!(!out.status.success(), "job {job}'s workers were stopped");
+        let it = hatrain_shared::checkpoint::read_tracker(&save)
+            .unwrap_or_else(|e| panic!("job {job} has a last-words checkpoint: {e}"));
+        assert!(
+            it >= 20 && it < steps,
+            "job {job}'s last words at iteration {it}"
+        );
+        assert!(job_pids(&job).is_empty(), "no worker of {job} is left");
+    }
+    stop_clean(serve);
+    let state: Vec<_> = std::fs::read_dir(d.path().join("run/jobs"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(state.is_empty(), "no job state is left: {state:?}");
+}
