@@ -56,7 +56,8 @@ pub struct Identity {
 }
 
 /// The launchers whose variables are read, in order: (name, rank, world
-/// size, local rank, local world size).
+/// size, local rank, local world size). Slurm's tasks on this node are
+/// read apart ([`slurm_local_tasks`]).
 const LAUNCHERS: [(&str, [&str; 4]); 3] = [
     (
         "torchrun",
@@ -77,14 +78,47 @@ const LAUNCHERS: [(&str, [&str; 4]); 3] = [
             "SLURM_PROCID",
             "SLURM_NTASKS",
             "SLURM_LOCALID",
-            "SLURM_NTASKS_PER_NODE",
+            SLURM_LOCAL_TASKS,
         ],
     ),
 ];
 
+/// Stands for the tasks of the step on this node, which Slurm says in one
+/// of several ways.
+const SLURM_LOCAL_TASKS: &str = "SLURM_STEP_TASKS_PER_NODE";
+
+/// The tasks of this Slurm step on this node: `SLURM_NTASKS_PER_NODE` when
+/// given, else this node's entry of `SLURM_STEP_TASKS_PER_NODE` (`2(x3),1`:
+/// two on each of the first three nodes, one on the fourth).
+pub fn slurm_local_tasks(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    if let Some(n) = get("SLURM_NTASKS_PER_NODE") {
+        return Some(n);
+    }
+    let spec = get(SLURM_LOCAL_TASKS).or_else(|| get("SLURM_TASKS_PER_NODE"))?;
+    let node: usize = get("SLURM_NODEID")
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    let mut seen = 0usize;
+    for part in spec.split(',') {
+        let (n, times) = match part.split_once("(x") {
+            Some((n, t)) => (n, t.trim_end_matches(')').parse::<usize>().ok()?),
+            None => (part, 1),
+        };
+        seen += times;
+        if node < seen {
+            return Some(n.trim().to_string());
+        }
+    }
+    None
+}
+
 /// The rank's place: the first launcher whose rank variable is set gives
 /// all four numbers.
 pub fn identity(get: impl Fn(&str) -> Option<String>) -> Result<Identity, String> {
+    let get = |k: &str| match k {
+        SLURM_LOCAL_TASKS => slurm_local_tasks(&get),
+        _ => get(k),
+    };
     for (launcher, vars) in LAUNCHERS {
         if get(vars[0]).is_none() {
             continue;
@@ -158,8 +192,9 @@ const FORWARDED: [Signal; 4] = [
     Signal::SIGQUIT,
 ];
 
-/// How often a shim whose agent is gone tries for the next one.
-const RETRY: Duration = Duration::from_millis(200);
+/// How often a shim whose agent is gone tries for the next one (a connect
+/// to a socket that is not there costs microseconds).
+const RETRY: Duration = Duration::from_millis(25);
 
 fn say(msg: std::fmt::Arguments) {
     use std::io::Write;
@@ -616,6 +651,19 @@ mod tests {
         assert!(e.contains("not a rank of the job"), "{e}");
         let e = identity(env(&[])).unwrap_err();
         assert!(e.contains("OMPI_COMM_WORLD_RANK"), "{e}");
+        let srun = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x2),3"),
+            ("SLURM_JOB_ID", "41"),
+            ("SLURM_STEP_ID", "0"),
+        ]);
+        let id = identity(&srun).unwrap();
+        let place = (id.rank, id.world_size, id.local_rank, id.local_world_size);
+        assert_eq!(place, (5, 7, 1, 3));
+        assert_eq!(job_id(None, &srun).unwrap().as_str(), "slurm-41.0");
         let e = job_id(None, env(&[("SLURM_JOB_ID", "../x")])).unwrap_err();
         assert!(e.contains("slurm-../x"), "{e}");
     }
