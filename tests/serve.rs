@@ -618,3 +618,49 @@ fn two_jobs_at_once_then_a_stop_with_last_words() {
         .unwrap_or_default();
     assert!(state.is_empty(), "no job state is left: {state:?}");
 }
+
+/// The real srun of a one-node Slurm cluster starting each rank as
+/// `hatrain-agent exec`: Slurm's variables give the rank, the tasks on the
+/// node and the job (its job and step), and a worker that kills itself is
+/// rebooted beneath its shim while srun sees nothing fail.
+#[test]
+fn an_srun_job_is_repaired_without_srun_noticing() {
+    let slurm = common::slurm::Slurm::start();
+    let d = tempfile::tempdir().unwrap();
+    let serve = Serve::start(d.path(), &[]);
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("kill.jsonl"));
+    let job = job_id("srun-ref");
+    let cmd = mpirun(2, &serve.socket, &job, &HA, &train(&ref_log), &[]);
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(180));
+    assert_success(&out, "the fault-free mpirun job");
+
+    let mut cmd = slurm.srun();
+    cmd.args(["-n", "2", "--overcommit", "--kill-on-bad-exit=1"])
+        .arg(agent())
+        .arg("exec")
+        .args(HA)
+        .arg("--")
+        .arg(trainer())
+        .args(train(&log))
+        .env("HATRAIN_AGENT_SOCKET", &serve.socket)
+        .env("HATRAIN_FAULT_PLAN", "1:10:update:kill")
+        .env("OMP_NUM_THREADS", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("HATRAIN_JOB_ID");
+    let tag = job_id("srun");
+    let out = Job::spawn(cmd, &tag).wait_output(Duration::from_secs(180));
+    assert_success(&out, "the srun job with a rank killed");
+    let said =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("fault plan: rank 1 Kill at step 10"),
+        "{said}"
+    );
+    assert!(!said.contains("srun: error"), "srun saw a failure: {said}");
+    let (a, b) = (read_log(&ref_log), read_log(&log));
+    assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
+    assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
+    assert!(job_pids(&tag).is_empty(), "no worker outlives its job");
+    stop_clean(serve);
+    drop(slurm);
+}

@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod etcd;
 pub mod hosts;
 pub mod serve;
+pub mod slurm;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
