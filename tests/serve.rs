@@ -404,7 +404,12 @@ fn an_agent_restart_never_stops_training() {
     assert!(job_pids(&job).is_empty(), "no worker outlives its job");
     stop_clean(serve);
     let state: Vec<_> = std::fs::read_dir(d.path().join("run/jobs"))
-        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| n != ".lock")
+                .collect()
+        })
         .unwrap_or_default();
     assert!(state.is_empty(), "no job state is left: {state:?}");
 }
@@ -614,7 +619,12 @@ fn two_jobs_at_once_then_a_stop_with_last_words() {
     }
     stop_clean(serve);
     let state: Vec<_> = std::fs::read_dir(d.path().join("run/jobs"))
-        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| n != ".lock")
+                .collect()
+        })
         .unwrap_or_default();
     assert!(state.is_empty(), "no job state is left: {state:?}");
 }

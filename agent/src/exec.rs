@@ -13,8 +13,9 @@
 //! launcher's), working folder and environment, with the agent's variables
 //! over it; it dies with the shim (a parent-death signal), and a SIGTERM,
 //! SIGINT, SIGHUP or SIGQUIT from the launcher is passed to its process
-//! group, after which the shim exits with its status. If the agent goes
-//! away, a running worker runs on unprotected and the shim exits with it.
+//! group, after which the shim exits with its status (SIGUSR1 and SIGUSR2
+//! are only passed on). If the agent goes away, the worker trains on and
+//! the shim waits for the next agent, which takes the rank back.
 //!
 //! Threads: the main one forks (a parent-death signal follows the thread
 //! that forked) and decides; one waits for the worker, one reads the
@@ -87,14 +88,16 @@ const LAUNCHERS: [(&str, [&str; 4]); 3] = [
 /// of several ways.
 const SLURM_LOCAL_TASKS: &str = "SLURM_STEP_TASKS_PER_NODE";
 
-/// The tasks of this Slurm step on this node: `SLURM_NTASKS_PER_NODE` when
-/// given, else this node's entry of `SLURM_STEP_TASKS_PER_NODE` (`2(x3),1`:
-/// two on each of the first three nodes, one on the fourth).
+/// The tasks of this Slurm step on this node: this node's entry of
+/// `SLURM_STEP_TASKS_PER_NODE` (`2(x3),1`: two on each of the first three
+/// nodes, one on the fourth), else of the allocation's
+/// `SLURM_NTASKS_PER_NODE` or `SLURM_TASKS_PER_NODE`.
 pub fn slurm_local_tasks(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
-    if let Some(n) = get("SLURM_NTASKS_PER_NODE") {
-        return Some(n);
-    }
-    let spec = get(SLURM_LOCAL_TASKS).or_else(|| get("SLURM_TASKS_PER_NODE"))?;
+    // The step's own count first: a step may use fewer tasks than its
+    // allocation's `--ntasks-per-node`.
+    let spec = get(SLURM_LOCAL_TASKS)
+        .or_else(|| get("SLURM_NTASKS_PER_NODE"))
+        .or_else(|| get("SLURM_TASKS_PER_NODE"))?;
     let node: usize = get("SLURM_NODEID")
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or(0);
@@ -185,12 +188,21 @@ enum Ev {
     Signal(Signal),
 }
 
-const FORWARDED: [Signal; 4] = [
+/// The launcher's signals that stop the rank: passed to the worker, and
+/// the shim ends with it.
+const STOPPING: [Signal; 4] = [
     Signal::SIGTERM,
     Signal::SIGINT,
     Signal::SIGHUP,
     Signal::SIGQUIT,
 ];
+
+/// The launcher's signals that are only passed on (Slurm's
+/// `--signal=USR1@90`, `scancel -s USR1`: checkpoint and requeue).
+const PASSED: [Signal; 2] = [Signal::SIGUSR1, Signal::SIGUSR2];
+
+/// How long the handshake with an agent may take.
+const HANDSHAKE: Duration = Duration::from_secs(5);
 
 /// How often a shim whose agent is gone tries for the next one (a connect
 /// to a socket that is not there costs microseconds).
@@ -240,19 +252,36 @@ fn register(
     reg: &Registration,
 ) -> Result<(UnixStream, UnixStream), Refusal> {
     let unreachable = |e: String| (false, e);
+    // An agent that accepts and then stalls must not hold the shim (it
+    // passes the launcher's signals and its worker's exits).
+    let timed = |s: &UnixStream, t: Option<Duration>| {
+        s.set_read_timeout(t)
+            .and_then(|()| s.set_write_timeout(t))
+            .map_err(|e| (false, format!("{}: {e}", socket.display())))
+    };
     let mut events = connect(socket).map_err(unreachable)?;
+    timed(&events, Some(HANDSHAKE))?;
     match exchange(&mut events, &ToAgent::Register(Box::new(reg.clone()))).map_err(unreachable)? {
         Reply::Registered { .. } => {}
         Reply::Refused { message } => return Err((true, message)),
         other => return Err((true, format!("it answered {other:?} to a registration"))),
     }
     let mut commands = connect(socket).map_err(unreachable)?;
+    timed(&commands, Some(HANDSHAKE))?;
     let attach = ToAgent::Commands {
         job: reg.job.clone(),
         rank: reg.rank,
     };
     match exchange(&mut commands, &attach).map_err(unreachable)? {
-        Reply::Attached => Ok((events, commands)),
+        Reply::Attached => {
+            // The commands come when they come; an exit report is small.
+            timed(&commands, None)?;
+            timed(&events, None)?;
+            events
+                .set_write_timeout(Some(HANDSHAKE))
+                .map_err(|e| (false, e.to_string()))?;
+            Ok((events, commands))
+        }
         Reply::Refused { message } => Err((true, message)),
         other => Err((true, format!("it answered {other:?} to an attach"))),
     }
@@ -316,8 +345,8 @@ pub fn run(opts: ExecOptions) -> Result<u8, String> {
     // The launcher's signals are taken by one thread; every thread started
     // from here on inherits the blocked mask.
     let mut signals = SigSet::empty();
-    for s in FORWARDED {
-        signals.add(s);
+    for s in STOPPING.iter().chain(&PASSED) {
+        signals.add(*s);
     }
     signals
         .thread_block()
@@ -415,18 +444,28 @@ impl Shim {
                         say(format_args!("cannot answer the host agent: {e}"));
                     }
                 }
-                Ev::Command(_, ToShim::Finish { error }) => {
+                Ev::Command(_, ToShim::Finish { error, detach }) => {
                     if let Some(why) = &error {
                         say(format_args!("the host agent could not run the job: {why}"));
                     }
                     if self.worker.is_some() {
-                        // Not expected: the agent finishes a job once its
-                        // workers have ended. End this one, then go.
-                        self.signal_worker(Signal::SIGTERM);
                         self.orphaned = true;
+                        if detach {
+                            say(format_args!(
+                                "rank {}'s worker trains on without the agent's protection",
+                                self.rank()
+                            ));
+                        } else {
+                            // The agent finishes a job once its workers
+                            // have ended: end this one, then go.
+                            self.signal_worker(Signal::SIGTERM);
+                        }
                         continue;
                     }
-                    return Ok(self.last.map_or(1, code));
+                    return Ok(match (error, self.last) {
+                        (Some(_), _) | (None, None) => 1,
+                        (None, Some(s)) => code(s),
+                    });
                 }
                 Ev::AgentGone(_, why) => {
                     self.events = None;
@@ -453,6 +492,7 @@ impl Shim {
                         return Ok(code(status));
                     }
                 }
+                Ev::Signal(sig) if PASSED.contains(&sig) => self.signal_worker(sig),
                 Ev::Signal(sig) => {
                     self.stopping = Some(sig);
                     if self.worker.is_none() {
@@ -583,7 +623,13 @@ impl Shim {
                 self.unanswered = None;
                 let tx = self.tx.clone();
                 std::thread::spawn(move || {
-                    let status = match child.wait() {
+                    let waited = child.wait();
+                    // What the worker started dies with it: its process
+                    // group, now, while its number is still the group's.
+                    if let Ok(group) = i32::try_from(pid) {
+                        let _ = kill(Pid::from_raw(-group), Signal::SIGKILL);
+                    }
+                    let status = match waited {
                         Ok(s) => match (s.code(), s.signal()) {
                             (Some(c), _) => ExitStatus::Exited(c),
                             (None, Some(sig)) => ExitStatus::Signaled(sig),

@@ -415,8 +415,12 @@ impl Supervisor {
     fn record(&mut self, ev: ExitEvent) -> Option<usize> {
         let idx = self.by_pid.remove(&ev.pid)?;
         self.states[idx] = WorkerState::Exited(ev.status);
-        // What the worker started dies with it.
-        signal(-ev.pid, Signal::SIGKILL);
+        // What the worker started dies with it. A shim's worker is the
+        // shim's to reap, and the shim does this the moment it does: here
+        // the pid may be another process's already.
+        if let Spawner::Own(_) = self.spawner {
+            signal(-ev.pid, Signal::SIGKILL);
+        }
         Some(idx)
     }
 

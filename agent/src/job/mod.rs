@@ -427,6 +427,9 @@ async fn run_with(
             d.feed(&mut sup, Event::Interrupted);
         }
     }
+    // Kept from the start: an agent that dies before its first tick leaves
+    // its job to the next one.
+    d.keep();
     for (rank, pid) in sup.running() {
         d.oom.started(rank, pid);
     }

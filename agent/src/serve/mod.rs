@@ -89,6 +89,8 @@ pub enum OnStop {
 pub enum ServeError {
     #[error("another agent serves on {0} already")]
     Busy(PathBuf),
+    #[error("another agent keeps its jobs' state in {0} (give each agent its own --socket folder)")]
+    StateBusy(PathBuf),
     #[error("cannot listen on {path}")]
     Bind {
         path: PathBuf,
@@ -132,6 +134,9 @@ pub async fn run(cfg: ServeConfig, shutdown: CancellationToken) -> Result<(), Se
         path: cfg.state_dir.clone(),
         source,
     })?;
+    // One agent keeps its jobs' state in a folder: a second one would take
+    // the first one's jobs for its own.
+    let _state_lock = lock_state_dir(&cfg.state_dir)?;
     let socket = cfg.socket.clone();
     let state: Shared = Rc::new(RefCell::new(State {
         cfg,
@@ -522,6 +527,7 @@ fn start(state: &Shared, job: &str) {
         (e.cfg.clone(), served, token, tasks, files)
     };
     let shims = Arc::clone(&served.shims);
+    let resumed = served.resume.is_some();
     tracing::info!(job, ranks = cfg.nproc_per_node, modes = ?cfg.ha.modes.names(), "every rank registered: the job starts");
     status(state);
     let state = Rc::clone(state);
@@ -541,7 +547,10 @@ fn start(state: &Shared, job: &str) {
                     Some(why)
                 }
             };
-            shims.finish(error);
+            // A job taken back from the agent before that cannot be run
+            // again leaves its workers training, unprotected.
+            let detach = resumed && error.is_some();
+            shims.finish(error, detach);
             files.remove();
             let mut st = state.borrow_mut();
             st.jobs.remove(&job);
@@ -553,13 +562,14 @@ fn start(state: &Shared, job: &str) {
     ));
 }
 
-/// A job whose shims are all gone before it started is forgotten.
+/// A job whose shims are all gone before it started is forgotten (one
+/// being taken back waits for the rest of its shims, or the timeout).
 fn forget_if_abandoned(state: &Shared, job: &str) {
     let mut st = state.borrow_mut();
     if st
         .jobs
         .get(job)
-        .is_some_and(|e| !e.running && e.shims.all_gone())
+        .is_some_and(|e| !e.running && e.resume.is_none() && e.shims.all_gone())
     {
         st.jobs.remove(job);
         drop(st);
@@ -593,7 +603,7 @@ fn expire(state: &Shared) {
             limit.as_secs_f64()
         );
         tracing::error!("{why}");
-        e.shims.finish(Some(why));
+        e.shims.finish(Some(why), false);
         if e.resume.is_some() {
             abandon(&state.borrow().cfg.state_dir, &e.cfg.ha.shm_root, &job);
         }
@@ -640,25 +650,47 @@ fn status(state: &Shared) {
     notify::status(&line);
 }
 
-/// A job's files in the state folder: the registration its first rank
-/// made, and what the job keeps ([`Kept`]).
+fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, ServeError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(".lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|source| ServeError::Bind {
+            path: path.clone(),
+            source,
+        })?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| ServeError::StateBusy(dir.to_path_buf()))
+}
+
+/// A job's files in the state folder, in a folder of its own: the
+/// registration its first rank made, and what the job keeps ([`Kept`]).
 #[derive(Debug, Clone)]
 struct StateFiles {
+    dir: PathBuf,
     registration: PathBuf,
     kept: PathBuf,
 }
 
 impl StateFiles {
     fn of(dir: &Path, job: &str) -> Self {
+        let dir = dir.join(job);
         Self {
-            registration: dir.join(format!("{job}.reg.json")),
-            kept: dir.join(format!("{job}.json")),
+            registration: dir.join("registration.json"),
+            kept: dir.join("kept.json"),
+            dir,
         }
     }
 
     fn write_registration(&self, reg: &Registration) -> std::io::Result<()> {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
+        make_private_dir(&self.dir)?;
         let tmp = self.registration.with_extension("tmp");
         let mut f = std::fs::OpenOptions::new()
             .write(true)
@@ -674,6 +706,8 @@ impl StateFiles {
     fn remove(&self) {
         let _ = std::fs::remove_file(&self.registration);
         let _ = std::fs::remove_file(&self.kept);
+        let _ = std::fs::remove_file(self.kept.with_extension("json.tmp"));
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
@@ -701,9 +735,10 @@ fn recover(state: &Shared) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(job) = name.strip_suffix(".reg.json") else {
+        let job = name.as_str();
+        if !e.file_type().is_ok_and(|t| t.is_dir()) || JobId::new(job).is_err() {
             continue;
-        };
+        }
         let files = StateFiles::of(&serve.state_dir, job);
         let loaded = std::fs::read(&files.registration)
             .map_err(|e| e.to_string())

@@ -19,8 +19,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// How long a shim has to answer a start.
-const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a shim has to answer a start (a fork and an exec). The agent's
+/// one thread waits meanwhile: a shim that does not answer (stopped, or
+/// starved) holds every job up this long, once, and its rank is given up.
+const START_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Default)]
 pub struct Shims {
@@ -194,17 +196,23 @@ impl Shims {
         };
         shim.commands = None;
         shim.gone = true;
-        let worker = shim.worker.take();
-        if let (Some(pid), Some(tx)) = (worker, &g.exits) {
-            tracing::warn!(
-                rank,
-                pid,
-                "the rank's exec shim is gone (its launcher stopped it); its worker died with it"
-            );
-            let _ = tx.send(ExitEvent {
-                pid,
-                status: ExitStatus::Signaled(libc::SIGKILL),
-            });
+        let Some(pid) = shim.worker.take() else {
+            return;
+        };
+        tracing::warn!(
+            rank,
+            pid,
+            "the rank's exec shim is gone (its launcher stopped it); its worker died with it"
+        );
+        let ev = ExitEvent {
+            pid,
+            status: ExitStatus::Signaled(libc::SIGKILL),
+        };
+        match &g.exits {
+            Some(tx) => {
+                let _ = tx.send(ev);
+            }
+            None => g.pending.push(ev),
         }
     }
 
@@ -215,12 +223,14 @@ impl Shims {
 
     /// Tells every shim the job is over: each exits with its worker's last
     /// status, or, with `error` (the job could not run), says it and fails.
-    pub fn finish(&self, error: Option<String>) {
+    /// With `detach`, a worker that still runs trains on unprotected.
+    pub fn finish(&self, error: Option<String>, detach: bool) {
         let mut g = self.lock();
         for shim in g.ranks.values_mut() {
             if let Some(mut conn) = shim.commands.take() {
                 let msg = ToShim::Finish {
                     error: error.clone(),
+                    detach,
                 };
                 let _ = PROTOCOL.send_json(&mut conn, &msg);
             }

@@ -8,7 +8,7 @@
 //! then its worker's exits, shim to agent), and its *commands* connection
 //! (start a worker, finish; agent to shim, each answered). Keeping the
 //! directions apart lets the agent start a worker with one blocking round
-//! trip while the events are read elsewhere.
+//! trip, and reads the events when it is done.
 
 use crate::reaper::ExitStatus;
 use hatrain_shared::frame::Protocol;
@@ -119,8 +119,13 @@ pub enum ToShim {
         env: Vec<(String, String)>,
     },
     /// The job is over: exit with the worker's last status; with `error`,
-    /// the job could not run.
-    Finish { error: Option<String> },
+    /// the job could not run. With `detach`, a worker that still runs
+    /// trains on without the agent (a job that could not be re-adopted).
+    Finish {
+        error: Option<String>,
+        #[serde(default)]
+        detach: bool,
+    },
 }
 
 /// Shim to agent: the answer to [`ToShim::Start`].
