@@ -674,3 +674,68 @@ fn an_srun_job_is_repaired_without_srun_noticing() {
     stop_clean(serve);
     drop(slurm);
 }
+
+/// The bin folder of the virtual environment with torch (made by
+/// `scripts/torch-venv.sh` the first time).
+fn venv_bin() -> std::path::PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch-venv.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run scripts/torch-venv.sh");
+    assert!(out.status.success(), "scripts/torch-venv.sh failed");
+    let python = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    python.parent().unwrap().to_path_buf()
+}
+
+/// The real torchrun, in its launch mode, starting each rank as
+/// `hatrain-agent exec` under a serving host agent: torchrun's environment
+/// contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and its
+/// run id) gives the rank and the job, and a worker that kills itself is
+/// rebooted beneath its shim while torchrun sees nothing fail.
+#[test]
+fn torchrun_ranks_run_under_the_host_agent() {
+    let d = tempfile::tempdir().unwrap();
+    let serve = Serve::start(d.path(), &[]);
+    let torchrun = venv_bin().join("torchrun");
+    let run_under = |log: &Path, plan: &str| {
+        let mut cmd = std::process::Command::new(&torchrun);
+        cmd.args(["--standalone", "--nproc-per-node", "2", "--no-python"])
+            .arg(agent())
+            .arg("exec")
+            .args(HA)
+            .arg("--")
+            .arg(trainer())
+            .args(train(log))
+            .current_dir(d.path())
+            .env("HATRAIN_AGENT_SOCKET", &serve.socket)
+            .env("HATRAIN_FAULT_PLAN", plan)
+            .env("OMP_NUM_THREADS", "1")
+            .env("RAYON_NUM_THREADS", "1")
+            .env_remove("HATRAIN_JOB_ID");
+        let tag = job_id("torchrun-exec");
+        let out = Job::spawn(cmd, &tag).wait_output(Duration::from_secs(300));
+        assert!(job_pids(&tag).is_empty(), "no worker outlives its job");
+        out
+    };
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("kill.jsonl"));
+    let out = run_under(&ref_log, "");
+    assert_success(&out, "torchrun of exec shims, no fault");
+    let out = run_under(&log, "1:10:update:kill");
+    assert_success(&out, "torchrun of exec shims, rank 1 killed");
+    let said =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("fault plan: rank 1 Kill at step 10"),
+        "{said}"
+    );
+    assert!(
+        !said.contains("will restart worker group") && !said.contains("FAILED"),
+        "torchrun saw a failure: {said}"
+    );
+    let (a, b) = (read_log(&ref_log), read_log(&log));
+    assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
+    assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
+    stop_clean(serve);
+}
