@@ -3,7 +3,7 @@
 //! mpirun noticing, and speaks systemd's notify protocol.
 
 mod common;
-use common::serve::{Serve, free_port, mpirun, promtool_check, scrape};
+use common::serve::{Serve, assert_no_job_state, free_port, mpirun, promtool_check, scrape};
 use common::*;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::Path;
@@ -403,15 +403,7 @@ fn an_agent_restart_never_stops_training() {
     assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
     assert!(job_pids(&job).is_empty(), "no worker outlives its job");
     stop_clean(serve);
-    let state: Vec<_> = std::fs::read_dir(d.path().join("run/jobs"))
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name())
-                .filter(|n| n != ".lock")
-                .collect()
-        })
-        .unwrap_or_default();
-    assert!(state.is_empty(), "no job state is left: {state:?}");
+    assert_no_job_state(d.path());
 }
 
 #[test]
@@ -618,15 +610,7 @@ fn two_jobs_at_once_then_a_stop_with_last_words() {
         assert!(job_pids(&job).is_empty(), "no worker of {job} is left");
     }
     stop_clean(serve);
-    let state: Vec<_> = std::fs::read_dir(d.path().join("run/jobs"))
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name())
-                .filter(|n| n != ".lock")
-                .collect()
-        })
-        .unwrap_or_default();
-    assert!(state.is_empty(), "no job state is left: {state:?}");
+    assert_no_job_state(d.path());
 }
 
 /// The real srun of a one-node Slurm cluster starting each rank as

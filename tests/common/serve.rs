@@ -8,17 +8,36 @@ use std::process::Command;
 use std::sync::Once;
 use std::time::Duration;
 
+/// Installs Debian's `package` through the project's script, once per
+/// test process (`once` is the caller's).
+fn install_once(once: &'static Once, package: &str) {
+    once.call_once(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/system-packages.sh");
+        let st = Command::new(script)
+            .arg(package)
+            .status()
+            .expect("run scripts/system-packages.sh");
+        assert!(st.success(), "cannot install {package}");
+    });
+}
+
 /// Installs Open MPI once per test process.
 pub fn need_mpirun() {
     static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/system-packages.sh");
-        let st = Command::new(script)
-            .arg("openmpi-bin")
-            .status()
-            .expect("run scripts/system-packages.sh");
-        assert!(st.success(), "cannot install openmpi-bin");
-    });
+    install_once(&ONCE, "openmpi-bin");
+}
+
+/// Checks that the serving agent of `dir` left no job's state behind.
+pub fn assert_no_job_state(dir: &Path) {
+    let state: Vec<_> = std::fs::read_dir(dir.join("run/jobs"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| n != ".lock")
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(state.is_empty(), "no job state is left: {state:?}");
 }
 
 /// `hatrain-agent serve` on a socket and shm root of a temporary folder;
@@ -128,14 +147,7 @@ pub fn scrape(port: u16) -> (String, String) {
 pub fn promtool_check(text: &str) -> (bool, String) {
     use std::io::Write;
     static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/system-packages.sh");
-        let st = Command::new(script)
-            .arg("prometheus")
-            .status()
-            .expect("run scripts/system-packages.sh");
-        assert!(st.success(), "cannot install prometheus (promtool)");
-    });
+    install_once(&ONCE, "prometheus");
     let mut child = Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())

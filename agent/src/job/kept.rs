@@ -84,14 +84,24 @@ pub struct Served {
     pub resume: Option<Kept>,
 }
 
+/// [`Kept`] as the writer sees it, borrowed: the same JSON.
+#[derive(Serialize)]
+struct KeptView<'a> {
+    master_port: u16,
+    store: SocketAddr,
+    mirror: &'a Mirror,
+    maps: BTreeMap<usize, &'a StateMap>,
+}
+
 /// The state file's writer: what it last wrote, so that an unchanged
-/// state is not written again.
+/// state is neither encoded nor written again (a map changes only when a
+/// rank registers, the view only at a fault).
 #[derive(Debug)]
 pub(super) struct Keeper {
     path: PathBuf,
     master_port: u16,
     store: SocketAddr,
-    last: Vec<u8>,
+    last: Option<(Mirror, BTreeMap<usize, Arc<StateMap>>)>,
 }
 
 impl Keeper {
@@ -100,17 +110,19 @@ impl Keeper {
             path,
             master_port,
             store,
-            last: Vec::new(),
+            last: None,
         }
     }
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so a
 /// reader finds the old state or the new one, whole.
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("json.tmp");
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -155,20 +167,31 @@ impl Driver<'_> {
         let (Some(keeper), Decider::Controller(c)) = (self.keeper.as_mut(), &self.decider) else {
             return;
         };
-        let kept = Kept {
-            master_port: keeper.master_port,
-            store: keeper.store,
-            mirror: c.mirror(),
-            maps: self.maps.iter().map(|(&r, m)| (r, (**m).clone())).collect(),
-        };
-        let Ok(bytes) = serde_json::to_vec(&kept) else {
-            return;
-        };
-        if bytes == keeper.last {
+        let mirror = c.mirror();
+        let unchanged = keeper.last.as_ref().is_some_and(|(m, maps)| {
+            *m == mirror
+                && maps.len() == self.maps.len()
+                && maps
+                    .iter()
+                    .all(|(r, a)| self.maps.get(r).is_some_and(|b| Arc::ptr_eq(a, b)))
+        });
+        if unchanged {
             return;
         }
+        let view = KeptView {
+            master_port: keeper.master_port,
+            store: keeper.store,
+            mirror: &mirror,
+            maps: self.maps.iter().map(|(&r, m)| (r, &**m)).collect(),
+        };
+        let Ok(bytes) = serde_json::to_vec(&view) else {
+            return;
+        };
         match write_atomic(&keeper.path, &bytes) {
-            Ok(()) => keeper.last = bytes,
+            Ok(()) => {
+                let maps = self.maps.iter().map(|(&r, m)| (r, Arc::clone(m))).collect();
+                keeper.last = Some((mirror, maps));
+            }
             Err(e) => {
                 tracing::warn!(path = %keeper.path.display(), error = %e, "cannot keep the job's state: an agent restart would lose the job")
             }

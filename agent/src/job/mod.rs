@@ -40,6 +40,7 @@ mod standby;
 mod takeover;
 mod unled;
 
+pub(crate) use kept::write_atomic;
 pub use kept::{Kept, Served};
 use observe::log;
 pub use observe::root_cause;

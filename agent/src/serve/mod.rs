@@ -688,25 +688,16 @@ impl StateFiles {
     }
 
     fn write_registration(&self, reg: &Registration) -> std::io::Result<()> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
         make_private_dir(&self.dir)?;
-        let tmp = self.registration.with_extension("tmp");
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(&serde_json::to_vec(reg).map_err(std::io::Error::other)?)?;
-        f.sync_data()?;
-        std::fs::rename(&tmp, &self.registration)
+        let json = serde_json::to_vec(reg).map_err(std::io::Error::other)?;
+        crate::job::write_atomic(&self.registration, &json)
     }
 
     fn remove(&self) {
         let _ = std::fs::remove_file(&self.registration);
         let _ = std::fs::remove_file(&self.kept);
         let _ = std::fs::remove_file(self.kept.with_extension("json.tmp"));
+        let _ = std::fs::remove_file(self.registration.with_extension("json.tmp"));
         let _ = std::fs::remove_dir(&self.dir);
     }
 }
