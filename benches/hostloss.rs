@@ -19,7 +19,7 @@
 
 mod common;
 use common::hosts::{Launch, free_port, secret_file, timings, vanish};
-use common::{median, train_args, wait_step};
+use common::{median, steps, train_args, wait_step};
 use std::path::Path;
 use std::process::Child;
 use std::time::Duration;
@@ -40,7 +40,10 @@ fn slots() -> usize {
         .unwrap_or(4)
 }
 
-fn hatrain(dir: &Path, secret: &Path, k: u64) -> (f64, f64, usize) {
+/// One hatrain run: seconds to the first step after the loss, to step K
+/// again, the steps redone, and the median `step_time_s` of the steps 3..
+/// completed before the loss (a normal step, for scale).
+fn hatrain(dir: &Path, secret: &Path, k: u64) -> (f64, f64, usize, f64) {
     let log = dir.join(format!("ha-{k}.jsonl"));
     let train = train_args("10m", k + 2, &log, &[]);
     let l = Launch {
@@ -61,7 +64,13 @@ fn hatrain(dir: &Path, secret: &Path, k: u64) -> (f64, f64, usize) {
     for n in [0, 2] {
         l.expect_success(n, &mut agents[n]);
     }
-    timings(&log, t_kill, k)
+    let (first, back, redone) = timings(&log, t_kill, k);
+    let before: Vec<f64> = steps(&log)
+        .iter()
+        .filter(|e| e["unix_s"].as_f64() < Some(t_kill) && e["step"].as_u64() > Some(2))
+        .filter_map(|e| e["step_time_s"].as_f64())
+        .collect();
+    (first, back, redone, median(before))
 }
 
 fn baseline(dir: &Path, secret: &Path, k: u64) -> (f64, usize) {
@@ -119,12 +128,14 @@ fn main() {
         "{:>3} {:>10} {:>10} {:>8} {:>12} {:>8}",
         "K", "1st step s", "step K s", "redone", "baseline K s", "redone"
     );
-    let (mut firsts, mut ours, mut bases) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut firsts, mut ours, mut bases, mut normal) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for k in [23u64, 26, 29] {
-        let (first, back, redone) = hatrain(dir.path(), &secret, k);
+        let (first, back, redone, step) = hatrain(dir.path(), &secret, k);
         let (base, base_redone) = baseline(dir.path(), &secret, k);
         println!("{k:>3} {first:>10.3} {back:>10.3} {redone:>8} {base:>12.3} {base_redone:>8}");
         firsts.push(first);
+        normal.push(step);
         ours.push(back);
         bases.push(base);
     }
@@ -136,5 +147,17 @@ fn main() {
         "ratios to the baseline: first step {:.3}, step K {:.3}",
         f / b,
         o / b
+    );
+    // The simulator's cost: the pause beyond the step redone, which takes
+    // a normal step's time (the median step time before the loss).
+    let step = median(normal);
+    println!(
+        "standby pause: {f:.3} s to the first step after the loss less one step of {step:.3} s (median before the loss) = {:.3} s",
+        f - step
+    );
+    common::costs::record(
+        "host_standby_pause_s",
+        f - step,
+        "cargo bench -p hatrain-scenarios --bench hostloss: host lost → first step on the standby, less one step",
     );
 }

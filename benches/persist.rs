@@ -25,6 +25,7 @@ use std::process::{Command, Stdio};
 
 const ITERS: u64 = 40;
 const FROM: u64 = 5;
+const SAVE_INTERVAL: u64 = 10;
 
 fn step_times(log: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(log)
@@ -43,7 +44,7 @@ fn run(size: &str, mode: &str, dir: &Path, rep: usize) -> (f64, String) {
     let mut train = train_args(size, ITERS, &log, &[]);
     if mode != "none" {
         train.extend(["--save".into(), ckpt.display().to_string()]);
-        train.extend(["--save-interval".into(), "10".into()]);
+        train.extend(["--save-interval".into(), SAVE_INTERVAL.to_string()]);
     }
     let mut c = Command::new(agent());
     c.args(["launch", "--nproc-per-node", "2", "--snapshot-slots", "3"])
@@ -85,8 +86,10 @@ fn main() {
     let dir = tempfile::tempdir().expect("temp dir");
     let modes = ["none", "agent", "trainer"];
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    // The agent's write times of the saves inside the measured steps.
+    let mut write_s = Vec::new();
     println!(
-        "model {size}, 2 ranks, {ITERS} steps, save every 10, step time over steps {FROM}..{ITERS}"
+        "model {size}, 2 ranks, {ITERS} steps, save every {SAVE_INTERVAL}, step time over steps {FROM}..{ITERS}"
     );
     for rep in 0..reps {
         for (i, mode) in modes.iter().enumerate() {
@@ -100,6 +103,9 @@ fn main() {
                     .filter_map(|l| {
                         let step = field(l, "step")?;
                         let secs: f64 = field(l, "seconds")?.parse().ok()?;
+                        if step.parse::<u64>().is_ok_and(|s| s > FROM && s < ITERS) {
+                            write_s.push(secs);
+                        }
                         Some(format!("{step}:{secs:.3}s"))
                     })
                     .collect();
@@ -118,6 +124,35 @@ fn main() {
             "median {mode:>7}: {:8.1} ms/step, {:.3} × none",
             med[i] * 1e3,
             med[i] / med[0]
+        );
+    }
+
+    // The simulator's costs: the agent's saves against none, and the
+    // fraction of the time its writer is busy: one checkpoint's write time
+    // (the median of the saves inside the measured steps, written while
+    // training went on) over the time between two saves at the step time
+    // without saves.
+    common::costs::record(
+        "persist_step_ratio",
+        med[1] / med[0],
+        &format!(
+            "cargo bench -p hatrain-scenarios --bench persist: step time with saves written by the agent ÷ no saves (2 ranks, {size} model, save every {SAVE_INTERVAL} steps)"
+        ),
+    );
+    if write_s.is_empty() {
+        println!("no agent checkpoint write seen in the measured steps: persist_duty not recorded");
+    } else {
+        let n = write_s.len();
+        let write = median(write_s);
+        let between = SAVE_INTERVAL as f64 * med[0];
+        println!(
+            "agent writer duty: median write {write:.3} s (of {n}) ÷ {between:.3} s between saves = {:.3}",
+            write / between
+        );
+        common::costs::record(
+            "persist_duty",
+            write / between,
+            "cargo bench -p hatrain-scenarios --bench persist: agent's checkpoint write time ÷ time between saves (save interval × step time without saves)",
         );
     }
 }

@@ -97,9 +97,9 @@ fn overhead(dir: &Path, size: &str, reps: usize) -> ([f64; 3], Vec<[f64; 3]>) {
 }
 
 /// One worker-reboot recovery from a SIGKILL of rank 1 during step `k`:
-/// seconds to the first step after the kill, to step `k` again, and the
-/// steps redone.
-fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize) {
+/// seconds to the first step after the kill, to step `k` again, the steps
+/// redone, and the median step time of steps 3.. completed before the kill.
+fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize, f64) {
     let log = dir.join(format!("ha-{k}-{slices}.jsonl"));
     let mut c = launch(2, true, dir, slices, &train_args("10m", k + 2, &log, &[]));
     wait_step(&log, Duration::from_secs(300), |e| {
@@ -122,7 +122,17 @@ fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize) {
         .find(|t| *t > t_kill)
         .expect("a step after the kill")
         - t_kill;
-    (first_s, back["unix_s"].as_f64().unwrap() - t_kill, redone)
+    let before: Vec<f64> = steps(&log)
+        .iter()
+        .filter(|e| e["unix_s"].as_f64() < Some(t_kill) && e["step"].as_u64() > Some(2))
+        .filter_map(|e| e["step_time_s"].as_f64())
+        .collect();
+    (
+        first_s,
+        back["unix_s"].as_f64().unwrap() - t_kill,
+        redone,
+        median(before),
+    )
 }
 
 fn main() {
@@ -142,8 +152,13 @@ fn main() {
         "{:<6} {:>12} {:>12} {:>12} {:>13} {:>11}",
         "model", "sliced ms", "full ms", "none ms", "sliced÷none", "full÷none"
     );
+    // The 10m model's (sliced, none) medians, for the simulator's costs.
+    let mut ten_m = None;
     for size in sizes.split(',') {
         let ([sliced, full, none], runs) = overhead(dir.path(), size, reps);
+        if size == "10m" {
+            ten_m = Some((sliced, none));
+        }
         println!(
             "{size:<6} {:>12.1} {:>12.1} {:>12.1} {:>13.3} {:>11.3}",
             sliced * 1e3,
@@ -169,12 +184,12 @@ fn main() {
         "{:>3} {:>12} {:>12} {:>12} {:>8} {:>14} {:>8}",
         "K", "sliced 1st s", "full 1st s", "sliced K s", "redone", "baseline K s", "redone"
     );
-    let (mut first, mut first_full, mut ours, mut base) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut first, mut first_full, mut ours, mut base, mut before) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for k in [13u64, 16, 19] {
         // hatrain: worker reboot, sliced snapshots and full ones.
-        let (first_s, ha_s, redone) = ha_recovery(dir.path(), k, "on");
-        let (full_s, _, _) = ha_recovery(dir.path(), k, "off");
+        let (first_s, ha_s, redone, step_s) = ha_recovery(dir.path(), k, "on");
+        let (full_s, _, _, _) = ha_recovery(dir.path(), k, "off");
 
         // Baseline: stop, relaunch from the disk checkpoint, redo.
         let log = dir.path().join(format!("base-{k}.jsonl"));
@@ -224,6 +239,7 @@ fn main() {
             "{k:>3} {first_s:>12.3} {full_s:>12.3} {ha_s:>12.3} {redone:>8} {base_s:>14.3} {base_redone:>8}"
         );
         first.push(first_s);
+        before.push(step_s);
         first_full.push(full_s);
         ours.push(ha_s);
         base.push(base_s);
@@ -242,5 +258,36 @@ fn main() {
         "ratios to the baseline: first step {:.3}, step K {:.3}",
         f / b,
         o / b
+    );
+
+    // The simulator's costs: the 10m model's snapshot overhead, and the
+    // pause of a crash beyond the step it redoes. That step's time is the
+    // 10m model's median with a snapshot every step (part 1; the recovery
+    // runs snapshot every step too), else the median of the steps the
+    // recovery runs completed before the kill.
+    let step = match ten_m {
+        Some((sliced, none)) => {
+            common::costs::record(
+                "snapshot_step_ratio",
+                sliced / none,
+                "cargo bench -p hatrain-scenarios --bench recovery: step time with a snapshot every step ÷ none (2 ranks, 10m model)",
+            );
+            sliced
+        }
+        None => {
+            println!(
+                "no snapshot overhead of the 10m model measured (HATRAIN_BENCH_SIZES={sizes}): snapshot_step_ratio not recorded"
+            );
+            median(before)
+        }
+    };
+    println!(
+        "crash pause: {f:.3} s to the first step after recovery less one step of {step:.3} s = {:.3} s",
+        f - step
+    );
+    common::costs::record(
+        "crash_pause_s",
+        f - step,
+        "cargo bench -p hatrain-scenarios --bench recovery: SIGKILL of a rank → first completed step, less one step",
     );
 }

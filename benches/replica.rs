@@ -207,6 +207,14 @@ fn training_overhead() {
         eprintln!("{size}: runs on {on:?} off {off:?}");
         let (a, b) = (median(on), median(off));
         println!("{size:<8} {a:>14.4} {b:>14.4} {:>10.3}", a / b);
+        // The simulator's figure is the 10m model's, as for the snapshot.
+        if size == "10m" {
+            common::costs::record(
+                "replica_step_ratio",
+                a / b,
+                "cargo bench -p hatrain-scenarios --bench replica: step time with one peer replica ÷ none (2 hosts x 1 rank on one machine, 10m model)",
+            );
+        }
     }
 }
 

@@ -21,6 +21,9 @@
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
 //!   checkpoint on disk; nothing claims a later step.
+//! - A host whose NPU must be isolated (a SeparateNPU event from the
+//!   stand-in DCMI library): it leaves the job as a lost host does, and its
+//!   ranks are recovered on the standby from their peer replicas.
 //!
 //! Every run that recovers ends with every step's loss and the final
 //! checksum of one host with six ranks; nothing is left in any root.
@@ -31,6 +34,23 @@ use common::hosts::*;
 use common::*;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// The controller (host 0) recovered host 1's ranks 2 and 3 on the standby
+/// (host 3) from their replicas, and the run equals the reference.
+fn host1_recovered_on_the_standby(
+    c: &Cluster,
+    outs: &[(usize, std::process::Output)],
+    reference: &[serde_json::Value],
+) {
+    let controller = stderr(outs, 0);
+    assert!(
+        controller.contains("host 1 lost: recovering on a standby host")
+            && controller.contains("ranks=[2, 3] s_star="),
+        "the controller recovered host 1's ranks on the standby:\n{controller}"
+    );
+    assert_filled(&stderr(outs, 3), &[2, 3]);
+    assert_recovered(c, outs, reference);
+}
 
 /// Host 1 vanishes; the controller gives its ranks to the standby, whose
 /// stores are filled from their replicas on host 2 ((1 + 1) mod 3); every
@@ -43,14 +63,44 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
     c.wait_held(2, &[2, 3]);
     c.vanish(&[1]);
     let outs = c.ends(&[0, 2, 3]);
-    let controller = stderr(&outs, 0);
-    assert!(
-        controller.contains("host 1 lost: recovering on a standby host")
-            && controller.contains("ranks=[2, 3] s_star="),
-        "the controller recovered host 1's ranks on the standby:\n{controller}"
+    host1_recovered_on_the_standby(&c, &outs, &reference);
+}
+
+/// Host 1's NPU 0 (rank 2's) must be isolated: its DCMI reports 0x80E18402
+/// (SeparateNPU). Host 1 leaves the job as a lost host does, and the
+/// controller recovers ranks 2 and 3 on the standby from their replicas.
+#[test]
+fn a_host_whose_npu_must_be_isolated_leaves_and_its_ranks_recover_on_a_standby() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let standin = common::dcmi::standin().display().to_string();
+    let mut c = Cluster::start(tmp, "npu-out", 1, &["--dcmi-library", &standin], &train);
+    c.wait_held(2, &[2, 3]);
+    common::dcmi::post(
+        &c.dcmi_events(1),
+        "separate",
+        &[common::dcmi::event(
+            0x80E1_8402,
+            0,
+            1,
+            "hbm isolated lines reached 64",
+        )],
     );
-    assert_filled(&stderr(&outs, 3), &[2, 3]);
-    assert_recovered(&c, &outs, &reference);
+    let left = c.ends(&[1]);
+    let host1 = stderr(&left, 1);
+    assert_eq!(
+        left[0].1.status.code(),
+        Some(i32::from(hatrain_agent::exit::DEVICE_LOST)),
+        "{host1}"
+    );
+    assert!(
+        host1.contains("class=\"SeparateNPU\" action=host")
+            && host1.contains("device lost: this host leaves the job"),
+        "{host1}"
+    );
+    assert_nothing_left(&c.shm[1]);
+    let outs = c.ends(&[0, 2, 3]);
+    host1_recovered_on_the_standby(&c, &outs, &reference);
 }
 
 /// Hosts lost one after the other: host 1, then host 0, the controller.

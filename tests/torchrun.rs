@@ -23,14 +23,7 @@ use std::time::{Duration, Instant};
 fn venv_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch-venv.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run scripts/torch-venv.sh");
-        assert!(out.status.success(), "scripts/torch-venv.sh failed");
-        let python = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        let python = python::set_up("torch-venv.sh");
         python.parent().unwrap().to_path_buf()
     })
 }
@@ -256,11 +249,13 @@ fn a_failed_rank_restarts_the_group_under_both_launchers_and_the_script_resumes(
                 // Under the default static rendezvous the second attempt's
                 // gloo reads the first attempt's addresses from the store it
                 // shares with the workers (3 of 8 runs here never
-                // reconnected; 8 of 8 do with these).
+                // reconnected; 8 of 8 do with these). Even so, a restarted
+                // worker of torchrun's once aborted in gloo (SIGABRT) on a
+                // loaded machine: the baseline gets one attempt more.
                 let endpoint = format!("127.0.0.1:{}", hosts::free_port());
                 let mut all = vec![
                     "--max-restarts",
-                    "1",
+                    "2",
                     "--rdzv-backend",
                     "c10d",
                     "--rdzv-endpoint",

@@ -254,6 +254,14 @@ pub struct HaArgs {
     /// (default: the local address of the route to --master-addr).
     #[arg(long)]
     pub local_addr: Option<std::net::IpAddr>,
+    /// Warm standby workers per host: K extra processes of the worker
+    /// command, started ahead with `HATRAIN_STANDBY=1`, that do their
+    /// start-up and park; a rank that must be restarted (worker reboot, or
+    /// a UCE that needs a fresh process) is handed to one, and another is
+    /// started in the background. Needs --enable-worker-reboot and a worker
+    /// that supports it (hatrain.torch, hatrain-train).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub warm_standby: usize,
     /// With several nodes: spare agents of the job, started with
     /// `--standby` and node ranks `--nnodes` and up; every agent of the job
     /// is given the same count.
@@ -279,4 +287,24 @@ pub struct HaArgs {
     /// the job writes its last words and stops.
     #[arg(long, alias = "coordinator-timeout", default_value_t = 30.0)]
     pub coordinator_timeout_secs: f64,
+    /// A JSON file of device fault codes that replace or add to the
+    /// default table (`{"codes": [{"code": "0x80E01801", "class":
+    /// "RestartBusiness", "action": "uce"}], "side_effect_window_ms":
+    /// 5000, "uce_repeat_count": 2, "uce_repeat_window_s": 86400}`).
+    #[arg(long, value_name = "FILE")]
+    pub fault_table: Option<PathBuf>,
+    /// The accelerators of this host's local ranks, in local-rank order
+    /// (`4,5,6,7`: local rank 0 uses device 4): how a device fault maps to
+    /// its rank. Default: the list in `ASCEND_RT_VISIBLE_DEVICES` (NPU) or
+    /// `CUDA_VISIBLE_DEVICES` (GPU), else local rank i on device i.
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    pub devices: Option<Vec<u32>>,
+    /// The Ascend DCMI library the NPU fault source loads (a name the
+    /// dynamic loader searches for, or a path).
+    #[arg(long, env = "HATRAIN_DCMI_LIBRARY", default_value = "libdcmi.so")]
+    pub dcmi_library: PathBuf,
+    /// The `npu-smi` the NPU fault source polls where the DCMI library
+    /// cannot be loaded.
+    #[arg(long, env = "HATRAIN_NPU_SMI", default_value = "npu-smi")]
+    pub npu_smi: PathBuf,
 }

@@ -84,6 +84,22 @@ async fn read_request(
     Ok(Some(PROTOCOL.parse_json(&payload)))
 }
 
+/// Returns when the client closes its end, or sends while a request of its
+/// waits for the reply (which this protocol does not allow): either way the
+/// connection is over.
+async fn hung_up(stream: &UnixStream) {
+    let mut byte = [0u8; 1];
+    loop {
+        if stream.readable().await.is_err() {
+            return;
+        }
+        match stream.try_read(&mut byte) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            _ => return,
+        }
+    }
+}
+
 async fn connection(mut stream: UnixStream, tx: mpsc::Sender<ControlMsg>, me: u32) {
     let uid = stream.peer_cred().map(|c| c.uid()).ok();
     loop {
@@ -114,9 +130,15 @@ async fn connection(mut stream: UnixStream, tx: mpsc::Sender<ControlMsg>, me: u3
                     if tx.send(ControlMsg { request, reply }).await.is_err() {
                         return;
                     }
-                    match rx.await {
-                        Ok(r) => (r, false),
-                        Err(_) => return,
+                    // A client that hangs up while its request waits (a
+                    // parked standby that died) ends the connection now,
+                    // not when the reply comes.
+                    tokio::select! {
+                        r = rx => match r {
+                            Ok(r) => (r, false),
+                            Err(_) => return,
+                        },
+                        () = hung_up(&stream) => return,
                     }
                 }
             }
@@ -130,5 +152,41 @@ async fn connection(mut stream: UnixStream, tx: mpsc::Sender<ControlMsg>, me: u3
         if stream.write_all(&frame).await.is_err() || fatal {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_client_that_hangs_up_while_its_request_waits_ends_its_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let (tx, mut rx) = mpsc::channel(4);
+        let shutdown = CancellationToken::new();
+        serve(&path, tx, shutdown.clone()).unwrap();
+        // A standby parks: its request waits for a reply that may never come.
+        let mut client = UnixStream::connect(&path).await.unwrap();
+        let frame = PROTOCOL
+            .encode(&serde_json::to_vec(&Request::Standby { pid: 1 }).unwrap())
+            .unwrap();
+        client.write_all(&frame).await.unwrap();
+        let msg = rx.recv().await.unwrap();
+        assert_eq!(msg.request, Request::Standby { pid: 1 });
+        let mut reply = msg.reply;
+        // Still waiting while the client is there.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), reply.closed())
+                .await
+                .is_err()
+        );
+        // It dies: the connection (and its wait for the reply) ends.
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(10), reply.closed())
+            .await
+            .expect("the connection outlived its client");
+        shutdown.cancel();
     }
 }

@@ -606,13 +606,14 @@ impl Shim {
         cmd.args(&args).envs(env);
         let unblock = self.signals;
         // SAFETY: the closure runs in the child between fork and exec and
-        // only calls setpgid(2), prctl(2) and sigprocmask(2), which are
-        // async-signal-safe.
+        // only calls setpgid(2), prctl(2), sigprocmask(2), open(2),
+        // write(2) and close(2), which are async-signal-safe.
         unsafe {
             cmd.pre_exec(move || {
                 nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 sigprocmask(SigmaskHow::SIG_UNBLOCK, Some(&unblock), None)?;
+                crate::oom::prefer_as_oom_victim();
                 Ok(())
             });
         }

@@ -31,6 +31,9 @@ use std::time::Duration;
 pub const SOCKET: &str = "agent.sock";
 /// The job's secret's file name in the job folder.
 pub const SECRET: &str = "secret";
+/// The workers' own folder in the job folder (`HATRAIN_WORKER_DIR`): what
+/// they put there (a framework's rendezvous files) goes with the job.
+pub const WORKERS: &str = "workers";
 
 /// Whether `name` is one of the agent's own files (the lock aside).
 fn is_ours(name: &str) -> bool {
@@ -68,6 +71,9 @@ pub struct JobDir {
     created_root: bool,
     /// Files the agent made here, removed at the end.
     made: Vec<String>,
+    /// The agent made the workers' folder, removed (with what is in it)
+    /// at the end.
+    workers: bool,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> JobDirError + '_ {
@@ -165,6 +171,7 @@ impl JobDir {
             lock,
             created_root,
             made: Vec::new(),
+            workers: false,
         };
         dir.write_holder(job)?;
         if keep {
@@ -268,7 +275,10 @@ impl JobDir {
             if name == joblock::LOCK {
                 continue;
             }
-            if is_ours(name) {
+            if name == WORKERS {
+                tracing::warn!(dir = %self.path.display(), "removing the workers' folder of this job, left by an agent that is gone");
+                let _ = std::fs::remove_dir_all(self.path.join(WORKERS));
+            } else if is_ours(name) {
                 tracing::warn!(dir = %self.path.display(), file = name, "removing a stale file of this job, left by an agent that is gone");
                 let _ = unlinkat(&self.fd, name, UnlinkatFlags::NoRemoveDir);
             } else {
@@ -304,6 +314,20 @@ impl JobDir {
         Ok((File::from(fd), path))
     }
 
+    /// Makes the workers' folder (mode 0700), removed with what is in it
+    /// when the job ends, and returns its path.
+    pub fn workers_dir(&mut self) -> Result<PathBuf, JobDirError> {
+        let path = self.path.join(WORKERS);
+        match nix::sys::stat::mkdirat(&self.fd, WORKERS, Mode::from_bits_truncate(0o700)) {
+            Ok(()) | Err(Errno::EEXIST) => {}
+            Err(e) => return Err(io_err(&path)(e.into())),
+        }
+        // Ours, a folder, and no one else's to write (not a planted link).
+        trust::check(&path, Kind::Dir, nix::unistd::geteuid().as_raw())?;
+        self.workers = true;
+        Ok(path)
+    }
+
     /// Removes file `name` that the agent made here (a store whose creation
     /// failed, or one a reshape replaces: a mapping of it stays valid).
     pub fn forget(&mut self, name: &str) {
@@ -326,6 +350,12 @@ impl JobDir {
     /// default root) and it is empty; a job folder that is not empty stays,
     /// with a warning.
     pub fn remove(self) {
+        if self.workers {
+            // remove_dir_all does not follow symbolic links.
+            if let Err(e) = std::fs::remove_dir_all(self.path.join(WORKERS)) {
+                tracing::warn!(dir = %self.path.display(), error = %e, "the workers' folder is not removed");
+            }
+        }
         for name in self.made.iter().map(String::as_str).chain([joblock::LOCK]) {
             match unlinkat(&self.fd, name, UnlinkatFlags::NoRemoveDir) {
                 Ok(()) | Err(Errno::ENOENT) => {}

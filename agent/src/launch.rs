@@ -62,6 +62,9 @@ pub struct LaunchConfig {
     pub worker_env: Option<std::collections::BTreeMap<String, String>>,
 }
 
+/// Most warm standby processes per host.
+pub const MAX_WARM_STANDBYS: usize = 64;
+
 /// High-availability settings of a launch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HaSettings {
@@ -94,6 +97,8 @@ pub struct HaSettings {
     pub local_addr: Option<std::net::IpAddr>,
     /// Spare agents of the job (node ranks `nnodes..nnodes + standby_nodes`).
     pub standby_nodes: usize,
+    /// Warm standby worker processes kept on this host.
+    pub warm_standbys: usize,
     /// This agent is one of them.
     pub standby: bool,
     /// Elastic training shrinks only while this many hosts are left.
@@ -102,6 +107,14 @@ pub struct HaSettings {
     pub coordinator: CoordinatorChoice,
     /// With etcd: how long a fault waits for etcd before the job stops.
     pub coordinator_timeout: Duration,
+    /// How device faults are handled (`--fault-table` over the defaults).
+    pub fault_table: hatrain_shared::npu::FaultTable,
+    /// The devices of the local ranks, in local-rank order (`--devices`).
+    pub devices: Option<Vec<u32>>,
+    /// The Ascend source's DCMI library, and its `npu-smi` where the
+    /// library is missing.
+    pub dcmi_library: std::path::PathBuf,
+    pub npu_smi: std::path::PathBuf,
 }
 
 /// Where a job of several nodes keeps membership and leadership.
@@ -155,10 +168,15 @@ impl Default for HaSettings {
             host_timeout: Duration::from_secs(3),
             local_addr: None,
             standby_nodes: 0,
+            warm_standbys: 0,
             standby: false,
             min_nodes: 1,
             coordinator: CoordinatorChoice::Embedded,
             coordinator_timeout: Duration::from_secs(30),
+            fault_table: hatrain_shared::npu::FaultTable::default(),
+            devices: None,
+            dcmi_library: "libdcmi.so".into(),
+            npu_smi: "npu-smi".into(),
         }
     }
 }
@@ -358,6 +376,18 @@ impl LaunchConfig {
             return bad(format!(
                 "--replicas {} needs more hosts than --nnodes {}: a replica never stays on its own host",
                 self.ha.replicas, self.nnodes
+            ));
+        }
+        if self.ha.warm_standbys > 0 && !self.ha.modes.recover {
+            return bad(format!(
+                "--warm-standby {} needs --enable-worker-reboot: a standby takes the place of a rank that is restarted in place",
+                self.ha.warm_standbys
+            ));
+        }
+        if self.ha.warm_standbys > MAX_WARM_STANDBYS {
+            return bad(format!(
+                "--warm-standby {} is more than {MAX_WARM_STANDBYS} processes per host",
+                self.ha.warm_standbys
             ));
         }
         if !(2..=hatrain_shared::shm::MAX_SLOTS).contains(&self.ha.slots) {

@@ -13,7 +13,7 @@
 //! - [`replicator`]: peer replicas, streamed to and held for other hosts;
 //! - [`coordinator`]: membership, liveness and leadership of a job's
 //!   agents (the embedded, agent-to-agent backend);
-//! - [`gpu`]: GPU memory errors as a fault source;
+//! - [`faults`]: device fault sources (NVIDIA Xids, Ascend NPUs) behind one seam;
 //! - [`oom`]: whether the kernel's OOM killer ended a worker;
 //! - [`output`]: the workers' output, as torchrun forwards and logs it;
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
@@ -22,7 +22,7 @@ pub mod cli;
 pub mod control;
 pub mod coordinator;
 pub mod exec;
-pub mod gpu;
+pub mod faults;
 pub mod job;
 pub mod jobdir;
 pub mod launch;
@@ -77,6 +77,9 @@ pub mod exit {
     /// (the shm root is too small, or out of resources); the message names
     /// the root, the bytes needed and free, and the flags to change.
     pub const UNFIT: u8 = 5;
+    /// A device of this host is lost to a job of several hosts: the host
+    /// left the job, which recovers without it.
+    pub const DEVICE_LOST: u8 = 6;
 
     /// The code for an agent stopped by signal `sig` (128+N).
     pub fn signaled(sig: i32) -> u8 {

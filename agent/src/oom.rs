@@ -23,6 +23,35 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+/// The `oom_score_adj` a worker starts with: when memory runs out, the
+/// kernel's OOM killer takes a worker (whose loss the agent recovers from)
+/// before the agent that supervises them (whose loss ends the job).
+pub const WORKER_OOM_SCORE_ADJ: &[u8] = b"500";
+
+/// Raises the calling process's `oom_score_adj` to
+/// [`WORKER_OOM_SCORE_ADJ`]; for a new worker, between fork and exec.
+/// Raising it needs no privilege (proc(5)); a failure leaves it as it was.
+///
+/// Only open(2), write(2) and close(2): async-signal-safe.
+pub fn prefer_as_oom_victim() {
+    // SAFETY: a static NUL-terminated path, a live byte slice and the fd
+    // just opened; nothing allocates.
+    unsafe {
+        let fd = libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if fd >= 0 {
+            let _ = libc::write(
+                fd,
+                WORKER_OOM_SCORE_ADJ.as_ptr().cast(),
+                WORKER_OOM_SCORE_ADJ.len(),
+            );
+            libc::close(fd);
+        }
+    }
+}
+
 /// The file of a memory cgroup that counts its OOM kills.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct OomCounter(PathBuf);
@@ -226,6 +255,22 @@ impl OomWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_worker_is_the_oom_killers_first_choice() {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new("cat");
+        cmd.arg("/proc/self/oom_score_adj");
+        // SAFETY: the closure only calls open(2), write(2) and close(2).
+        unsafe {
+            cmd.pre_exec(|| {
+                prefer_as_oom_victim();
+                Ok(())
+            });
+        }
+        let out = cmd.output().expect("cat runs");
+        assert_eq!(out.stdout.trim_ascii(), WORKER_OOM_SCORE_ADJ);
+    }
 
     const MOUNTS_V1: &str = "\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

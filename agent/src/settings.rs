@@ -85,10 +85,19 @@ pub fn launch_config(
         failure_domain: h.failure_domain.clone(),
         local_addr: h.local_addr,
         standby_nodes: h.standby_nodes,
+        warm_standbys: h.warm_standby,
         min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
         standby: h.standby,
         coordinator: h.coordinator.parse().map_err(LaunchError::Config)?,
         coordinator_timeout: seconds("--coordinator-timeout-secs", h.coordinator_timeout_secs)?,
+        fault_table: match &h.fault_table {
+            Some(p) => hatrain_shared::npu::FaultTable::load(p)
+                .map_err(|e| LaunchError::Config(format!("--fault-table: {e}")))?,
+            None => hatrain_shared::npu::FaultTable::default(),
+        },
+        devices: h.devices.clone(),
+        dcmi_library: h.dcmi_library.clone(),
+        npu_smi: h.npu_smi.clone(),
     };
     if a.standalone && a.nnodes != 1 {
         return Err(LaunchError::Config(format!(

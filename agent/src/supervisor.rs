@@ -15,6 +15,8 @@
 //! worker is restarted beneath it. Either way the exits arrive here as
 //! [`ExitEvent`]s and the signals go to the worker's process group.
 
+mod warm;
+
 use crate::launch::{ENV_ERROR_FILE, ENV_GROUP_RESTARTS, OutputPlan, attempt_dir, error_file};
 use crate::output::Sink;
 use crate::reaper::{ExitEvent, ExitStatus, Reaper};
@@ -88,11 +90,15 @@ pub struct Supervisor {
     exits_tx: mpsc::UnboundedSender<ExitEvent>,
     spawner: Spawner,
     output: TaskTracker,
+    /// Where the ranks' error texts are reported, once the job says.
+    texts: std::sync::Arc<std::sync::OnceLock<mpsc::Sender<crate::faults::DeviceFault>>>,
     grace: Duration,
     plan: OutputPlan,
     run_dir: PathBuf,
     /// Group restarts so far (torchrun's restart count).
     attempt: u32,
+    /// Warm standby processes (`--warm-standby`).
+    warm: warm::Pool,
 }
 
 impl Supervisor {
@@ -164,10 +170,12 @@ impl Supervisor {
             exits_tx,
             spawner,
             output: TaskTracker::new(),
+            texts: Default::default(),
             grace,
             plan,
             run_dir,
             attempt: 0,
+            warm: warm::Pool::default(),
         }
     }
 
@@ -253,7 +261,23 @@ impl Supervisor {
             self.by_pid.insert(pid, idx);
             started.push((spec.rank, pid));
         }
+        self.warm.stopping = false;
+        self.refill();
         Ok(started)
+    }
+
+    /// The agent's reaper, when the agent starts the workers itself: any
+    /// other child of the agent must be started through it too.
+    pub fn reaper(&self) -> Option<Reaper> {
+        match &self.spawner {
+            Spawner::Own(r) => Some(r.clone()),
+            Spawner::Shims(_) => None,
+        }
+    }
+
+    /// Reports the torch_npu error texts in the ranks' stderr to `tx`.
+    pub fn report_texts_to(&self, tx: mpsc::Sender<crate::faults::DeviceFault>) {
+        let _ = self.texts.set(tx);
     }
 
     /// The group restarts so far.
@@ -295,6 +319,15 @@ impl Supervisor {
     }
 
     fn spawn(&mut self, spec: &WorkerSpec) -> Result<i32, SupervisorError> {
+        self.spawn_as(spec, None)
+    }
+
+    /// Starts `spec`'s process, or warm standby number `standby` from it.
+    fn spawn_as(
+        &mut self,
+        spec: &WorkerSpec,
+        standby: Option<usize>,
+    ) -> Result<i32, SupervisorError> {
         // The attempt's folder holds the worker's error file (torch's error
         // handler writes it and does not make its folder) and logs.
         std::fs::create_dir_all(attempt_dir(&self.run_dir, self.attempt, spec.local_rank))
@@ -326,13 +359,15 @@ impl Supervisor {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // SAFETY: the closure runs in the child between fork and exec and
-        // only calls setpgid(2) and prctl(2), which are async-signal-safe.
+        // only calls setpgid(2), prctl(2), open(2), write(2) and close(2),
+        // which are async-signal-safe.
         unsafe {
             cmd.pre_exec(|| {
                 // Its own process group, so that stopping the worker also
                 // stops whatever it started.
                 nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                crate::oom::prefer_as_oom_victim();
                 Ok(())
             });
         }
@@ -345,12 +380,15 @@ impl Supervisor {
                     source,
                 })?;
         let pid = i32::try_from(child.id()).expect("pids fit in i32");
-        tracing::info!(
-            rank = spec.rank,
-            local_rank = spec.local_rank,
-            pid,
-            "worker started"
-        );
+        match standby {
+            Some(n) => tracing::info!(standby = n, pid, "warm standby started"),
+            None => tracing::info!(
+                rank = spec.rank,
+                local_rank = spec.local_rank,
+                pid,
+                "worker started"
+            ),
+        }
         let out_err = |source| SupervisorError::Output {
             rank: spec.rank,
             source,
@@ -358,12 +396,22 @@ impl Supervisor {
         // The `Child` is dropped without waiting: the reaper collects it.
         let stdout = child.stdout.take().map(OwnedFd::from);
         let stderr = child.stderr.take().map(OwnedFd::from);
+        let mut retarget = Vec::new();
         for (fd, to_stderr) in [(stdout, false), (stderr, true)] {
             if let Some(fd) = fd {
-                let sink = self.sink(spec, to_stderr).map_err(out_err)?;
+                let sink = self.sink(spec, standby, to_stderr).map_err(out_err)?;
                 let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(out_err)?;
-                self.output.spawn(crate::output::forward(rx, sink));
+                // A standby's output goes to its rank's sink once it has one.
+                let to = standby.map(|_| {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    retarget.push((to_stderr, tx));
+                    rx
+                });
+                self.output.spawn(crate::output::forward(rx, sink, to));
             }
+        }
+        if standby.is_some() {
+            self.warm.retarget.insert(pid, retarget);
         }
         Ok(pid)
     }
@@ -371,7 +419,7 @@ impl Supervisor {
     /// Where one stream of a worker goes: the console unless redirected
     /// (or teed) and unless filtered out; a log file of the attempt when
     /// redirected or teed.
-    fn sink(&self, spec: &WorkerSpec, stderr: bool) -> io::Result<Sink> {
+    fn sink(&self, spec: &WorkerSpec, standby: Option<usize>, stderr: bool) -> io::Result<Sink> {
         let lr = spec.local_rank;
         let (redirect, tee) = (
             self.plan.redirects.of(lr).has(stderr),
@@ -390,13 +438,30 @@ impl Supervisor {
         } else {
             (None, None)
         };
+        let scan = (stderr && standby.is_none()).then(|| {
+            crate::output::TextScan::new(spec.rank, lr, std::sync::Arc::clone(&self.texts))
+        });
         Ok(Sink {
-            rank: spec.rank,
+            scan,
+            label: match standby {
+                Some(n) => format!("standby {n}"),
+                None => format!("rank {}", spec.rank),
+            },
             stderr,
             console: (!redirect || tee) && shown,
             file,
             path,
         })
+    }
+
+    /// SIGKILL, now, to every worker and warm standby and whatever each
+    /// started (their process groups): the host leaves the job as a lost
+    /// host does.
+    pub fn kill_everything(&self) {
+        for (_, pid) in self.running() {
+            signal(-pid, Signal::SIGKILL);
+        }
+        self.signal_standbys(Signal::SIGKILL);
     }
 
     /// Pids of the workers still running, by rank.
@@ -413,6 +478,9 @@ impl Supervisor {
 
     /// Records an exit; returns the worker's index if it was ours.
     fn record(&mut self, ev: ExitEvent) -> Option<usize> {
+        if self.standby_exited(&ev) {
+            return None;
+        }
         let idx = self.by_pid.remove(&ev.pid)?;
         self.states[idx] = WorkerState::Exited(ev.status);
         // What the worker started dies with it. A shim's worker is the
@@ -439,6 +507,8 @@ impl Supervisor {
     /// SIGTERM to every running worker, SIGKILL to those still running after
     /// the grace period, then waits until all are reaped.
     async fn stop_running(&mut self) {
+        self.warm.stopping = true;
+        self.signal_standbys(Signal::SIGTERM);
         let running = self.running();
         for &(rank, pid) in &running {
             tracing::info!(rank, pid, "sending SIGTERM");
@@ -450,6 +520,7 @@ impl Supervisor {
                 tracing::warn!(rank, pid, grace = ?self.grace, "still running after the grace period: SIGKILL");
                 signal(-pid, Signal::SIGKILL);
             }
+            self.signal_standbys(Signal::SIGKILL);
             if !self.wait_all(Duration::from_secs(10)).await {
                 tracing::error!(left = ?self.running(), "workers not reaped after SIGKILL");
             }
@@ -460,7 +531,7 @@ impl Supervisor {
     async fn wait_all(&mut self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         loop {
-            if self.running().is_empty() {
+            if self.running().is_empty() && self.warm.is_empty() {
                 return true;
             }
             // A signal we sent may have been delivered before our SIGCHLD
@@ -469,7 +540,7 @@ impl Supervisor {
                 reaper.poll();
             }
             match tokio::time::timeout_at(deadline, self.exits.recv()).await {
-                Err(_) => return self.running().is_empty(),
+                Err(_) => return self.running().is_empty() && self.warm.is_empty(),
                 Ok(Some(ev)) => {
                     if let Some(idx) = self.record(ev) {
                         tracing::info!(rank = self.ranks[idx], pid = ev.pid, status = %ev.status, "worker stopped");

@@ -2,8 +2,10 @@
 //! their agents, a host vanishing, and the timings read from the log.
 
 use super::{agent, now, steps, trainer, worker_pids};
+use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -56,14 +58,67 @@ impl Launch<'_> {
         self.dir.join(format!("{}-agent{node}.log", self.job))
     }
 
+    /// The last `n` lines of agent `node`'s log.
+    pub fn tail(&self, node: usize, n: usize) -> String {
+        let log = std::fs::read_to_string(self.log(node)).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(n).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        tail.join("\n")
+    }
+
     /// Waits for agent `node`; a failure shows the end of its log.
     pub fn expect_success(&self, node: usize, agent: &mut Child) {
         if !agent.wait().unwrap().success() {
-            let log = std::fs::read_to_string(self.log(node)).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            panic!("agent {node} of {} failed:\n{}", self.job, tail.join("\n"));
+            panic!(
+                "agent {node} of {} failed:\n{}",
+                self.job,
+                self.tail(node, 20)
+            );
         }
+    }
+
+    /// Waits (up to `limit`) for a step event of `log` satisfying `f`
+    /// while the agents `nodes` of `agents` run. When one of them exits
+    /// first (a job that stopped), or the time is up, it fails at once with
+    /// the end of every agent's log (the others are sent SIGTERM).
+    pub fn wait_step(
+        &self,
+        agents: &mut [Child],
+        nodes: &[usize],
+        log: &Path,
+        limit: Duration,
+        what: &str,
+        f: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let end = Instant::now() + limit;
+        let why = loop {
+            if let Some(e) = steps(log).into_iter().find(|e| f(e)) {
+                return e;
+            }
+            let exited = nodes.iter().find_map(|&n| {
+                let s = agents[n].try_wait().ok().flatten()?;
+                Some(format!("agent {n} exited ({s}) first"))
+            });
+            if let Some(why) = exited {
+                break why;
+            }
+            if Instant::now() >= end {
+                break format!("none within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let mut logs = String::new();
+        for &n in nodes {
+            if matches!(agents[n].try_wait(), Ok(None)) {
+                // SAFETY: kill(2) with plain integers.
+                unsafe { libc::kill(agents[n].id() as i32, libc::SIGTERM) };
+            }
+            logs.push_str(&format!("--- agent {n}:\n{}\n", self.tail(n, 30)));
+        }
+        panic!(
+            "{what} of {}: {why}; the agents' logs end:\n{logs}",
+            self.job
+        );
     }
 
     pub fn start(&self, node: usize) -> Child {

@@ -1,6 +1,7 @@
 //! Helpers shared by the benchmark harnesses.
 #![allow(dead_code)]
 
+pub mod costs;
 /// The tests' etcd launcher (Debian's `etcd-server` on loopback ports).
 #[path = "../../tests/common/etcd.rs"]
 pub mod etcd;

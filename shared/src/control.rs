@@ -18,12 +18,18 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    minor: 3,
+    minor: 5,
     max_payload: 1 << 20,
 };
 
 /// Environment variable naming the control socket, set for workers.
 pub const ENV_SOCKET: &str = "HATRAIN_AGENT_SOCKET";
+/// Environment variable with the workers' own folder of the job (private,
+/// removed with the job): where a framework's rendezvous files go.
+pub const ENV_WORKER_DIR: &str = "HATRAIN_WORKER_DIR";
+/// Environment variable set (to `1`) for a warm standby process: it has no
+/// rank until the agent gives it one ([`Request::Standby`]).
+pub const ENV_STANDBY: &str = "HATRAIN_STANDBY";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
@@ -33,7 +39,18 @@ pub enum Request {
         rank: usize,
         pid: u32,
         map: StateMap,
+        /// The fewest snapshot slots its loop needs (the agent may keep
+        /// more): 3 when gradients are reduced before the update fences,
+        /// as PyTorch DDP does, since a peer may then complete a step while
+        /// this rank still copies the snapshot of the one before. Since
+        /// protocol 1.4.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        slots: Option<usize>,
     },
+    /// A warm standby (started with [`ENV_STANDBY`]) has done its start-up
+    /// and parks: answered with [`Response::Assigned`] when the agent gives
+    /// it a failed rank's place, never otherwise. Since protocol 1.4.
+    Standby { pid: u32 },
     /// Which replicas of lost ranks this worker brings to the reshape to
     /// `step` (read before it takes its new place).
     Donations { rank: usize, step: u64 },
@@ -67,6 +84,9 @@ pub enum Request {
     Workers,
     /// Fault history.
     Faults,
+    /// What the device fault sources reported, and what was decided about
+    /// each report (since protocol 1.5).
+    DeviceFaults,
 }
 
 impl Request {
@@ -75,6 +95,7 @@ impl Request {
         matches!(
             self,
             Self::Register { .. }
+                | Self::Standby { .. }
                 | Self::Donations { .. }
                 | Self::Reshape { .. }
                 | Self::Dump
@@ -135,6 +156,17 @@ pub enum Response {
         #[serde(default)]
         sliced: bool,
     },
+    /// A standby becomes `rank` (local rank `local_rank`, its
+    /// `restarts`-th process): it registers as that rank next, and restores
+    /// its state from shared memory. `error_file` is the rank's
+    /// `TORCHELASTIC_ERROR_FILE` (since protocol 1.5).
+    Assigned {
+        rank: usize,
+        local_rank: usize,
+        restarts: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error_file: Option<PathBuf>,
+    },
     /// The replicas a worker reads the lost ranks' state from (`sliced`:
     /// they hold a slice of each replicated part).
     Donations {
@@ -149,6 +181,7 @@ pub enum Response {
     Status(Box<StatusReport>),
     Workers(Vec<WorkerReport>),
     Faults(Vec<FaultRecord>),
+    DeviceFaults(Vec<DeviceFaultRecord>),
     /// An injection was posted.
     Injected {
         message: String,
@@ -397,6 +430,32 @@ pub enum FaultKind {
     /// Another host of the job is gone: no heartbeat within the host
     /// timeout, or its connection dropped.
     HostLost,
+    /// A device fault source (an NPU's driver) took a device out: its
+    /// ranks cannot go on on this host (since protocol 1.5).
+    Device,
+}
+
+/// One report of a device fault source, and what the agent decided.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceFaultRecord {
+    /// Which source: `nvml`, `dcmi`, `npu-smi`.
+    pub source: String,
+    pub device: u32,
+    /// The event code (an NVML Xid, a DCMI event id), if any.
+    pub code: Option<u64>,
+    /// MindCluster's class of the code, for NPU sources.
+    pub class: Option<String>,
+    /// What was done: `ignore`, `uce`, `crash`, `hang`, `host`, or
+    /// `dropped` (with the reason in `why`).
+    pub action: String,
+    /// Why (the table's row, a side effect, an escalation).
+    pub why: String,
+    /// The ranks of this host on the device.
+    pub ranks: Vec<usize>,
+    /// The source's text for it.
+    pub text: String,
+    pub unix_s: f64,
 }
 
 impl std::fmt::Display for FaultKind {
@@ -411,6 +470,7 @@ impl std::fmt::Display for FaultKind {
             Self::Oom => "out of memory",
             Self::Store => "no store",
             Self::HostLost => "host lost",
+            Self::Device => "device",
         })
     }
 }
@@ -533,6 +593,7 @@ mod tests {
                     parts: vec![],
                     checkpoint: None
                 },
+                slots: None,
             }
             .mutates()
         );
@@ -544,7 +605,7 @@ mod tests {
         fn requests_round_trip(rank in 0usize..100_000, pid in any::<u32>(), name in "[a-z_]{0,12}", len in any::<u64>()) {
             use crate::statemap::{Dtype, Part, Sharing};
             let map = StateMap { parts: vec![Part { name, dtype: Dtype::F32, len, sharing: Sharing::Unique }], checkpoint: None };
-            let req = Request::Register { rank, pid, map };
+            let req = Request::Register { rank, pid, map, slots: (pid % 3 == 0).then_some(3) };
             let mut buf = Vec::new();
             PROTOCOL.send_json(&mut buf, &req).unwrap();
             let back: Request = PROTOCOL.recv_json(&mut &buf[..]).unwrap();

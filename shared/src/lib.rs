@@ -13,6 +13,8 @@
 //! - [`ha`]: the high-availability switches;
 //! - [`ident`]: job ids, which are names and never paths;
 //! - [`joblock`]: the lock that claims a job's folder, and who holds it;
+//! - [`npu`]: Ascend NPU faults: the fault table, torch_npu's error texts,
+//!   `npu-smi`'s output;
 //! - [`peer`]: authenticated frames between agents (peer replicas);
 //! - [`trust`]: whether a folder or file may be used (owner, mode, kind).
 //!
@@ -26,6 +28,7 @@ pub mod frame;
 pub mod ha;
 pub mod ident;
 pub mod joblock;
+pub mod npu;
 pub mod peer;
 pub mod rendezvous;
 pub mod shard;

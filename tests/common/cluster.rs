@@ -104,6 +104,11 @@ impl Cluster {
                     k, nodes, per_node, &shm[k], &job, ports, &secret, &args, &flags,
                 );
                 c.env("HATRAIN_FAULT_PLAN", plan);
+                // Where a stand-in libdcmi (given with `--dcmi-library`)
+                // reads this host's recorded NPU fault events.
+                let events = dcmi_events(tmp.path(), k);
+                std::fs::create_dir_all(&events).unwrap();
+                c.env("DCMI_STANDIN_DIR", events);
                 (k, c)
             })
             .collect::<Vec<_>>();
@@ -204,6 +209,11 @@ impl Cluster {
         }
     }
 
+    /// Where host `k`'s stand-in libdcmi reads recorded fault events.
+    pub fn dcmi_events(&self, k: usize) -> PathBuf {
+        dcmi_events(self._tmp.path(), k)
+    }
+
     /// The agent socket of host `k`.
     pub fn socket(&self, k: usize) -> PathBuf {
         self.shm[k].join(&self.job).join("agent.sock")
@@ -216,6 +226,10 @@ impl Cluster {
             .map(|&k| (k, self.agents[k].wait_output(Duration::from_secs(300))))
             .collect()
     }
+}
+
+fn dcmi_events(tmp: &std::path::Path, k: usize) -> PathBuf {
+    tmp.join(format!("dcmi-events-{k}"))
 }
 
 /// Every host's log, for a failure's message.

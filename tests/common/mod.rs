@@ -3,8 +3,10 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod dcmi;
 pub mod etcd;
 pub mod hosts;
+pub mod python;
 pub mod serve;
 pub mod slurm;
 
@@ -302,6 +304,15 @@ pub fn final_checksum(log: &[serde_json::Value]) -> String {
         .and_then(|e| e["param_xxh3"].as_str())
         .expect("final event")
         .to_string()
+}
+
+/// A finished process's stdout and stderr, as text.
+pub fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 pub fn assert_success(out: &Output, what: &str) {

@@ -287,10 +287,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             data_position: 0,
         },
     };
-    let incarnation: u64 = std::env::var(hatrain_worker::runtime::ENV_RESTART_COUNT)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let incarnation = hatrain_worker::standby::restart_count();
     let plan = Arc::new(match std::env::var(ENV_FAULT_PLAN) {
         Ok(text) => FaultPlan::parse(&text, env.slot, incarnation)?,
         Err(_) => FaultPlan::default(),
@@ -396,7 +393,8 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     t.log.write(serde_json::json!({
         "event": "start", "world_size": world, "params": numel, "model": cfg,
         "entropy_floor": floor, "start_step": t.state.scalars.step, "resumed_from": resumed_from,
-        "restart_count": std::env::var(hatrain_worker::runtime::ENV_RESTART_COUNT).ok(),
+        "restart_count": hatrain_worker::standby::restart_count().to_string(),
+        "standby_pid": hatrain_worker::standby::assigned().map(|_| std::process::id()),
         "args": args,
     }))?;
 
@@ -644,6 +642,30 @@ pub fn main(args: TrainArgs) -> std::process::ExitCode {
         // SAFETY: called first thing in `main`, before any other thread
         // exists, so nothing reads the environment concurrently.
         unsafe { std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string()) };
+    }
+    // A warm standby parks here until the agent gives it a failed rank's
+    // place, which it then takes as if the launcher had started it there.
+    match hatrain_worker::standby::standby() {
+        Ok(None) => {}
+        Ok(Some(a)) => {
+            eprintln!(
+                "standby {}: taking the place of rank {} (local rank {})",
+                std::process::id(),
+                a.rank,
+                a.local_rank
+            );
+            for (k, v) in a.env() {
+                // SAFETY: still before any other thread exists (the wait
+                // above ran on this one).
+                unsafe { std::env::set_var(k, v) };
+            }
+            // SAFETY: as above.
+            unsafe { std::env::remove_var(hatrain_worker::standby::Assigned::CLEARED) };
+        }
+        Err(e) => {
+            eprintln!("standby {}: error: {}", std::process::id(), error_chain(&e));
+            return std::process::ExitCode::from(exit::FAILED);
+        }
     }
     let env = match DistEnv::from_env() {
         Ok(env) => env,

@@ -10,6 +10,8 @@
 //! It knows no model and no collective: the reference trainer
 //! (`hatrain-trainer`) and the Python binding sit on top of it.
 
+pub mod buffer;
 pub mod comm;
 pub mod runtime;
+pub mod standby;
 pub mod uce;

@@ -29,6 +29,7 @@
 
 mod background;
 mod reshape;
+mod uce;
 
 pub use reshape::Donated;
 
@@ -36,18 +37,16 @@ use crate::comm::{Abort, Communicator, Hooks};
 use background::{CommitJob, CommitProgress, commit_loop, watch_loop};
 use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode};
 use hatrain_shared::frame::FrameError;
-use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store, UceSite};
+use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store};
 use hatrain_shared::statemap::{Dtype, StateMap, StateMapError};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-/// A state buffer the runtime snapshots: the training loop reads it freely,
-/// and takes the write lock only inside the update fences.
-pub type SharedBuf = Arc<RwLock<Vec<f32>>>;
+pub use crate::buffer::{Borrowed, Buffer, SharedBuf};
 
 /// Environment variable with the restart count of this rank.
 pub const ENV_RESTART_COUNT: &str = "HATRAIN_RESTART_COUNT";
@@ -161,7 +160,7 @@ pub enum Start {
 pub struct Runtime {
     rank: usize,
     map: StateMap,
-    buffers: Vec<SharedBuf>,
+    buffers: Vec<Buffer>,
     meta_len: usize,
     interval: u64,
     /// `Some(save interval)` when the agent writes the checkpoints (0: only
@@ -198,7 +197,7 @@ fn fault_page(store: &Arc<Store>) -> Result<(), RuntimeError> {
 
 /// Checks that `map` describes a metadata block (part 0, bytes) and then
 /// `buffers`, in order.
-fn check_buffers(map: &StateMap, buffers: &[SharedBuf]) -> Result<usize, RuntimeError> {
+fn check_buffers(map: &StateMap, buffers: &[Buffer]) -> Result<usize, RuntimeError> {
     map.validate()?;
     let bad = |m: String| Err(RuntimeError::Buffers(m));
     if map.parts.len() != buffers.len() + 1 {
@@ -222,10 +221,10 @@ fn check_buffers(map: &StateMap, buffers: &[SharedBuf]) -> Result<usize, Runtime
         ));
     }
     for (p, b) in map.parts[1..].iter().zip(buffers) {
-        let len = b.read().unwrap_or_else(|e| e.into_inner()).len() as u64;
-        if p.dtype != Dtype::F32 || p.len != len {
+        let (dtype, len) = (b.dtype(), b.len() as u64);
+        if p.dtype != dtype || p.len != len {
             return bad(format!(
-                "part {:?} is {:?}[{}], its buffer F32[{len}]",
+                "part {:?} is {:?}[{}], its buffer {dtype:?}[{len}]",
                 p.name, p.dtype, p.len
             ));
         }
@@ -244,17 +243,31 @@ impl Runtime {
         snapshot_interval: u64,
         hooks: Arc<dyn Hooks>,
     ) -> Result<(Self, Start), RuntimeError> {
+        let buffers = buffers.into_iter().map(Buffer::from).collect();
+        Self::connect_buffers(rank, map, buffers, snapshot_interval, 0, hooks)
+    }
+
+    /// [`Runtime::connect`] with buffers of any kind: memory another
+    /// runtime owns, of any dtype, registered without a copy. `min_slots`
+    /// (0: the agent's choice) is the fewest snapshot slots the loop
+    /// needs: 3 when gradients are reduced before the update fences (see
+    /// [`Request::Register`]).
+    pub fn connect_buffers(
+        rank: usize,
+        map: StateMap,
+        buffers: Vec<Buffer>,
+        snapshot_interval: u64,
+        min_slots: usize,
+        hooks: Arc<dyn Hooks>,
+    ) -> Result<(Self, Start), RuntimeError> {
         let meta_len = check_buffers(&map, &buffers)?;
-        let incarnation: u64 = std::env::var(ENV_RESTART_COUNT)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
+        let incarnation = crate::standby::restart_count();
         // The buffers' memory is watched for UCEs, by part index.
         // INVARIANT: the training loop never reallocates a registered
         // buffer, so these stay valid.
         for (i, buf) in buffers.iter().enumerate() {
-            let g = buf.read().unwrap_or_else(|p| p.into_inner());
-            crate::uce::register(i + 1, g.as_ptr().cast(), g.len() * 4);
+            let (at, len) = buf.region();
+            crate::uce::register(i + 1, at, len);
         }
         let mut rt = Self {
             rank,
@@ -278,6 +291,7 @@ impl Runtime {
                 rank,
                 pid: std::process::id(),
                 map: rt.map.clone(),
+                slots: (min_slots > 0).then_some(min_slots),
             },
         )?;
         let (store_path, start, recover, sliced) = match PROTOCOL.recv_json(&mut conn)? {
@@ -441,25 +455,6 @@ impl Runtime {
             }
             None => {}
         }
-    }
-
-    /// The UCE the SIGBUS handler repaired since the last check, if any:
-    /// the live state is then torn and the step must be recomputed from the
-    /// last consistent snapshot. Reports it in the control page.
-    pub fn check_uce(&self) -> Option<crate::uce::Uce> {
-        let u = crate::uce::take_pending()?;
-        let name = self.map.parts.get(u.part).map_or("?", |p| p.name.as_str());
-        eprintln!(
-            "rank {}: uncorrectable memory error in {name} at byte {}: the step is thrown away and recomputed",
-            self.rank, u.offset
-        );
-        if let Some(a) = &self.attached {
-            a.store.page().record_uce(UceSite {
-                part: u.part as u64,
-                offset: u.offset as u64,
-            });
-        }
-        Some(u)
     }
 
     /// Runs a collective, marked in the control page as waiting on peers, so
@@ -639,11 +634,7 @@ impl Runtime {
     pub fn held(&self) -> Vec<std::ops::Range<usize>> {
         match &self.attached {
             Some(a) => a.held.to_vec(),
-            None => self
-                .buffers
-                .iter()
-                .map(|b| 0..b.read().unwrap_or_else(|p| p.into_inner()).len())
-                .collect(),
+            None => self.buffers.iter().map(|b| 0..b.len()).collect(),
         }
     }
 
@@ -668,13 +659,19 @@ impl Runtime {
         let Some(a) = self.attached.as_ref().filter(|a| a.sliced) else {
             return Ok(());
         };
+        // A commit may still read borrowed memory (no lock guards it).
+        self.wait_commit();
         for (i, buf) in self.buffers.iter().enumerate() {
             let part = &self.map.parts[i + 1];
             if a.held[i].len() as u64 == part.len {
                 continue;
             }
-            let mut g = buf.write().unwrap_or_else(|p| p.into_inner());
-            all_gather(&mut g[..])?;
+            let len = buf.len();
+            let mut g = buf.write();
+            // Buffers of F32 only: the caller gathers others itself.
+            if let Ok(all) = bytemuck::try_cast_slice_mut::<u8, f32>(g.bytes_mut(0..len)) {
+                all_gather(all)?;
+            }
         }
         Ok(())
     }
@@ -693,18 +690,14 @@ impl Runtime {
             })?;
         self.wait_commit();
         let mut meta = vec![0u8; self.meta_len];
-        let mut guards: Vec<_> = self
-            .buffers
-            .iter()
-            .map(|b| b.write().unwrap_or_else(|p| p.into_inner()))
-            .collect();
+        let mut guards: Vec<_> = self.buffers.iter().map(Buffer::write).collect();
         // Newest candidate first; each copy is verified as it is made.
         let mut last_err = None;
         let mut restored = false;
         for info in a.store.sealed().into_iter().filter(|i| i.step == step) {
             let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
             for (g, held) in guards.iter_mut().zip(a.held.iter()) {
-                outs.push(bytemuck::cast_slice_mut(&mut g[held.clone()]));
+                outs.push(g.bytes_mut(held.clone()));
             }
             match a.store.read_slot(info.slot, &mut outs) {
                 Ok(read) if read.step == step => {
@@ -752,6 +745,11 @@ impl Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
+        // Its buffers' memory may be freed and reused after this: a memory
+        // error there is no longer the state's to repair.
+        for i in 1..=self.buffers.len() {
+            crate::uce::register(i, std::ptr::null(), 0);
+        }
         if let Some(mut a) = self.attached.take() {
             a.jobs.take(); // closes the commit channel
             a.stop.store(true, Ordering::SeqCst);

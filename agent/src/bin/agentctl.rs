@@ -5,7 +5,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use hatrain_agent::serve::wire::{self, JobSummary};
 use hatrain_shared::control::{
-    FaultRecord, InjectKind, ReplicaReport, Request, Response, WorkerReport,
+    DeviceFaultRecord, FaultRecord, InjectKind, ReplicaReport, Request, Response, WorkerReport,
 };
 use hatrain_shared::ident::JobId;
 use hatrain_shared::joblock;
@@ -186,6 +186,7 @@ fn run(cli: Cli) -> Result<()> {
         return jobs(&root, host.as_deref(), cli.json);
     }
     let socket = socket(&cli, &root)?;
+    let faults = matches!(cli.verb, Verb::Faults);
     let request = match cli.verb {
         Verb::Jobs => unreachable!("answered above"),
         Verb::Status => Request::Status,
@@ -212,8 +213,26 @@ fn run(cli: Cli) -> Result<()> {
     };
     // A dump pauses the job and writes its state: allow it time.
     let response = hatrain_shared::control::request(&socket, &request, Duration::from_secs(600))?;
+    // With the faults, what the device fault sources reported (an agent
+    // older than protocol 1.5 has none to give).
+    let device = if faults {
+        match hatrain_shared::control::request(
+            &socket,
+            &Request::DeviceFaults,
+            Duration::from_secs(10),
+        ) {
+            Ok(Response::DeviceFaults(d)) => d,
+            _ => Vec::new(),
+        }
+    } else {
+        Vec::new()
+    };
     if cli.json {
-        println!("{}", serde_json::to_string_pretty(&response)?);
+        let mut v = serde_json::to_value(&response)?;
+        if faults && let Some(o) = v.as_object_mut() {
+            o.insert("device_faults".into(), serde_json::to_value(&device)?);
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     match response {
@@ -290,7 +309,11 @@ fn run(cli: Cli) -> Result<()> {
             print_faults(&s.faults);
         }
         Response::Workers(w) => print_workers(&w),
-        Response::Faults(f) => print_faults(&f),
+        Response::Faults(f) => {
+            print_faults(&f);
+            print_device_faults(&device);
+        }
+        Response::DeviceFaults(d) => print_device_faults(&d),
         Response::Injected { message } => println!("{message}"),
         Response::Dumped {
             iteration, message, ..
@@ -372,6 +395,22 @@ fn print_workers(w: &[WorkerReport]) {
             } else {
                 "NO: never registered with the hatrain runtime"
             },
+        );
+    }
+}
+
+fn print_device_faults(d: &[DeviceFaultRecord]) {
+    for x in d {
+        println!(
+            "device fault | {} device {} | code {} | class {} | {} | ranks {:?} | {} | {}",
+            x.source,
+            x.device,
+            x.code.map_or("-".into(), |c| format!("0x{c:08X}")),
+            x.class.as_deref().unwrap_or("-"),
+            x.action,
+            x.ranks,
+            x.why,
+            x.text,
         );
     }
 }

@@ -26,6 +26,7 @@
 //! - [`standby`]: a standby taking a lost host's ranks.
 
 mod decider;
+mod device;
 mod elastic;
 mod kept;
 mod lastwords;
@@ -39,6 +40,7 @@ mod saves;
 mod standby;
 mod takeover;
 mod unled;
+mod warm;
 
 pub(crate) use kept::write_atomic;
 pub use kept::{Kept, Served};
@@ -49,7 +51,6 @@ use decider::{Controller, Decider, Follower};
 use orders::recv;
 
 use crate::control::{self, ControlMsg};
-use crate::gpu::GpuFault;
 use crate::jobdir::{self, JobDir};
 use crate::launch::{LaunchConfig, LaunchError};
 use crate::oom::OomWatch;
@@ -199,6 +200,10 @@ struct Driver<'a> {
     /// Registrations a follower answers once the controller acknowledged
     /// them: the reply, and the answer but for the start.
     unanswered: HashMap<usize, (oneshot::Sender<Response>, Response)>,
+    /// Warm standbys waiting for a rank, oldest first: pid and reply.
+    parked: std::collections::VecDeque<(u32, oneshot::Sender<Response>)>,
+    /// The device fault sources' reports and decisions, newest last.
+    device_faults: std::collections::VecDeque<hatrain_shared::control::DeviceFaultRecord>,
     /// The worker specs of a node's ranks (a standby takes a lost host's).
     specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec> + 'a>,
     /// Ranks of a lost host this standby took, and those whose stores were
@@ -285,6 +290,7 @@ async fn run_with(
         (None, None) => crate::launch::free_port(&cfg.master_addr)?,
     };
     let socket = dir.path().join(jobdir::SOCKET);
+    let scratch = dir.workers_dir()?.display().to_string();
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<ControlMsg>(64);
     let ctl_stop = shutdown.child_token();
     dir.made(jobdir::SOCKET);
@@ -297,9 +303,10 @@ async fn run_with(
         None => Spawner::Own(Reaper::start(reaper_stop.clone())?),
     };
     let specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec>> = {
-        let (socket, secret_file) = (
+        let (socket, secret_file, control) = (
             socket.display().to_string(),
             secret_file.display().to_string(),
+            hatrain_shared::control::ENV_WORKER_DIR,
         );
         let run_dir = run_dir.to_path_buf();
         Box::new(move |node| {
@@ -313,6 +320,7 @@ async fn run_with(
                 |k| cfg.env_var(k),
             );
             for s in &mut specs {
+                s.env.push((control.into(), scratch.clone()));
                 s.env
                     .push((hatrain_shared::control::ENV_SOCKET.into(), socket.clone()));
                 s.env.push((
@@ -350,11 +358,13 @@ async fn run_with(
         }
         _ => {
             let (plan, run_dir) = (cfg.output.clone(), run_dir.to_path_buf());
-            Supervisor::start(&specs, spawner, cfg.stop_grace, plan, run_dir).await?
+            let mut sup = Supervisor::start(&specs, spawner, cfg.stop_grace, plan, run_dir).await?;
+            sup.keep_warm(cfg.ha.warm_standbys);
+            sup
         }
     };
-    let (gpu_tx, mut gpu_rx) = mpsc::channel::<GpuFault>(16);
-    crate::gpu::watch(gpu_tx);
+    let (device_tx, mut device_rx) = mpsc::channel(64);
+    device::start(&mut sup, cfg, device_tx);
     let (collected_tx, mut collected_rx) = mpsc::unbounded_channel();
     // One machine decides for the job: on one node, or without any mode
     // (each host restarts its own group, as torchrun's agents do), this
@@ -415,6 +425,8 @@ async fn run_with(
         peers,
         lost: Vec::new(),
         unanswered: HashMap::new(),
+        parked: Default::default(),
+        device_faults: Default::default(),
         specs_for,
         adopted: BTreeSet::new(),
         filled: BTreeSet::new(),
@@ -448,6 +460,7 @@ async fn run_with(
         let period = if d.decider.recovering() {
             TICK_RECOVERING
         } else {
+            sup.release_refill();
             TICK
         };
         next_tick = next_tick.min(tokio::time::Instant::now() + period);
@@ -467,7 +480,7 @@ async fn run_with(
                 }
             },
             Some(msg) = ctl_rx.recv() => d.on_request(&mut sup, msg),
-            Some(f) = gpu_rx.recv() => d.on_gpu_fault(&sup, f),
+            Some(f) = device_rx.recv() => d.on_device_fault(&mut sup, f),
             Some(c) = collected_rx.recv() => d.on_collected(&mut sup, c),
             Some((from, bytes)) = recv(&mut peer_rx) => d.on_peer(&mut sup, from, &bytes),
             _ = tokio::time::sleep_until(next_tick) => {
@@ -606,19 +619,17 @@ impl Driver<'_> {
                 }
                 None
             }
-            Command::Respawn { rank, restarts } => {
-                match sup.respawn(rank, restarts, self.decider.place_of(rank)) {
-                    Ok(pid) => {
-                        tracing::info!(rank, pid, restarts, "replacement started");
-                        self.oom.started(rank, pid);
-                        None
-                    }
-                    Err(e) => Some(Event::SpawnFailed {
-                        rank,
-                        error: crate::error_chain(&e),
-                    }),
+            Command::Respawn { rank, restarts } => match self.restart_rank(sup, rank, restarts) {
+                Ok((pid, standby)) => {
+                    tracing::info!(rank, pid, restarts, standby, "replacement started");
+                    self.oom.started(rank, pid);
+                    None
                 }
-            }
+                Err(e) => Some(Event::SpawnFailed {
+                    rank,
+                    error: crate::error_chain(&e),
+                }),
+            },
             Command::Collect { epoch } => {
                 self.collect(epoch);
                 None

@@ -2,11 +2,10 @@
 //! [`RankView`], and the faults the workers recorded.
 
 use super::Driver;
-use super::GpuFault;
 use crate::reaper::ExitStatus;
 use crate::recovery::{Event, ExitCause, Level, Note, RankView};
 use crate::supervisor::Supervisor;
-use hatrain_shared::shm::{FaultFlags, Injection};
+use hatrain_shared::shm::FaultFlags;
 
 impl Driver<'_> {
     /// Every rank of this host, as its process and control page are now.
@@ -98,33 +97,6 @@ impl Driver<'_> {
                 Some(Event::RebuildFailed { rank, epoch, peer })
             })
             .collect()
-    }
-
-    /// A GPU memory error: its rank is asked to treat it as a UCE in its
-    /// state, so the step is recomputed from s\* (see [`crate::gpu`]).
-    pub(super) fn on_gpu_fault(&mut self, sup: &Supervisor, f: GpuFault) {
-        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-        let local = crate::gpu::local_rank_of(f.device, visible.as_deref(), sup.ranks().len());
-        let target = local
-            .map(|l| sup.ranks()[l])
-            .and_then(|r| Some((r, self.stores.get(&r)?, self.maps.get(&r)?)));
-        match target {
-            Some((rank, store, map)) => {
-                tracing::warn!(
-                    rank,
-                    device = f.device,
-                    xid = f.xid,
-                    "GPU uncorrectable memory error: handled as a UCE"
-                );
-                let part = map.largest_part().unwrap_or(0) as u64;
-                store.page().inject(Injection::Uce { part, offset: 0 }, 0);
-            }
-            None => tracing::warn!(
-                device = f.device,
-                xid = f.xid,
-                "GPU memory error on a device no local rank uses"
-            ),
-        }
     }
 }
 

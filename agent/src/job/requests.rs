@@ -14,6 +14,9 @@ use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
 use std::sync::Arc;
+
+/// Most snapshot slots a worker may ask for (`Register::slots`).
+const MAX_ASKED_SLOTS: usize = 4;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Why a request was refused.
@@ -100,8 +103,13 @@ impl Driver<'_> {
                 self.feed(sup, Event::DumpRequested);
                 return;
             }
-            Request::Register { rank, pid, map } => {
-                let r = match self.register(sup, rank, pid, map) {
+            Request::Register {
+                rank,
+                pid,
+                map,
+                slots,
+            } => {
+                let r = match self.register(sup, rank, pid, map, slots) {
                     Ok(r) => r,
                     Err(Unfit(reason)) => {
                         let _ = msg.reply.send(Response::Error {
@@ -141,6 +149,10 @@ impl Driver<'_> {
                 }
                 r
             }
+            Request::Standby { pid } => {
+                self.park_standby(sup, pid, msg.reply);
+                return;
+            }
             Request::Donations { rank, step } => self.donations(rank, step),
             Request::Reshape {
                 rank,
@@ -158,6 +170,7 @@ impl Driver<'_> {
             Request::Status => Response::Status(Box::new(self.status(sup))),
             Request::Workers => Response::Workers(self.workers(sup)),
             Request::Faults => Response::Faults(self.decider.faults().to_vec()),
+            Request::DeviceFaults => Response::DeviceFaults(self.device_fault_records()),
         };
         let _ = msg.reply.send(response);
     }
@@ -210,6 +223,7 @@ impl Driver<'_> {
         rank: usize,
         pid: u32,
         map: StateMap,
+        slots: Option<usize>,
     ) -> Result<Response, Unfit> {
         let refuse = |message: String| Ok(Response::Error { message });
         if !sup.ranks().contains(&rank) {
@@ -235,7 +249,14 @@ impl Driver<'_> {
             .is_some_and(|s| s.page().layout_hash() == layout && s.geometry().capacity >= total);
         if !reuse {
             let name = format!("rank_{rank:05}.shm");
-            let geometry = Geometry::new(self.cfg.ha.slots, total);
+            // The worker's loop may need more slots than the flag gives
+            // (bounded: each is a whole copy of its state).
+            let slots = self
+                .cfg
+                .ha
+                .slots
+                .max(slots.unwrap_or(0).min(MAX_ASKED_SLOTS));
+            let geometry = Geometry::new(slots, total);
             let root = self.dir.root().to_path_buf();
             if self.stores.is_empty() {
                 // INVARIANT: before the first store is made, the space for

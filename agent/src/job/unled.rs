@@ -33,6 +33,7 @@ fn is_fault(e: &Event) -> bool {
         Event::Unfit { .. }
         | Event::Uce { .. }
         | Event::SpawnFailed { .. }
+        | Event::DeviceFault { .. }
         | Event::RebuildFailed { .. }
         | Event::HostLost(_)
         | Event::Interrupted => true,

@@ -108,6 +108,15 @@ pub enum Event {
     },
     /// A replacement process could not be started.
     SpawnFailed { rank: usize, error: String },
+    /// A device fault source reported a fault of `rank`'s device:
+    /// `FaultKind::Crash` or `FaultKind::Hang` take the rank down (and
+    /// its exit is recovered from as that kind); `FaultKind::Device`
+    /// means the device is lost to the job.
+    DeviceFault {
+        rank: usize,
+        kind: hatrain_shared::control::FaultKind,
+        detail: String,
+    },
     /// A rank could not build its communicator for `epoch` (`peer`, when
     /// known, was unreachable).
     RebuildFailed {

@@ -3,8 +3,8 @@
 //! and the watcher, which aborts the communicator when the agent pauses
 //! the job.
 
+use crate::buffer::Buffer;
 use crate::comm::{Abort, Hooks};
-use crate::runtime::SharedBuf;
 use hatrain_shared::shm::{Directive, Store};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -40,7 +40,7 @@ pub(super) struct CommitJob {
 pub(super) fn commit_loop(
     rx: mpsc::Receiver<CommitJob>,
     store: &Store,
-    bufs: &[SharedBuf],
+    bufs: &[Buffer],
     held: &[std::ops::Range<usize>],
     progress: &(Mutex<CommitProgress>, Condvar),
     hooks: &dyn Hooks,
@@ -52,17 +52,9 @@ pub(super) fn commit_loop(
         let t = Instant::now();
         let result = match free_slot(store, &job) {
             Some(slot) => {
-                let guards: Vec<_> = bufs
-                    .iter()
-                    .map(|b| b.read().unwrap_or_else(|p| p.into_inner()))
-                    .collect();
+                let guards: Vec<_> = bufs.iter().map(Buffer::read).collect();
                 let mut parts: Vec<&[u8]> = vec![&job.meta];
-                parts.extend(
-                    guards
-                        .iter()
-                        .zip(held)
-                        .map(|(g, h)| bytemuck::cast_slice::<f32, u8>(&g[h.clone()])),
-                );
+                parts.extend(guards.iter().zip(held).map(|(g, h)| g.bytes(h.clone())));
                 let mut halfway = false;
                 let uces = job.uces;
                 store

@@ -11,7 +11,7 @@
 //!    makes its store anew for the new layout, and the runtime re-attaches
 //!    to it.
 
-use super::{Runtime, RuntimeError, SharedBuf, check_buffers};
+use super::{Buffer, Runtime, RuntimeError, SharedBuf, check_buffers};
 use hatrain_shared::control::{self, Donation, PROTOCOL, Request, Response};
 use hatrain_shared::shm::{Phase, ShmError, Store};
 use hatrain_shared::statemap::StateMap;
@@ -72,6 +72,7 @@ impl Runtime {
         map: StateMap,
         buffers: Vec<SharedBuf>,
     ) -> Result<(), RuntimeError> {
+        let buffers: Vec<Buffer> = buffers.into_iter().map(Buffer::from).collect();
         let meta_len = check_buffers(&map, &buffers)?;
         self.wait_commit();
         let recover = self.recovers();
@@ -85,8 +86,8 @@ impl Runtime {
             }
         }
         for (i, buf) in buffers.iter().enumerate() {
-            let g = buf.read().unwrap_or_else(|p| p.into_inner());
-            crate::uce::register(i + 1, g.as_ptr().cast(), g.len() * 4);
+            let (at, len) = buf.region();
+            crate::uce::register(i + 1, at, len);
         }
         self.map = map;
         self.buffers = buffers;
@@ -107,10 +108,7 @@ impl Runtime {
             Response::Reshaped { store, sliced } => (store, sliced),
             other => return Err(unexpected("reshaped", other)),
         };
-        let incarnation = std::env::var(super::ENV_RESTART_COUNT)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
+        let incarnation = crate::standby::restart_count();
         self.attach(store, recover, sliced, incarnation)?;
         if let Some(a) = &self.attached {
             let page = a.store.page();

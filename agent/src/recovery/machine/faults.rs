@@ -410,6 +410,43 @@ impl Machine {
         }
     }
 
+    /// A device fault source took `rank`'s device down: the rank is killed
+    /// and its exit handled as a `kind` fault (a crash or a hang), or, for
+    /// [`FaultKind::Device`], the device is lost to the job: with one host
+    /// the job writes its last words (dump mode) and stops.
+    pub(super) fn device_fault(
+        &mut self,
+        now: Duration,
+        rank: usize,
+        kind: FaultKind,
+        detail: String,
+    ) {
+        if matches!(self.state, State::Done(_)) || self.killed.contains_key(&rank) {
+            return;
+        }
+        if kind == FaultKind::Device {
+            let reason = "the device is lost to the job: its ranks cannot go on on this host";
+            self.fault_note(Level::Error, rank, "device lost", &detail, reason);
+            self.record_fault(
+                now,
+                rank,
+                kind,
+                detail,
+                "stop the job".into(),
+                reason.into(),
+            );
+            self.stop_with(now, Outcome::RecoveryFailed);
+            return;
+        }
+        self.note(
+            Level::Warn,
+            Some(rank),
+            format!("device fault ({kind}): killing rank {rank} ({detail})"),
+        );
+        self.killed.insert(rank, (kind, detail));
+        self.cmd(Command::Kill { rank });
+    }
+
     /// A rank's snapshot store cannot be made: the job cannot run on this
     /// host. It stops at once: nothing can have been snapshotted yet, since
     /// stores are made before a rank trains.

@@ -5,41 +5,27 @@
 //! Xids 48 (double-bit ECC error), 63 and 64 (ECC page retirement or row
 //! remapping event / failure), 94 (contained ECC error) and 95 (uncontained
 //! ECC error) count as uncorrectable memory errors. The device maps to the
-//! local rank that uses it, and the agent asks that rank to treat it as a
-//! UCE in its state: the step is thrown away and every rank returns to s\*.
+//! local rank that uses it (`CUDA_VISIBLE_DEVICES`), and the agent asks
+//! that rank to treat it as a UCE in its state: the step is thrown away and
+//! every rank returns to s\*.
+
+#[cfg(feature = "nvml")]
+use super::DeviceFault;
 
 /// Xids that report an uncorrectable memory error.
 pub const UCE_XIDS: [u64; 5] = [48, 63, 64, 94, 95];
 
-/// A GPU fault seen by NVML.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GpuFault {
-    /// NVML device index.
-    pub device: u32,
-    pub xid: u64,
-}
+/// The variable that lists the GPUs the ranks see.
+pub const VISIBLE: &str = "CUDA_VISIBLE_DEVICES";
 
 pub fn is_uce_xid(xid: u64) -> bool {
     UCE_XIDS.contains(&xid)
 }
 
-/// The local rank using NVML device `device`: local rank i uses the i-th
-/// device of `CUDA_VISIBLE_DEVICES` (ordinals only), or device i when it is
-/// unset.
-pub fn local_rank_of(device: u32, visible: Option<&str>, local_ranks: usize) -> Option<usize> {
-    let rank = match visible.map(str::trim).filter(|v| !v.is_empty()) {
-        None => device as usize,
-        Some(list) => list
-            .split(',')
-            .position(|d| d.trim().parse::<u32>().ok() == Some(device))?,
-    };
-    (rank < local_ranks).then_some(rank)
-}
-
 /// Starts the NVML watcher thread, which sends UCE Xids to `tx` until the
 /// receiver is gone. Without a usable NVML it logs why and does nothing.
 #[cfg(feature = "nvml")]
-pub fn watch(tx: tokio::sync::mpsc::Sender<GpuFault>) {
+pub fn watch(tx: tokio::sync::mpsc::Sender<DeviceFault>) {
     use nvml_wrapper::bitmasks::event::EventTypes;
     use nvml_wrapper::enums::event::XidError;
     use nvml_wrapper::error::NvmlError;
@@ -75,7 +61,23 @@ pub fn watch(tx: tokio::sync::mpsc::Sender<GpuFault>) {
                 Ok(ev) => {
                     let Some(XidError::Value(xid)) = ev.event_data else { continue };
                     let Ok(device) = ev.device.index() else { continue };
-                    if is_uce_xid(xid) && tx.blocking_send(GpuFault { device, xid }).is_err() {
+                    if !is_uce_xid(xid) {
+                        continue;
+                    }
+                    let fault = DeviceFault {
+                        source: "nvml",
+                        visible: VISIBLE,
+                        device,
+                        code: Some(xid),
+                        class: None,
+                        action: Some(hatrain_shared::npu::Action::Uce),
+                        rank: None,
+                        acts: true,
+                        why: format!("Xid {xid} is an uncorrectable memory error"),
+                        text: format!("Xid {xid}"),
+                        unix_s: super::unix_now(),
+                    };
+                    if tx.blocking_send(fault).is_err() {
                         return;
                     }
                 }
@@ -98,7 +100,7 @@ pub fn watch(tx: tokio::sync::mpsc::Sender<GpuFault>) {
 
 /// Without the `nvml` feature there is no GPU fault source.
 #[cfg(not(feature = "nvml"))]
-pub fn watch(tx: tokio::sync::mpsc::Sender<GpuFault>) {
+pub fn watch(tx: tokio::sync::mpsc::Sender<super::DeviceFault>) {
     drop(tx);
 }
 
@@ -107,14 +109,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn xids_and_device_mapping() {
+    fn uce_xids() {
         assert!(UCE_XIDS.iter().all(|x| is_uce_xid(*x)));
         assert!(!is_uce_xid(79) && !is_uce_xid(13));
-        assert_eq!(local_rank_of(1, None, 4), Some(1));
-        assert_eq!(local_rank_of(5, None, 4), None);
-        assert_eq!(local_rank_of(3, Some("2,3"), 2), Some(1));
-        assert_eq!(local_rank_of(0, Some("2,3"), 2), None);
-        assert_eq!(local_rank_of(2, Some(" 2 , 3 "), 2), Some(0));
-        assert_eq!(local_rank_of(2, Some(""), 4), Some(2));
     }
 }

@@ -1,0 +1,504 @@
+"""hatrain for PyTorch data-parallel training: the few lines a DDP script adds.
+
+::
+
+    import hatrain.torch
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    job = hatrain.torch.Job(model, opt)          # process group, DDP, registration
+    for step in job.steps(total_steps):          # resumes where the job is
+        with job.step():                         # a fault in here is recovered
+            loss = loss_fn(job.model(batch(step)))  # job.model: the DDP module
+            opt.zero_grad()
+            loss.backward()
+            with job.update():                   # the fences; commits on exit
+                opt.step()
+
+``Job`` moves the parameters and the optimizer's state into a few flat
+tensors (the parameters become views into them; nothing else changes for the
+script) and registers those with the host's agent, with their data-parallel
+replication marked: each rank's snapshot then holds only its slice, and a
+restore gathers the rest from the other ranks. The torch, Python and numpy
+RNG states and ``job.extra`` (a JSON-able dict, e.g. a data position) travel
+in each snapshot's metadata block.
+
+On a fault (a collective that fails because a peer died, a pending
+directive, a repaired memory error) the rank destroys its process group,
+waits for the agent's directive, restores the snapshot of the step all
+ranks return to, and builds the process group and the DDP module again
+under the new epoch. The process group's store is a file in the agent's
+folder for the job, one per epoch, so it outlives any rank. ``steps()``
+then yields the step after that one again.
+
+Without an agent (a plain ``torchrun``) the script runs as before: the
+process group comes from ``env://`` and nothing is snapshotted.
+
+Supported optimizers: Adam, AdamW (float32 state) and SGD; parameters must
+be float32 CPU tensors (gloo); the module's float32 and int64 buffers (a
+norm's running statistics) are snapshotted with them.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import gc
+import json
+import os
+import random
+import sys
+import threading
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hatrain
+from hatrain.drill import Plan
+from hatrain import npu
+
+__all__ = ["Job", "Stopped"]
+
+#: Bytes of the metadata block: the step, the RNG states and ``extra``.
+META_LEN = 64 * 1024
+
+
+class Stopped(SystemExit):
+    """The agent stopped the job (or could not recover it): leave the loop."""
+
+    def __init__(self, why: str):
+        super().__init__(1)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+class _Torn(Exception):
+    """A memory error was repaired in the state: the step is thrown away."""
+
+
+def _shard(numel: int, world: int, index: int) -> tuple[int, int]:
+    """This index's slice of a replicated part (hatrain_shared::shard)."""
+    base, rem = divmod(numel, world)
+    start = index * base + min(index, rem)
+    return start, start + base + (1 if index < rem else 0)
+
+
+def _flatten(
+    name: str, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One flat tensor of ``dtype`` holding ``tensors``' values, and views of
+    it shaped like each."""
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise TypeError(
+                f"hatrain.torch snapshots {dtype} CPU tensors here; {name} has {t.dtype} on {t.device}"
+            )
+    total = sum(t.numel() for t in tensors)
+    flat = torch.empty(max(total, 1), dtype=dtype)
+    views, at = [], 0
+    for t in tensors:
+        v = flat[at : at + t.numel()].view_as(t)
+        v.copy_(t.detach())
+        views.append(v)
+        at += t.numel()
+    # Touch every page now, not during the first snapshot.
+    return flat, views
+
+
+class Job:
+    """A data-parallel PyTorch job under hatrain (see the module's doc).
+
+    ``extra`` is a JSON-able dict saved with each snapshot and restored with
+    it (say, a data position the script keeps in it). ``ddp_kwargs`` are
+    passed to ``DistributedDataParallel``; ``timeout`` (seconds) bounds a
+    collective, and so how long a rank waits on a hung (not dead) peer.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        backend: str = "gloo",
+        snapshot_interval: int = 1,
+        timeout: float = 120.0,
+        extra: dict | None = None,
+        ddp_kwargs: dict | None = None,
+        fault_wait: float = 30.0,
+    ):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.module = model
+        self.optimizer = optimizer
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.extra = dict(extra or {})
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.fault_wait = fault_wait
+        self.step_done = 0
+        self.epoch = 0
+        self.total = None
+        self.model: torch.nn.Module = model
+        self._current = None
+        self._updated = None
+        self._failed = False
+        # The state is moved (and its pages touched) first: a warm standby
+        # has done all its start-up when it parks here for a rank.
+        self.flats = self._take_state()
+        self._has_buffers = any(n.startswith("buffers_") for n, _ in self.flats)
+        self.standby_pid = os.getpid() if hatrain.standby() is not None else None
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.plan = Plan(self.rank)
+        if self.under_agent_env() and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
+            raise hatrain.HatrainError(
+                "hatrain.torch runs a job on one host: its process group meets in a file of the "
+                f"agent's job folder (WORLD_SIZE {self.world}, LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')})"
+            )
+        rep = (self.world, self.rank) if self.world > 1 else None
+        # The parameters and the optimizer's state are the same on every
+        # rank; module buffers (a norm's statistics of this rank's batches)
+        # are not.
+        parts = [
+            hatrain.Part(n, f.numpy(), replicated=None if n.startswith("buffers_") else rep)
+            for n, f in self.flats
+        ]
+        self.rt = hatrain.connect(
+            self.rank,
+            parts,
+            META_LEN,
+            snapshot_interval=snapshot_interval,
+            # The drill's hook only when the plan has a fault there: it runs
+            # Python on the commit thread.
+            commit_halfway=(lambda s: self.plan.hit(s, "commit", self.rt)) if self.plan.has("commit") else None,
+        )
+        self.under_agent = self.rt.start[0] != "standalone"
+        kind, epoch = self.rt.start
+        # A replacement's state comes from shared memory: it awaits the
+        # directive when the loop starts (``steps()``), so that the script
+        # has set up what ``on_resume`` uses.
+        self._awaiting = kind == "await"
+        if not self._awaiting:
+            self.epoch = epoch or 0
+            self._build()
+            self.rt.commit(0, self.epoch, self._meta(0), of="start")
+
+    # -- state ---------------------------------------------------------------
+
+    def _take_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Moves the parameters and the optimizer's state into flat tensors."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        known = {id(p) for p in params}
+        stray = [n for n, p in self.module.named_parameters() if id(p) not in known and p.requires_grad]
+        if stray:
+            raise ValueError(f"parameters not in the optimizer: {', '.join(stray[:5])}")
+        flat, views = _flatten("the parameters", [p.data for p in params])
+        for p, v in zip(params, views):
+            p.data = v
+        out = [("params", flat)]
+        # The module's buffers (a norm's running statistics, its counters).
+        owned = [(m, n, b) for m in self.module.modules() for n, b in m._buffers.items() if b is not None]
+        for dtype in (torch.float32, torch.int64):
+            mine = [(m, n, b) for m, n, b in owned if b.dtype == dtype]
+            if mine:
+                f, vs = _flatten("module buffers", [b for _, _, b in mine], dtype)
+                for (m, n, _), v in zip(mine, vs):
+                    m._buffers[n] = v
+                out.append((f"buffers_{str(dtype).split('.')[-1]}", f))
+        odd = [f"{n} ({b.dtype})" for _, n, b in owned if b.dtype not in (torch.float32, torch.int64)]
+        if odd:
+            raise TypeError(f"hatrain.torch snapshots float32 and int64 module buffers, not {', '.join(odd[:5])}")
+        opt = self.optimizer
+        if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            if any(g.get("fused") or g.get("capturable") for g in opt.param_groups):
+                raise ValueError("hatrain.torch: fused or capturable Adam is not supported")
+            names = ["exp_avg", "exp_avg_sq"]
+            if any(g.get("amsgrad") for g in opt.param_groups):
+                names.append("max_exp_avg_sq")
+            bufs = {}
+            for n in names:
+                f, vs = _flatten(n, [torch.zeros_like(p) for p in params])
+                bufs[n] = vs
+                out.append((n, f))
+            steps = torch.zeros(len(params), dtype=torch.float32)
+            for i, p in enumerate(params):
+                old = opt.state.get(p, {})
+                st = {"step": steps[i]}
+                for n in names:
+                    st[n] = bufs[n][i]
+                    if n in old:
+                        st[n].copy_(old[n])
+                if "step" in old:
+                    steps[i] = float(old["step"])
+                opt.state[p] = st
+            out.append(("step", steps))
+        elif isinstance(opt, torch.optim.SGD):
+            if any(g.get("momentum", 0) for g in opt.param_groups):
+                # A zero buffer takes the place of the first step's copy of
+                # the gradient: buf = momentum * 0 + g is g, with no
+                # dampening (torch's default), bit for bit except that a
+                # gradient of -0.0 becomes +0.0.
+                if any(g.get("dampening", 0) for g in opt.param_groups):
+                    raise ValueError("hatrain.torch: SGD with dampening is not supported")
+                f, vs = _flatten("momentum_buffer", [torch.zeros_like(p) for p in params])
+                for p, v in zip(params, vs):
+                    old = opt.state.get(p, {}).get("momentum_buffer")
+                    if old is not None:
+                        v.copy_(old)
+                    opt.state[p] = {"momentum_buffer": v}
+                out.append(("momentum_buffer", f))
+        else:
+            raise TypeError(
+                f"hatrain.torch supports Adam, AdamW and SGD, not {type(opt).__name__}"
+            )
+        return out
+
+    def _meta(self, step: int) -> bytes:
+        np_state = np.random.get_state()
+        meta = {
+            "step": step,
+            "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "py_rng": random.getstate(),
+            "np_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "extra": self.extra,
+        }
+        raw = json.dumps(meta, separators=(",", ":")).encode()
+        if len(raw) + 4 > META_LEN:
+            raise ValueError(f"job.extra is too large: the metadata block holds {META_LEN} bytes")
+        return len(raw).to_bytes(4, "little") + raw
+
+    def _load_meta(self, block: bytes, step: int) -> None:
+        n = int.from_bytes(block[:4], "little")
+        try:
+            meta = json.loads(block[4 : 4 + n])
+        except ValueError as e:
+            raise hatrain.HatrainError(f"the snapshot of step {step} has a malformed metadata block: {e}") from None
+        if meta.get("step") != step:
+            raise hatrain.HatrainError(f"the snapshot of step {step} holds step {meta.get('step')}")
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(meta["torch_rng"])), dtype=torch.uint8))
+        v, state, gauss = meta["py_rng"]
+        random.setstate((v, tuple(state), gauss))
+        name, keys, pos, has_gauss, cached = meta["np_rng"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        self.extra = meta["extra"]
+
+    # -- communicator ---------------------------------------------------------
+
+    @staticmethod
+    def under_agent_env() -> bool:
+        return bool(os.environ.get("HATRAIN_AGENT_SOCKET"))
+
+    def _store(self, epoch: int):
+        """A file of the job's workers' folder, which the agent keeps
+        private and removes with the job: one per epoch, so that a rebuilt
+        group never reads an older one's keys."""
+        folder = os.environ.get("HATRAIN_WORKER_DIR")
+        if not folder:
+            raise hatrain.HatrainError("HATRAIN_WORKER_DIR is not set: run under a hatrain-agent of this version")
+        return dist.FileStore(os.path.join(folder, f"torch-store-epoch-{epoch}"), -1)
+
+    def _build(self, gather: bool = False) -> None:
+        """The process group and the DDP module of ``self.epoch``; with
+        ``gather``, the restored slices are gathered in between (before DDP,
+        whose construction broadcasts rank 0's parameters)."""
+        if self.world > 1 or self.under_agent:
+            if self.under_agent:
+                dist.init_process_group(
+                    self.backend,
+                    store=self._store(self.epoch),
+                    rank=self.rank,
+                    world_size=self.world,
+                    timeout=self.timeout,
+                )
+            else:
+                dist.init_process_group(self.backend, timeout=self.timeout)
+            if gather:
+                with torch.no_grad():
+                    self._gather()
+            # After a restore every rank holds the same state already:
+            # DDP's broadcast of rank 0's is skipped.
+            kwargs = {"init_sync": False, **self.ddp_kwargs} if gather else self.ddp_kwargs
+            self.model = DDP(self.module, **kwargs)
+        self.rt.set_communicator(self.epoch)
+
+    def _destroy(self) -> None:
+        """Leaves the process group and lets go of the DDP module (whose
+        gradient hooks on the parameters go when it is collected: see
+        ``_recover``)."""
+        self.model = self.module
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def _gather(self) -> None:
+        """Sliced snapshots: each rank restored its slice of each flat
+        tensor; the owner of each slice broadcasts it."""
+        if not self.rt.sliced or self.world < 2:
+            return
+        for name, flat in self.flats:
+            if name.startswith("buffers_"):
+                continue
+            n = flat.numel()
+            for src in range(self.world):
+                a, b = _shard(n, self.world, src)
+                if b > a:
+                    dist.broadcast(flat[a:b], src=src)
+
+    # -- recovery -------------------------------------------------------------
+
+    def _recover(self) -> None:
+        built = self.model is not self.module
+        self._destroy()
+        # The old DDP module may be held in reference cycles (through the
+        # failed step's traceback); it must be gone, with its hooks, before
+        # the next one is built. Collecting takes a while in a big process:
+        # it runs on a thread once this rank has told the agent it paused
+        # (``await_directive`` lets go of the interpreter), so that the
+        # agent decides meanwhile. A process that never built one (a
+        # replacement, a standby) has nothing to collect.
+        paused = threading.Event()
+
+        def collect() -> None:
+            paused.wait()
+            gc.collect()
+
+        collector = threading.Thread(target=collect, name="hatrain-gc") if built else None
+        if collector is not None:
+            collector.start()
+        while True:
+            paused.set()
+            kind, step, epoch = self.rt.await_directive()
+            if kind != "resume":
+                raise Stopped(f"rank {self.rank}: the agent stopped the job ({kind})")
+            with torch.no_grad():
+                self._load_meta(self.rt.restore(step), step)
+            self.step_done, self.epoch = step, epoch
+            if collector is not None:
+                collector.join()
+                collector = None
+            try:
+                self._build(gather=True)
+            except (RuntimeError, dist.DistError) as e:  # the new group could not be formed
+                print(f"rank {self.rank}: rebuilding under epoch {epoch} failed: {e}; told the agent", file=sys.stderr)
+                self._destroy()
+                self.rt.rebuild_failed(epoch)
+                continue
+            print(f"rank {self.rank}: resumed at step {step} under epoch {epoch}", file=sys.stderr, flush=True)
+            self.on_resume(step, epoch)
+            return
+
+    def on_resume(self, step: int, epoch: int) -> None:
+        """Called after each recovery (a script may override it to log)."""
+
+    def _is_fault(self, e: BaseException) -> bool:
+        """Whether ``e`` comes from a fault the agent is handling: it posts a
+        directive within ``fault_wait`` seconds of any rank's death."""
+        if isinstance(e, _Torn):
+            return True
+        if not (self.under_agent and self.rt.recovers and isinstance(e, RuntimeError)):
+            return False
+        print(f"rank {self.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; waiting for the agent", file=sys.stderr, flush=True)
+        return self.rt.wait_pending(self.fault_wait)
+
+    # -- the loop -------------------------------------------------------------
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps to compute, from the one after the job's current step
+        to ``total``; after a recovery, the step after the one resumed."""
+        self.total = total
+        if self._awaiting:
+            self._awaiting = False
+            self._recover()
+        while self.step_done < total:
+            if self.rt.directive_pending():
+                self._recover()
+                continue
+            s = self.step_done + 1
+            self._current, self._failed = s, False
+            self.rt.begin_step(s)
+            yield s
+            if self._failed:
+                continue
+            if self._updated != s:
+                raise RuntimeError(f"step {s} ended without `with job.update():`")
+            self.step_done = s
+        self.rt.finish(self.step_done)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One step's body: a fault inside is recovered (the step is then
+        thrown away, and ``steps()`` goes on from the step resumed)."""
+        self.plan.hit(self._current, "forward", self.rt)
+        if self._has_buffers:
+            # The forward pass writes the module's buffers (a norm's
+            # statistics; DDP's broadcast of rank 0's): the last step's copy
+            # of them must be done first.
+            self.rt.wait_commit()
+        try:
+            yield
+            if self.rt.check_uce() is not None:
+                raise _Torn()
+        except Exception as e:
+            uce = self._npu_uce(e)
+            if uce is False or not (uce or self._is_fault(e)):
+                raise
+            self._failed = True
+            self._recover()
+
+    def _npu_uce(self, e: BaseException) -> bool | None:
+        """Whether ``e`` is an NPU's uncorrectable memory error (torch_npu's
+        ``UCE ERROR``) that the step can be repaired from: then the agent is
+        told, as for a SIGBUS, and every rank returns to the last consistent
+        step. False for one that cannot (its address is outside torch_npu's
+        allocator): the process must go, and is restarted. None for any
+        other error."""
+        if not (self.under_agent and self.rt.recovers and isinstance(e, RuntimeError)):
+            return None
+        kind = npu.classify(str(e))
+        if kind is None or kind[0] != "uce":
+            return None
+        if not npu.repairable_uce(self.local_rank):
+            return False
+        self.rt.report_device_uce(kind[1])
+        return True
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[None]:
+        """The update fences around ``optimizer.step()``; on exit the step
+        is complete and its snapshot is committed."""
+        s = self._current
+        # A drill's device error surfaces here, as an asynchronous device
+        # error does at the update's first synchronisation.
+        self.plan.surface()
+        self.rt.start_update()
+        if self.rt.check_uce() is not None:
+            raise _Torn()
+        yield
+        self.plan.hit(s, "update", self.rt)
+        if self.rt.check_uce() is not None:
+            raise _Torn()
+        self.rt.end_update(s)
+        of = "last" if s == self.total else "step"
+        self.rt.commit(s, self.epoch, self._meta(s), of=of)
+        self._updated = s
+
+    def close(self) -> None:
+        """Waits for the last snapshot and leaves the process group."""
+        self.rt.wait_commit()
+        self._destroy()
+
+    def model_digest(self) -> str:
+        """A SHA-256 of the parameters' and the module buffers' bytes (what
+        bit-identical means)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, flat in self.flats:
+            if name == "params" or name.startswith("buffers_"):
+                h.update(flat.numpy().tobytes())
+        return h.hexdigest()

@@ -1,0 +1,232 @@
+//! PyTorch under hatrain: `examples/torch_ddp.py` (a real DDP job, gloo,
+//! AdamW, dropout) under a real `hatrain-agent launch`, its rank 1
+//! SIGKILLed at three instants (the forward pass, inside the update fences
+//! after `optimizer.step()`, halfway through the snapshot copy) at several
+//! steps. Only that rank restarts; the job ends with parameters
+//! bit-identical to the fault-free run.
+
+mod common;
+
+use common::python::{example, launch};
+use common::{Job, job_id, read_log, text};
+use std::path::Path;
+use std::time::Duration;
+
+const STEPS: &str = "24";
+
+struct Run {
+    logs: [Vec<serde_json::Value>; 2],
+    output: String,
+}
+
+fn run(plan: Option<&str>, script_args: &[&str]) -> Run {
+    run_with(plan, script_args, &[])
+}
+
+fn run_with(plan: Option<&str>, script_args: &[&str], env: &[(&str, &Path)]) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let script = example("torch_ddp.py");
+    let log = dir.path().join("log.{rank}.jsonl");
+    let mut args = vec![
+        script.to_str().unwrap(),
+        "--steps",
+        STEPS,
+        "--log-jsonl",
+        log.to_str().unwrap(),
+    ];
+    args.extend(script_args);
+    let mut cmd = launch(2, &[], &args, dir.path());
+    cmd.env_remove("HATRAIN_FAULT_PLAN");
+    if let Some(p) = plan {
+        cmd.env("HATRAIN_FAULT_PLAN", p);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = Job::spawn(cmd, &job_id("torch-ha")).wait_output(Duration::from_secs(240));
+    let output = text(&out);
+    assert!(out.status.success(), "{plan:?}: {output}");
+    let read = |r: usize| read_log(&Path::new(dir.path()).join(format!("log.{r}.jsonl")));
+    Run {
+        logs: [read(0), read(1)],
+        output,
+    }
+}
+
+fn events<'a>(log: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::Value> {
+    log.iter().filter(|e| e["event"] == name).collect()
+}
+
+fn digest(log: &[serde_json::Value]) -> String {
+    let f = events(log, "final");
+    assert_eq!(f.len(), 1, "{log:?}");
+    assert_eq!(f[0]["step"], 24);
+    f[0]["model_sha256"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_ddp_rank_killed_in_forward_in_the_update_or_mid_commit_restarts_alone_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    assert_eq!(digest(&clean.logs[1]), want, "DDP keeps the ranks equal");
+    for (point, step) in [
+        ("forward", 7),
+        ("update", 13),
+        ("commit", 19),
+        ("forward", 16),
+        ("update", 5),
+        ("commit", 10),
+    ] {
+        let plan = format!("1:{step}:{point}:kill");
+        let r = run(Some(&plan), &[]);
+        for log in &r.logs {
+            assert_eq!(digest(log), want, "{plan}: {}", r.output);
+        }
+        // Rank 0 trained on in one process; rank 1's replacement is new.
+        let starts0 = events(&r.logs[0], "start");
+        assert_eq!(starts0.len(), 1, "{plan}: rank 0 restarted");
+        let starts1 = events(&r.logs[1], "start");
+        assert_eq!(starts1.len(), 2, "{plan}: {:?}", r.logs[1]);
+        assert_ne!(starts1[0]["pid"], starts1[1]["pid"]);
+        for (rank, log) in r.logs.iter().enumerate() {
+            let resumes = events(log, "resume");
+            assert_eq!(resumes.len(), 1, "{plan}: rank {rank}: {log:?}");
+            let at = resumes[0]["step"].as_u64().unwrap();
+            // Back to a step at most two before the fault (the step being
+            // copied, and the one a peer may have completed meanwhile).
+            assert!((step - 2..step).contains(&at), "{plan}: resumed at {at}");
+        }
+        assert_eq!(
+            r.output.matches("replacement started rank=1").count(),
+            1,
+            "{plan}: {}",
+            r.output
+        );
+        assert!(!r.output.contains("replacement started rank=0"));
+    }
+}
+
+#[test]
+fn a_uce_in_a_ddp_ranks_parameters_is_repaired_in_the_same_process_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    // Byte 40000 of part 1 (the flat parameters), at the forward pass.
+    let r = run(Some("1:9:forward:uce-1-40000"), &[]);
+    for log in &r.logs {
+        assert_eq!(digest(log), want, "{}", r.output);
+    }
+    for log in &r.logs {
+        assert_eq!(events(log, "start").len(), 1, "no process restarted");
+        assert_eq!(events(log, "resume").len(), 1, "{log:?}");
+    }
+    assert!(
+        r.output.contains("uncorrectable memory error"),
+        "{}",
+        r.output
+    );
+}
+
+#[test]
+fn a_ddp_model_with_batchnorm_buffers_comes_back_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    // BatchNorm's running statistics (float32) and batch counters (int64)
+    // are module buffers: snapshotted and restored with the parameters.
+    // Each rank's statistics are of its own batches: compared rank by rank.
+    let clean = run(None, &["--batchnorm"]);
+    let r = run(Some("1:11:update:kill"), &["--batchnorm"]);
+    for (got, want) in r.logs.iter().zip(&clean.logs) {
+        assert_eq!(digest(got), digest(want), "{}", r.output);
+    }
+    assert_eq!(events(&r.logs[1], "start").len(), 2, "{:?}", r.logs[1]);
+    assert_ne!(
+        digest(&clean.logs[0]),
+        digest(&clean.logs[1]),
+        "the ranks' own statistics are in the digest"
+    );
+}
+
+/// A stand-in `torch_npu` (its recovery API only), which logs its calls
+/// and says the bad address is `where_` (3: resident memory, repairable; 1:
+/// outside the allocator, not).
+fn fake_torch_npu(dir: &Path, where_: u32) -> std::path::PathBuf {
+    let pkg = dir.join("torch_npu");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(
+        pkg.join("__init__.py"),
+        format!(
+            r#"import json, os
+class _Npu:
+    def _log(self, *call):
+        with open(os.environ["FAKE_TORCH_NPU_LOG"], "a") as f:
+            f.write(json.dumps(call) + "\n")
+    def stop_device(self, d): self._log("stop_device", d)
+    def check_uce_in_memory(self, d):
+        self._log("check_uce_in_memory", d)
+        return {where_}
+    def restart_device(self, d): self._log("restart_device", d)
+npu = _Npu()
+"#
+        ),
+    )
+    .unwrap();
+    dir.to_path_buf()
+}
+
+#[test]
+fn an_npu_uce_raised_in_a_ddp_step_is_repaired_in_place_or_restarts_the_rank_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    // torch_npu's RuntimeError for ACL error 507053 ("UCE ERROR"), raised
+    // in rank 1's forward pass, with the bad address in resident memory:
+    // the step is repaired in the same processes.
+    for (where_, repaired) in [(3, true), (1, false)] {
+        let d = tempfile::tempdir().unwrap();
+        let calls = d.path().join("calls.jsonl");
+        let fake = fake_torch_npu(d.path(), where_);
+        let r = run_with(
+            Some("1:9:forward:npu-uce"),
+            &[],
+            &[("PYTHONPATH", &fake), ("FAKE_TORCH_NPU_LOG", &calls)],
+        );
+        for log in &r.logs {
+            assert_eq!(digest(log), want, "{where_}: {}", r.output);
+        }
+        let called: Vec<serde_json::Value> = std::fs::read_to_string(&calls)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let starts1 = events(&r.logs[1], "start").len();
+        if repaired {
+            assert_eq!(
+                called,
+                vec![
+                    serde_json::json!(["stop_device", 1]),
+                    serde_json::json!(["check_uce_in_memory", 1]),
+                    serde_json::json!(["restart_device", 1]),
+                ]
+            );
+            assert_eq!(starts1, 1, "no process restarted: {}", r.output);
+            assert!(
+                r.output
+                    .contains("the device reported an uncorrectable memory error (UCE ERROR)")
+                    && r.output.contains("UCE: step repair rank=1"),
+                "{}",
+                r.output
+            );
+        } else {
+            // Not repairable in place: the process goes and is restarted.
+            assert_eq!(called.len(), 2, "{called:?}");
+            assert_eq!(starts1, 2, "rank 1 restarted: {}", r.output);
+            assert!(r.output.contains("restarting it in place"), "{}", r.output);
+        }
+        assert_eq!(
+            events(&r.logs[0], "start").len(),
+            1,
+            "rank 0 never restarted"
+        );
+    }
+}
