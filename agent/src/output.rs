@@ -17,6 +17,9 @@
 //! where `S` is 0 (none), 1 (stdout), 2 (stderr) or 3 (both). The files are
 //! `<run dir>/attempt_<restart>/<local rank>/{stdout,stderr}.log`, with the
 //! run dir under `--log-dir` (see `crate::launch`).
+//!
+//! A rank's stderr is also read for torch_npu's error texts ([`TextScan`]):
+//! each is classified by the fault table and reported to the job.
 
 use std::io::{self, Write};
 use std::path::PathBuf;
@@ -139,13 +142,81 @@ impl std::str::FromStr for RankFilter {
 /// Where one stream of one worker goes.
 #[derive(Debug)]
 pub struct Sink {
-    pub rank: usize,
+    /// Who writes: `rank N` or `standby N`.
+    pub label: String,
     pub stderr: bool,
     /// To the agent's own stdout or stderr, with the rank prefix.
     pub console: bool,
     /// Into this file, as written.
     pub file: Option<std::fs::File>,
     pub path: Option<PathBuf>,
+    /// Reads the stream's lines for device error texts (a rank's stderr).
+    pub scan: Option<TextScan>,
+}
+
+/// Longest line the text scan reads (the rest of a longer one is skipped).
+const SCANNED_LINE: usize = 4096;
+
+/// Reads a rank's stderr line by line for torch_npu's error texts
+/// ([`hatrain_shared::npu::classify_text`]) and reports each fault text to
+/// the job, once the job has said where ([`TextScan::to`]).
+#[derive(Debug)]
+pub struct TextScan {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub to:
+        std::sync::Arc<std::sync::OnceLock<tokio::sync::mpsc::Sender<crate::faults::DeviceFault>>>,
+    line: Vec<u8>,
+}
+
+impl TextScan {
+    pub fn new(
+        rank: usize,
+        local_rank: usize,
+        to: std::sync::Arc<
+            std::sync::OnceLock<tokio::sync::mpsc::Sender<crate::faults::DeviceFault>>,
+        >,
+    ) -> Self {
+        Self {
+            rank,
+            local_rank,
+            to,
+            line: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, data: &[u8]) {
+        for piece in data.split_inclusive(|&b| b == b'\n') {
+            let room = SCANNED_LINE.saturating_sub(self.line.len());
+            self.line.extend_from_slice(&piece[..piece.len().min(room)]);
+            if piece.ends_with(b"\n") {
+                self.check();
+                self.line.clear();
+            }
+        }
+    }
+
+    fn check(&self) {
+        use hatrain_shared::npu::{Action, classify_text};
+        let text = String::from_utf8_lossy(&self.line);
+        let Some((action, words)) = classify_text(&text) else {
+            return;
+        };
+        if action == Action::Ignore {
+            return;
+        }
+        if let Some(tx) = self.to.get() {
+            let f = crate::faults::DeviceFault::worker_text(
+                self.rank,
+                self.local_rank,
+                action,
+                words,
+                text.trim(),
+            );
+            // Never holds up the worker's output: a full queue drops it.
+            let _ = tx.try_send(f);
+        }
+    }
 }
 
 /// Splits `data` into console segments and writes them, each started by
@@ -185,37 +256,164 @@ pub fn render(
     at_start
 }
 
+/// How long the unfinished end of a line is held back from the console for
+/// the rest of it: a worker that writes a line in several pieces (Rust's
+/// unbuffered stderr writes each formatted piece on its own) still gets it
+/// shown whole, not broken by another rank's line. A prompt with no newline
+/// shows after this wait.
+pub const PARTIAL_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The unfinished end of a worker's console output, held back for
+/// [`PARTIAL_WAIT`] at most.
+#[derive(Debug, Default)]
+pub struct Held {
+    bytes: Vec<u8>,
+    since: Option<tokio::time::Instant>,
+}
+
+impl Held {
+    /// Takes a read; returns how many of the held bytes may go to the
+    /// console now: up to the last line end or redraw, or all of them once
+    /// an unfinished line reaches [`CHUNK`].
+    pub fn push(&mut self, data: &[u8]) -> usize {
+        self.bytes.extend_from_slice(data);
+        let ready = if self.bytes.len() >= CHUNK {
+            self.bytes.len()
+        } else {
+            self.bytes
+                .iter()
+                .rposition(|b| *b == b'\n' || *b == b'\r')
+                .map_or(0, |i| i + 1)
+        };
+        if ready == self.bytes.len() {
+            self.since = None;
+        } else if ready > 0 || self.since.is_none() {
+            self.since = Some(tokio::time::Instant::now());
+        }
+        ready
+    }
+
+    /// The held bytes; [`Held::consume`] drops those written.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    pub fn consume(&mut self, n: usize) {
+        self.bytes.drain(..n);
+        if self.bytes.is_empty() {
+            self.since = None;
+        }
+    }
+
+    pub fn pending(&self) -> bool {
+        !self.bytes.is_empty()
+    }
+
+    /// When the held piece has waited long enough.
+    fn due(&self) -> tokio::time::Sleep {
+        let at = self
+            .since
+            .map_or_else(tokio::time::Instant::now, |s| s + PARTIAL_WAIT);
+        tokio::time::sleep_until(at)
+    }
+}
+
 /// Forwards one worker stream until it closes.
-pub async fn forward(mut rx: tokio::net::unix::pipe::Receiver, mut sink: Sink) {
-    let prefix = format!("[rank {}] ", sink.rank).into_bytes();
+///
+/// A warm standby's stream is forwarded under its own label until the
+/// standby takes a rank's place: then `retarget` brings the rank's sink,
+/// and what follows goes where the rank's output goes.
+pub async fn forward(
+    mut rx: tokio::net::unix::pipe::Receiver,
+    mut sink: Sink,
+    mut retarget: Option<tokio::sync::oneshot::Receiver<Sink>>,
+) {
+    let mut prefix = format!("[{}] ", sink.label).into_bytes();
     let mut buf = vec![0u8; CHUNK];
     let mut out = Vec::with_capacity(CHUNK + 64);
     let mut at_start = true;
+    let mut held = Held::default();
     loop {
-        let n = match rx.read(&mut buf).await {
+        let read = tokio::select! {
+            r = rx.read(&mut buf) => r,
+            new = async { retarget.as_mut().expect("guarded").await }, if retarget.is_some() => {
+                retarget = None;
+                if let Ok(new) = new {
+                    at_start = show(&sink, &prefix, &mut held, None, at_start, &mut out);
+                    end_line(&sink, at_start);
+                    at_start = true;
+                    sink = new;
+                    prefix = format!("[{}] ", sink.label).into_bytes();
+                }
+                continue;
+            }
+            () = held.due(), if held.pending() => {
+                at_start = show(&sink, &prefix, &mut held, None, at_start, &mut out);
+                continue;
+            }
+        };
+        let n = match read {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         let data = &buf[..n];
+        if let Some(scan) = sink.scan.as_mut() {
+            scan.feed(data);
+        }
         if let Some(f) = sink.file.as_mut()
             && let Err(e) = f.write_all(data)
         {
-            tracing::warn!(rank = sink.rank, file = ?sink.path, error = %e, "cannot write the worker's log file; it goes on to the console only");
+            tracing::warn!(worker = %sink.label, file = ?sink.path, error = %e, "cannot write the worker's log file; it goes on to the console only");
             sink.file = None;
             sink.console = true;
         }
         if sink.console {
-            let stderr = sink.stderr;
-            at_start = render(data, &prefix, at_start, &mut out, &mut |bytes| {
-                let _ = if stderr {
-                    io::stderr().lock().write_all(bytes)
-                } else {
-                    io::stdout().lock().write_all(bytes)
-                };
-            });
+            at_start = show(&sink, &prefix, &mut held, Some(data), at_start, &mut out);
         }
     }
     // A last line without its newline still ends the line on the console.
+    at_start = show(&sink, &prefix, &mut held, None, at_start, &mut out);
+    end_line(&sink, at_start);
+}
+
+/// Writes to the sink's console what `data` completes (or, with no data,
+/// everything held); returns whether the next byte begins a line.
+fn show(
+    sink: &Sink,
+    prefix: &[u8],
+    held: &mut Held,
+    data: Option<&[u8]>,
+    at_start: bool,
+    out: &mut Vec<u8>,
+) -> bool {
+    let ready = match data {
+        Some(d) => held.push(d),
+        None => held.bytes().len(),
+    };
+    if ready == 0 || !sink.console {
+        held.consume(ready);
+        return at_start;
+    }
+    let stderr = sink.stderr;
+    let at_start = render(
+        &held.bytes()[..ready],
+        prefix,
+        at_start,
+        out,
+        &mut |bytes| {
+            let _ = if stderr {
+                io::stderr().lock().write_all(bytes)
+            } else {
+                io::stdout().lock().write_all(bytes)
+            };
+        },
+    );
+    held.consume(ready);
+    at_start
+}
+
+/// Ends a console line left open by a sink's last write.
+fn end_line(sink: &Sink, at_start: bool) {
     if sink.console && !at_start {
         let _ = if sink.stderr {
             io::stderr().lock().write_all(b"\n")
@@ -296,6 +494,34 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn torch_npu_error_texts_in_a_ranks_stderr_are_reported_across_reads() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+        let to = std::sync::Arc::new(std::sync::OnceLock::new());
+        let mut scan = TextScan::new(3, 1, std::sync::Arc::clone(&to));
+        // Before the job says where, nothing is reported (nor kept).
+        scan.feed(b"NPU function error: HCCS LINK ERROR, error code is 507056\n");
+        to.set(tx).unwrap();
+        // A text split across reads, an ordinary line, a deliberate stop,
+        // a line longer than the scan reads, and a hang.
+        scan.feed(b"Traceback: RuntimeError: npu_forward: NPU function err");
+        scan.feed(b"or: UCE ERROR, error code is 507053\nloss 1.25\nFORCE STOP\n");
+        scan.feed(&[b'x'; 2 * SCANNED_LINE]);
+        scan.feed(b"UCE ERROR\nEI0002: The wait execution of the Notify register times out.\n");
+        let mut got = Vec::new();
+        while let Ok(f) = rx.try_recv() {
+            got.push((f.rank, f.device, f.action, f.acts, f.source));
+        }
+        use hatrain_shared::npu::Action;
+        assert_eq!(
+            got,
+            vec![
+                (Some(3), 1, Some(Action::Uce), false, "worker-text"),
+                (Some(3), 1, Some(Action::Hang), false, "worker-text"),
+            ]
+        );
+    }
+
     fn rendered(chunks: &[&[u8]]) -> Vec<u8> {
         let mut all = Vec::new();
         let mut at = true;
@@ -314,6 +540,25 @@ mod tests {
             b"\r[r]  10%\r[r]  20%\r[r] 100%\n"
         );
         assert_eq!(rendered(&[b"abc", b"def\n", b"g"]), b"[r] abcdef\n[r] g");
+    }
+
+    #[test]
+    fn a_line_written_in_pieces_is_held_until_it_ends() {
+        let mut h = Held::default();
+        assert_eq!(h.push(b"rank "), 0);
+        assert_eq!(h.push(b"1: resumed"), 0);
+        assert!(h.pending());
+        let line = b"rank 1: resumed at step 8\n";
+        assert_eq!(h.push(b" at step 8\nnext"), line.len());
+        assert_eq!(&h.bytes()[..line.len()], line);
+        h.consume(line.len());
+        assert_eq!(h.bytes(), b"next");
+        // A redraw goes out at its `\r`; an unfinished line of CHUNK bytes
+        // goes out whole.
+        assert_eq!(h.push(b" 10%\r"), 9);
+        h.consume(9);
+        assert!(!h.pending());
+        assert_eq!(h.push(&vec![b'x'; CHUNK]), CHUNK);
     }
 
     #[test]
