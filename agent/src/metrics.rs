@@ -111,6 +111,7 @@ pub fn render(reports: &[StatusReport]) -> String {
     let skipped = Family::<JobLabel, Counter>::default();
     let ckpt_bytes = Family::<JobLabel, Counter>::default();
     let replica_lag = Family::<RankLabels, Gauge>::default();
+    let replica_risk = Family::<RankLabels, Gauge>::default();
     let hosts = Family::<HostLabels, Gauge>::default();
 
     for r in reports {
@@ -167,6 +168,15 @@ pub fn render(reports: &[StatusReport]) -> String {
                 replica_lag
                     .get_or_create(&l)
                     .set(newest.saturating_sub(held) as i64);
+            }
+        }
+        for s in r.replicas.iter().flat_map(|rep| &rep.streams) {
+            for k in &s.ranks {
+                let l = RankLabels {
+                    job: r.job.clone(),
+                    rank: k.rank.to_string(),
+                };
+                replica_risk.get_or_create(&l).set(i64::from(k.at_risk));
             }
         }
         if let Some(m) = &r.membership {
@@ -255,6 +265,11 @@ pub fn render(reports: &[StatusReport]) -> String {
         "hatrain_replica_lag_steps",
         "Steps a held peer replica is behind this host's newest snapshot",
         replica_lag,
+    );
+    reg.register(
+        "hatrain_replica_at_risk",
+        "1 while a peer's replica of this host's rank is behind every step but the oldest this host keeps: a loss of this host then could not be recovered from memory",
+        replica_risk,
     );
     reg.register(
         "hatrain_hosts",
@@ -468,7 +483,29 @@ mod tests {
                 reason: String::new(),
             }],
             persist: None,
-            replicas: None,
+            replicas: Some(hatrain_shared::control::ReplicaReport {
+                listen: "tcp://127.0.0.1:1".into(),
+                streams: vec![hatrain_shared::control::StreamReport {
+                    node: 1,
+                    endpoint: "tcp://127.0.0.2:1".into(),
+                    connected: true,
+                    bytes_sent: 0,
+                    chunks_sent: 0,
+                    ranks: vec![hatrain_shared::control::RankReplicaReport {
+                        rank: 3,
+                        local_step: Some(9),
+                        replica_step: Some(5),
+                        lag_steps: Some(4),
+                        lag_bytes: 10,
+                        abandoned: 2,
+                        at_risk: true,
+                    }],
+                }],
+                held: vec![],
+                rejected_malformed: 0,
+                rejected_forged: 0,
+                rejected_replayed: 0,
+            }),
             membership: None,
             resizes: vec![],
             step_time_s: Some(0.25),
@@ -485,6 +522,10 @@ mod tests {
         );
         assert!(
             c.contains("hatrain_step_duration_seconds{job=\"j\"} 0.25"),
+            "{c}"
+        );
+        assert!(
+            c.contains("hatrain_replica_at_risk{job=\"j\",rank=\"3\"} 1"),
             "{c}"
         );
         assert!(!c.contains("# EOF") && !c.contains("# UNIT"), "{c}");

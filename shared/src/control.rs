@@ -18,7 +18,7 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    minor: 5,
+    minor: 6,
     max_payload: 1 << 20,
 };
 
@@ -369,6 +369,11 @@ pub struct RankReplicaReport {
     pub lag_bytes: u64,
     /// Snapshots given up (rewritten while sent, or dropped by the peer).
     pub abandoned: u64,
+    /// The peer's replica is behind every step but the oldest this host
+    /// keeps of the rank: were this host lost now, no step would be common
+    /// to the replica and the other ranks (since protocol 1.6).
+    #[serde(default)]
+    pub at_risk: bool,
 }
 
 /// A replica this agent holds.

@@ -346,13 +346,18 @@ fn print_replicas(r: &ReplicaReport) {
         for k in &s.ranks {
             let step = |s: Option<u64>| s.map_or("-".to_string(), |s| s.to_string());
             println!(
-                "    rank {:>5}: local step {} | replica step {} | lag {} step(s), {} bytes | {} abandoned",
+                "    rank {:>5}: local step {} | replica step {} | lag {} step(s), {} bytes | {} abandoned{}",
                 k.rank,
                 step(k.local_step),
                 step(k.replica_step),
                 step(k.lag_steps),
                 k.lag_bytes,
-                k.abandoned
+                k.abandoned,
+                if k.at_risk {
+                    " | AT RISK: behind every step but the oldest this host keeps; a loss of this host now could not be recovered from memory"
+                } else {
+                    ""
+                }
             );
         }
     }

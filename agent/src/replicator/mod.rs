@@ -455,6 +455,7 @@ impl Replicator {
                                 .map(|(l, s)| l.saturating_sub(s)),
                             lag_bytes: p.lag_bytes,
                             abandoned: p.abandoned,
+                            at_risk: p.at_risk,
                         })
                         .collect(),
                 })

@@ -54,6 +54,8 @@ pub struct RankProgress {
     pub abandoned: u64,
     /// The newest step the peer dropped.
     pub dropped_step: Option<u64>,
+    /// See [`at_risk`]; set by the stream, which sees the rank's store.
+    pub at_risk: bool,
 }
 
 /// The sending side of one stream.
@@ -107,6 +109,22 @@ impl Outbox {
     /// Credit left.
     pub fn credit_left(&self) -> u64 {
         self.credit
+    }
+
+    /// The newest step the peer stored of `rank`.
+    pub fn stored_step(&self, rank: u64) -> Option<u64> {
+        self.progress.get(&rank).and_then(|p| p.stored_step)
+    }
+
+    /// Whether `rank`'s replica is [`at_risk`] now.
+    pub fn set_at_risk(&mut self, rank: u64, risk: bool) {
+        match self.progress.get_mut(&rank) {
+            Some(p) => p.at_risk = risk,
+            None if risk => {
+                self.progress.entry(rank).or_default().at_risk = true;
+            }
+            None => {}
+        }
     }
 
     /// The peer stored `rank`'s snapshot of `step`.
@@ -225,6 +243,19 @@ impl Outbox {
         }
         out
     }
+}
+
+/// Whether the newest replica the peer stored of a rank (`stored`) is no
+/// longer safe: the rank's own store, full (`held`, its sealed steps newest
+/// first, `slots` of them), keeps that step only in the slot its next
+/// commit overwrites, or not at all. The other ranks commit in step with
+/// it, so from then on a loss of this host leaves no step common to the
+/// replica and the survivors: the job cannot recover from memory.
+pub fn at_risk(held: &[u64], slots: usize, stored: Option<u64>) -> bool {
+    if slots < 2 || held.len() < slots {
+        return false;
+    }
+    stored.is_none_or(|s| !held[..slots - 1].contains(&s))
 }
 
 #[cfg(test)]
@@ -357,5 +388,23 @@ mod tests {
         o.offer(offer(3, 29, 25));
         let again = o.next_chunk().expect("the snapshot goes again");
         assert_eq!((again.offer.step, again.offset), (29, 0));
+    }
+
+    #[test]
+    fn a_replica_is_at_risk_once_only_the_slot_overwritten_next_holds_its_step() {
+        // Not full yet: the next commit overwrites nothing.
+        assert!(!at_risk(&[3], 2, None));
+        assert!(!at_risk(&[3, 2], 2, Some(3)));
+        assert!(
+            at_risk(&[3, 2], 2, Some(2)),
+            "step 2 goes at the next commit"
+        );
+        assert!(at_risk(&[5, 4], 2, Some(3)), "step 3 is gone");
+        assert!(at_risk(&[5, 4], 2, None), "no replica yet, and full");
+        assert!(!at_risk(&[9, 8, 7, 6], 4, Some(7)));
+        assert!(at_risk(&[9, 8, 7, 6], 4, Some(6)));
+        // One slot: nothing to compare with (no consistent step but the
+        // newest anyway).
+        assert!(!at_risk(&[9], 1, Some(3)));
     }
 }

@@ -4,7 +4,7 @@
 //! priority and never blocks a worker's commit: it reads a sealed slot in
 //! place and checks after each chunk that the slot was not rewritten.
 
-use super::outbox::{Offer, Outbox};
+use super::outbox::{Offer, Outbox, at_risk};
 use super::{HELLO_AGAIN, POLL, RankStore, ReplicatorConfig, SCAN, SILENCE, Shared, nonce, poll};
 use hatrain_shared::peer::{self, ChunkHeader, Kind, Pending, Session};
 use hatrain_shared::shm::Store;
@@ -39,6 +39,50 @@ const REFUSED_AGAIN: Duration = Duration::from_millis(100);
 /// ...for this long after the first refusal.
 const REFUSED_FOR: Duration = Duration::from_secs(10);
 
+/// How often the stream checks whether a rank's replica is still safe
+/// ([`at_risk`])...
+const RISK_CHECK: Duration = Duration::from_millis(100);
+/// ...and how often at most it says so again for one rank.
+const RISK_WARN_AGAIN: Duration = Duration::from_secs(60);
+
+/// Says when a rank's replica has fallen so far behind that a loss of this
+/// host could not be recovered from memory: at the first time, then at
+/// most once a minute, with how often it happened meanwhile.
+#[derive(Debug, Default)]
+struct LagWatch {
+    /// Per rank: whether it is at risk now, when it was last said, and how
+    /// often it went at risk since.
+    ranks: BTreeMap<u64, (bool, Option<Instant>, u64)>,
+}
+
+impl LagWatch {
+    /// Whether `rank`'s replica is at risk now; says so as above.
+    fn check(&mut self, rank: u64, store: &Store, stored: Option<u64>, endpoint: &str) -> bool {
+        let held: Vec<u64> = store.sealed().iter().map(|i| i.step).collect();
+        let slots = store.geometry().slots;
+        let risk = at_risk(&held, slots, stored);
+        let (was, said, times) = self.ranks.entry(rank).or_default();
+        if risk && !*was {
+            *times += 1;
+            if said.is_none_or(|at| at.elapsed() >= RISK_WARN_AGAIN) {
+                tracing::warn!(
+                    rank,
+                    endpoint,
+                    replica_step = ?stored,
+                    held = ?held,
+                    slots,
+                    times = *times,
+                    "the peer's replica of this rank is behind every step but the oldest this host keeps: were this host lost now, no step would be common to the replica and the other ranks, and the job could not recover from memory. The stream uses idle CPU only; give more --snapshot-slots, or leave the host some idle CPU"
+                );
+                *said = Some(Instant::now());
+                *times = 0;
+            }
+        }
+        *was = risk;
+        risk
+    }
+}
+
 pub(super) fn send(
     cfg: &ReplicatorConfig,
     sock: zmq::Socket,
@@ -63,6 +107,8 @@ pub(super) fn send(
     // refusal, and whether a try waits. Their newest snapshot goes again
     // after a pause.
     let mut refused: BTreeMap<u64, (Instant, Instant, bool)> = BTreeMap::new();
+    let mut watch = LagWatch::default();
+    let mut checked = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         for (rank, (_, last, waits)) in &mut refused {
             if *waits && last.elapsed() >= REFUSED_AGAIN {
@@ -235,6 +281,13 @@ pub(super) fn send(
             session = None;
             pending = None;
             heard = Instant::now();
+        }
+        if checked.elapsed() >= RISK_CHECK {
+            checked = Instant::now();
+            for (rank, store) in &stores {
+                let risk = watch.check(*rank, store, outbox.stored_step(*rank), endpoint);
+                outbox.set_at_risk(*rank, risk);
+            }
         }
         if let Ok(mut sh) = shared.lock()
             && let Some(st) = sh.streams.get_mut(index)

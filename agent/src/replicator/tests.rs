@@ -97,6 +97,7 @@ fn snapshots_stream_over_real_sockets_and_are_held_identical() {
         (Some(5), Some(0), 0)
     );
     assert!(r.streams[0].connected);
+    assert!(!k.at_risk, "the peer holds the newest step: {k:?}");
     // The holder publishes what it holds at its next idle moment.
     let h = loop {
         let h = holder.report();
@@ -119,4 +120,58 @@ fn snapshots_stream_over_real_sockets_and_are_held_identical() {
         !inbox::replica_path(b.path(), 0).exists(),
         "a stopped holder leaves no replica behind"
     );
+}
+
+/// A holder that never answers (a listener that takes the connection and
+/// says nothing): the replica stays behind, and once the rank's store is
+/// full, with the replica's step in no slot but the one its next commit
+/// overwrites, the report marks the rank at risk.
+#[test]
+fn a_replica_left_behind_is_reported_at_risk() {
+    let a = tempfile::tempdir().unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let sender = Replicator::listen(cfg(0, "127.0.0.1", a.path())).unwrap();
+    let store = Arc::new(
+        Store::create(
+            &hatrain_shared::shm::store_path(a.path(), 0),
+            0,
+            Geometry::new(2, 4096),
+            4,
+            6,
+        )
+        .unwrap(),
+    );
+    sender.add_rank(0, Arc::clone(&store), None);
+    sender.stream_to(1, format!("tcp://{}", silent.local_addr().unwrap()));
+    let at_risk = || {
+        let r = sender.report();
+        r.streams
+            .first()
+            .and_then(|s| s.ranks.first())
+            .is_some_and(|k| k.at_risk)
+    };
+    let write = |step: u64| {
+        let slot = store.writable_slot().unwrap();
+        store
+            .write_slot(slot, 0, step, 0, &[&[step as u8; 4096]], &mut |_, _| true)
+            .unwrap();
+    };
+    // One slot of two sealed: the next commit overwrites nothing.
+    write(1);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!at_risk(), "{:?}", sender.report());
+    write(2);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !at_risk() {
+        assert!(
+            Instant::now() < deadline,
+            "not marked at risk: {:?}",
+            sender.report()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = sender.report();
+    assert!(!r.streams[0].connected);
+    assert_eq!(r.streams[0].ranks[0].replica_step, None);
+    sender.stop();
 }

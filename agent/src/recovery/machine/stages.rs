@@ -195,7 +195,8 @@ impl Machine {
             } if e == epoch => match s_star {
                 None => {
                     let why = format!(
-                        "no step has a sealed, verified snapshot on every rank ({listing})"
+                        "no step has a sealed, verified snapshot on every rank ({listing}){}",
+                        behind_hint(&counted, &per_rank)
                     );
                     self.note(Level::Error, None, format!("recovery failed: {why}"));
                     for &f in &faults {
@@ -376,4 +377,25 @@ impl Machine {
             }
         }
     }
+}
+
+/// Why no step is common, when some ranks' snapshots all come before every
+/// other rank's oldest (a lost host's replica that fell behind): which
+/// ranks, and what keeps more steps. Empty otherwise.
+fn behind_hint(ranks: &[usize], steps: &[Vec<u64>]) -> String {
+    let Some(oldest_common) = steps.iter().filter_map(|s| s.iter().min()).max() else {
+        return String::new();
+    };
+    let behind: Vec<usize> = ranks
+        .iter()
+        .zip(steps)
+        .filter(|(_, s)| s.iter().max().is_some_and(|m| m < oldest_common))
+        .map(|(r, _)| *r)
+        .collect();
+    if behind.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; the snapshots of rank(s) {behind:?} end before step {oldest_common}, the oldest the others keep: a replica that falls behind by more steps than there are snapshot slots cannot be recovered from (more --snapshot-slots keep more steps)"
+    )
 }

@@ -430,6 +430,11 @@ fn no_common_step_ends_the_job_with_the_reason() {
         "{f:?}"
     );
     assert!(f.action.contains("rank 0: [3, 2], rank 1: [5, 4]"), "{f:?}");
+    assert!(
+        f.action
+            .contains("the snapshots of rank(s) [0] end before step 4"),
+        "{f:?}"
+    );
 }
 
 #[test]
