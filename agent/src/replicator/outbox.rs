@@ -246,16 +246,24 @@ impl Outbox {
 }
 
 /// Whether the newest replica the peer stored of a rank (`stored`) is no
-/// longer safe: the rank's own store, full (`held`, its sealed steps newest
-/// first, `slots` of them), keeps that step only in the slot its next
-/// commit overwrites, or not at all. The other ranks commit in step with
-/// it, so from then on a loss of this host leaves no step common to the
-/// replica and the survivors: the job cannot recover from memory.
-pub fn at_risk(held: &[u64], slots: usize, stored: Option<u64>) -> bool {
-    if slots < 2 || held.len() < slots {
+/// longer safe: the rank's own store (`held`, its sealed steps newest
+/// first, of `slots`) keeps that step only in the slot its next commit
+/// overwrites, or not at all. The other ranks commit in step with it, so
+/// from then on a loss of this host leaves no step common to the replica
+/// and the survivors: the job cannot recover from memory.
+///
+/// `filled`: the store has had every slot sealed. Before that a commit
+/// overwrites nothing; after, a slot missing from `held` is one a commit is
+/// rewriting, and the one after it is the oldest held.
+///
+/// A replica newer than every step held is of a timeline a recovery
+/// abandoned (its older steps held beside it serve): not at risk.
+pub fn at_risk(held: &[u64], slots: usize, stored: Option<u64>, filled: bool) -> bool {
+    if slots < 2 || !filled || held.is_empty() || stored > held.first().copied() {
         return false;
     }
-    stored.is_none_or(|s| !held[..slots - 1].contains(&s))
+    let safe = &held[..held.len().min(slots - 1)];
+    stored.is_none_or(|s| !safe.contains(&s))
 }
 
 #[cfg(test)]
@@ -392,19 +400,27 @@ mod tests {
 
     #[test]
     fn a_replica_is_at_risk_once_only_the_slot_overwritten_next_holds_its_step() {
-        // Not full yet: the next commit overwrites nothing.
-        assert!(!at_risk(&[3], 2, None));
-        assert!(!at_risk(&[3, 2], 2, Some(3)));
+        // Never full yet: the next commit overwrites nothing.
+        assert!(!at_risk(&[3], 2, None, false));
+        assert!(!at_risk(&[3, 2], 2, Some(3), true));
         assert!(
-            at_risk(&[3, 2], 2, Some(2)),
+            at_risk(&[3, 2], 2, Some(2), true),
             "step 2 goes at the next commit"
         );
-        assert!(at_risk(&[5, 4], 2, Some(3)), "step 3 is gone");
-        assert!(at_risk(&[5, 4], 2, None), "no replica yet, and full");
-        assert!(!at_risk(&[9, 8, 7, 6], 4, Some(7)));
-        assert!(at_risk(&[9, 8, 7, 6], 4, Some(6)));
+        assert!(at_risk(&[5, 4], 2, Some(3), true), "step 3 is gone");
+        assert!(at_risk(&[5, 4], 2, None, true), "no replica yet, and full");
+        assert!(!at_risk(&[9, 8, 7, 6], 4, Some(7), true));
+        assert!(at_risk(&[9, 8, 7, 6], 4, Some(6), true));
+        // A commit rewrites a slot (it is missing from the sealed ones):
+        // the oldest held goes at the commit after, not now.
+        assert!(!at_risk(&[5], 2, Some(5), true));
+        assert!(at_risk(&[5], 2, Some(4), true), "step 4 is being rewritten");
+        assert!(!at_risk(&[9, 8, 7], 4, Some(7), true));
+        // After a rollback to step 6: the replica of step 8 was of the
+        // abandoned timeline.
+        assert!(!at_risk(&[6], 2, Some(8), true));
         // One slot: nothing to compare with (no consistent step but the
         // newest anyway).
-        assert!(!at_risk(&[9], 1, Some(3)));
+        assert!(!at_risk(&[9], 1, Some(3), true));
     }
 }

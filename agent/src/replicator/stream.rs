@@ -50,9 +50,18 @@ const RISK_WARN_AGAIN: Duration = Duration::from_secs(60);
 /// most once a minute, with how often it happened meanwhile.
 #[derive(Debug, Default)]
 struct LagWatch {
-    /// Per rank: whether it is at risk now, when it was last said, and how
-    /// often it went at risk since.
-    ranks: BTreeMap<u64, (bool, Option<Instant>, u64)>,
+    ranks: BTreeMap<u64, RiskSeen>,
+}
+
+#[derive(Debug, Default)]
+struct RiskSeen {
+    /// Every slot of the rank's store has been sealed at once.
+    filled: bool,
+    /// At risk at the last check.
+    was: bool,
+    /// When it was last said, and how often it went at risk since.
+    said: Option<Instant>,
+    times: u64,
 }
 
 impl LagWatch {
@@ -60,8 +69,12 @@ impl LagWatch {
     fn check(&mut self, rank: u64, store: &Store, stored: Option<u64>, endpoint: &str) -> bool {
         let held: Vec<u64> = store.sealed().iter().map(|i| i.step).collect();
         let slots = store.geometry().slots;
-        let risk = at_risk(&held, slots, stored);
-        let (was, said, times) = self.ranks.entry(rank).or_default();
+        let seen = self.ranks.entry(rank).or_default();
+        seen.filled |= held.len() >= slots;
+        let risk = at_risk(&held, slots, stored, seen.filled);
+        let RiskSeen {
+            was, said, times, ..
+        } = seen;
         if risk && !*was {
             *times += 1;
             if said.is_none_or(|at| at.elapsed() >= RISK_WARN_AGAIN) {
