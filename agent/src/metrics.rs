@@ -170,14 +170,22 @@ pub fn render(reports: &[StatusReport]) -> String {
                     .set(newest.saturating_sub(held) as i64);
             }
         }
-        for s in r.replicas.iter().flat_map(|rep| &rep.streams) {
-            for k in &s.ranks {
-                let l = RankLabels {
-                    job: r.job.clone(),
-                    rank: k.rank.to_string(),
-                };
-                replica_risk.get_or_create(&l).set(i64::from(k.at_risk));
-            }
+        // With several holders, one current replica is enough.
+        let mut risk = std::collections::BTreeMap::new();
+        for k in r
+            .replicas
+            .iter()
+            .flat_map(|rep| &rep.streams)
+            .flat_map(|s| &s.ranks)
+        {
+            *risk.entry(k.rank).or_insert(true) &= k.at_risk;
+        }
+        for (rank, at) in risk {
+            let l = RankLabels {
+                job: r.job.clone(),
+                rank: rank.to_string(),
+            };
+            replica_risk.get_or_create(&l).set(i64::from(at));
         }
         if let Some(m) = &r.membership {
             for (state, n) in [
@@ -268,7 +276,7 @@ pub fn render(reports: &[StatusReport]) -> String {
     );
     reg.register(
         "hatrain_replica_at_risk",
-        "1 while a peer's replica of this host's rank is behind every step but the oldest this host keeps: a loss of this host then could not be recovered from memory",
+        "1 while every peer replica of this host's rank is behind every step this host keeps but the one its next snapshot overwrites: a loss of this host then could not be recovered from memory",
         replica_risk,
     );
     reg.register(

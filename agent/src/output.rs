@@ -1,11 +1,14 @@
 //! Worker output, as torchrun handles it.
 //!
 //! Each worker's stdout and stderr are pipes the agent reads. What it reads
-//! goes on at once, in segments that end at a newline, a carriage return
-//! (so a progress bar that redraws itself with `\r` passes through as it is
+//! goes on in segments that end at a newline, a carriage return (so a
+//! progress bar that redraws itself with `\r` passes through as it is
 //! drawn) or [`CHUNK`] bytes (so a line of any length takes bounded
-//! memory). On the console every line or redraw starts with the rank,
-//! `[rank N] `; the piece of a long line that follows a size cut does not.
+//! memory). The unfinished end of a line waits for the rest of it, up to
+//! [`PARTIAL_WAIT`], so that ranks writing at once do not break each
+//! other's lines. On the console every line or redraw starts with the
+//! rank, `[rank N] `; the piece of a long line that follows a size cut does
+//! not.
 //!
 //! torchrun's switches choose where each stream goes, per local rank:
 //!
@@ -404,7 +407,10 @@ fn show(
             let _ = if stderr {
                 io::stderr().lock().write_all(bytes)
             } else {
-                io::stdout().lock().write_all(bytes)
+                // The agent's stdout is line-buffered: an unfinished line
+                // (a prompt) must not wait there for a newline.
+                let mut o = io::stdout().lock();
+                o.write_all(bytes).and_then(|()| o.flush())
             };
         },
     );

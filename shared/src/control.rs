@@ -369,9 +369,10 @@ pub struct RankReplicaReport {
     pub lag_bytes: u64,
     /// Snapshots given up (rewritten while sent, or dropped by the peer).
     pub abandoned: u64,
-    /// The peer's replica is behind every step but the oldest this host
-    /// keeps of the rank: were this host lost now, no step would be common
-    /// to the replica and the other ranks (since protocol 1.6).
+    /// The peer's replica is behind every step this host keeps of the rank
+    /// but the one its next snapshot overwrites: were this host lost now,
+    /// and no other holder current, no step would be common to the replica
+    /// and the other ranks (since protocol 1.6).
     #[serde(default)]
     pub at_risk: bool,
 }

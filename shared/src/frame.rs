@@ -11,7 +11,8 @@
 //! Each protocol has its own magic and version. A reader checks, in this
 //! order: the length bound (before allocating anything), the magic, then
 //! `major == ours && minor <= ours`. A newer minor version may only add
-//! optional content, so an older reader can still accept it.
+//! optional content, so a newer reader still accepts an older writer's
+//! frames; an older reader refuses a newer minor's, naming both versions.
 
 use std::io::{self, Read, Write};
 

@@ -354,7 +354,7 @@ fn print_replicas(r: &ReplicaReport) {
                 k.lag_bytes,
                 k.abandoned,
                 if k.at_risk {
-                    " | AT RISK: behind every step but the oldest this host keeps; a loss of this host now could not be recovered from memory"
+                    " | AT RISK: behind every step this host keeps but the one its next snapshot overwrites; unless another holder is current, a loss of this host now could not be recovered from memory"
                 } else {
                     ""
                 }

@@ -68,6 +68,9 @@ pub struct Outbox {
     /// The rank served last, for taking turns.
     last: Option<u64>,
     progress: BTreeMap<u64, RankProgress>,
+    /// Per rank, the steps the peer stored in this session, newest first
+    /// ([`PEER_STEPS`] at most).
+    peer_steps: BTreeMap<u64, Vec<u64>>,
     pub chunks_sent: u64,
     pub bytes_sent: u64,
 }
@@ -84,6 +87,7 @@ impl Outbox {
             sending: BTreeMap::new(),
             last: None,
             progress: BTreeMap::new(),
+            peer_steps: BTreeMap::new(),
             chunks_sent: 0,
             bytes_sent: 0,
         }
@@ -111,9 +115,12 @@ impl Outbox {
         self.credit
     }
 
-    /// The newest step the peer stored of `rank`.
-    pub fn stored_step(&self, rank: u64) -> Option<u64> {
-        self.progress.get(&rank).and_then(|p| p.stored_step)
+    /// The newest `n` steps the peer stored of `rank` in this session,
+    /// newest first: what its replica store of `n` slots holds.
+    pub fn peer_steps(&self, rank: u64, n: usize) -> &[u64] {
+        self.peer_steps
+            .get(&rank)
+            .map_or(&[][..], |s| &s[..s.len().min(n)])
     }
 
     /// Whether `rank`'s replica is [`at_risk`] now.
@@ -132,6 +139,12 @@ impl Outbox {
         let p = self.progress.entry(rank).or_default();
         if p.stored_step.is_none_or(|s| s < step) {
             p.stored_step = Some(step);
+        }
+        let steps = self.peer_steps.entry(rank).or_default();
+        if !steps.contains(&step) {
+            steps.push(step);
+            steps.sort_unstable_by(|a, b| b.cmp(a));
+            steps.truncate(PEER_STEPS);
         }
     }
 
@@ -175,6 +188,8 @@ impl Outbox {
     /// snapshot of a rank goes instead, if there is one).
     pub fn reset(&mut self) {
         self.credit = 0;
+        // A new session may be with a holder that lost what it held.
+        self.peer_steps.clear();
         for (rank, t) in std::mem::take(&mut self.sending) {
             self.waiting.entry(rank).or_insert(t.offer);
         }
@@ -245,25 +260,30 @@ impl Outbox {
     }
 }
 
-/// Whether the newest replica the peer stored of a rank (`stored`) is no
-/// longer safe: the rank's own store (`held`, its sealed steps newest
-/// first, of `slots`) keeps that step only in the slot its next commit
-/// overwrites, or not at all. The other ranks commit in step with it, so
-/// from then on a loss of this host leaves no step common to the replica
-/// and the survivors: the job cannot recover from memory.
+/// Receipts kept per rank: more than any replica store has slots.
+const PEER_STEPS: usize = 16;
+
+/// Whether a rank's replica is no longer safe: no step the peer holds of it
+/// (`peer`) is kept by the rank's own store other than in the slot its next
+/// commit overwrites. The other ranks commit in step with it, so from then
+/// on a loss of this host leaves no step common to the replica and the
+/// survivors: the job cannot recover from memory.
 ///
-/// `filled`: the store has had every slot sealed. Before that a commit
-/// overwrites nothing; after, a slot missing from `held` is one a commit is
-/// rewriting, and the one after it is the oldest held.
+/// `held`: the store's sealed snapshots as (slot, step); `next`: the slot
+/// its next commit writes ([`Store::writable_slot`]: an empty slot, or the
+/// one a commit is writing now, while the store has one).
 ///
-/// A replica newer than every step held is of a timeline a recovery
-/// abandoned (its older steps held beside it serve): not at risk.
-pub fn at_risk(held: &[u64], slots: usize, stored: Option<u64>, filled: bool) -> bool {
-    if slots < 2 || !filled || held.is_empty() || stored > held.first().copied() {
-        return false;
+/// With no replica yet, a rank is at risk once its next commit discards a
+/// sealed snapshot (not while its store is still filling up at the start).
+///
+/// [`Store::writable_slot`]: hatrain_shared::shm::Store::writable_slot
+pub fn at_risk(held: &[(usize, u64)], next: Option<usize>, peer: &[u64]) -> bool {
+    if peer.is_empty() {
+        return next.is_some_and(|n| held.iter().any(|(s, _)| *s == n));
     }
-    let safe = &held[..held.len().min(slots - 1)];
-    stored.is_none_or(|s| !safe.contains(&s))
+    !held
+        .iter()
+        .any(|(slot, step)| Some(*slot) != next && peer.contains(step))
 }
 
 #[cfg(test)]
@@ -400,27 +420,41 @@ mod tests {
 
     #[test]
     fn a_replica_is_at_risk_once_only_the_slot_overwritten_next_holds_its_step() {
-        // Never full yet: the next commit overwrites nothing.
-        assert!(!at_risk(&[3], 2, None, false));
-        assert!(!at_risk(&[3, 2], 2, Some(3), true));
+        // Two slots, 0 and 1. Still filling up: the next commit writes the
+        // empty slot, and nothing is discarded yet.
+        assert!(!at_risk(&[(0, 1)], Some(1), &[]));
+        // Full, no replica yet: the next commit discards step 1.
+        assert!(at_risk(&[(1, 2), (0, 1)], Some(0), &[]));
+        assert!(!at_risk(&[(1, 2), (0, 1)], Some(0), &[2, 1]));
         assert!(
-            at_risk(&[3, 2], 2, Some(2), true),
-            "step 2 goes at the next commit"
+            at_risk(&[(1, 2), (0, 1)], Some(0), &[1]),
+            "step 1 goes at the next commit"
         );
-        assert!(at_risk(&[5, 4], 2, Some(3), true), "step 3 is gone");
-        assert!(at_risk(&[5, 4], 2, None, true), "no replica yet, and full");
-        assert!(!at_risk(&[9, 8, 7, 6], 4, Some(7), true));
-        assert!(at_risk(&[9, 8, 7, 6], 4, Some(6), true));
-        // A commit rewrites a slot (it is missing from the sealed ones):
-        // the oldest held goes at the commit after, not now.
-        assert!(!at_risk(&[5], 2, Some(5), true));
-        assert!(at_risk(&[5], 2, Some(4), true), "step 4 is being rewritten");
-        assert!(!at_risk(&[9, 8, 7], 4, Some(7), true));
-        // After a rollback to step 6: the replica of step 8 was of the
-        // abandoned timeline.
-        assert!(!at_risk(&[6], 2, Some(8), true));
-        // One slot: nothing to compare with (no consistent step but the
-        // newest anyway).
-        assert!(!at_risk(&[9], 1, Some(3), true));
+        assert!(at_risk(&[(1, 5), (0, 4)], Some(0), &[3, 2]), "gone");
+        // While a commit writes slot 0, step 5 in slot 1 stays.
+        assert!(!at_risk(&[(1, 5)], Some(0), &[5, 4]));
+        assert!(at_risk(&[(1, 5)], Some(0), &[4, 3]));
+        // A slot held for the persister is not the next to go.
+        assert!(!at_risk(&[(2, 9), (0, 8), (1, 7)], Some(0), &[9]));
+        assert!(!at_risk(&[(2, 9), (0, 8), (1, 7)], Some(0), &[7]));
+        assert!(at_risk(&[(2, 9), (0, 8), (1, 7)], Some(0), &[8]));
+        // After a rollback to step 6 (7 and 8 emptied): the peer's 8 and 7
+        // are of no use until this store holds 7 again.
+        assert!(at_risk(&[(0, 6)], Some(1), &[8, 7]));
+        assert!(!at_risk(&[(1, 7), (0, 6)], Some(0), &[8, 7]));
+    }
+
+    #[test]
+    fn the_peer_steps_are_the_newest_receipts_of_this_session() {
+        let mut o = Outbox::new(10);
+        for step in [3, 5, 4, 5] {
+            o.stored(0, step);
+        }
+        assert_eq!(o.peer_steps(0, 2), &[5, 4]);
+        assert_eq!(o.peer_steps(0, 9), &[5, 4, 3]);
+        assert_eq!(o.peer_steps(1, 2), &[] as &[u64]);
+        o.reset();
+        assert_eq!(o.peer_steps(0, 2), &[] as &[u64]);
+        assert_eq!(o.progress()[&0].stored_step, Some(5), "the report keeps it");
     }
 }

@@ -46,8 +46,9 @@ const RISK_CHECK: Duration = Duration::from_millis(100);
 const RISK_WARN_AGAIN: Duration = Duration::from_secs(60);
 
 /// Says when a rank's replica has fallen so far behind that a loss of this
-/// host could not be recovered from memory: at the first time, then at
-/// most once a minute, with how often it happened meanwhile.
+/// host could not be recovered from memory: when it first happens, then at
+/// most once a minute while it happens again or goes on, with how often it
+/// began meanwhile.
 #[derive(Debug, Default)]
 struct LagWatch {
     ranks: BTreeMap<u64, RiskSeen>,
@@ -55,43 +56,39 @@ struct LagWatch {
 
 #[derive(Debug, Default)]
 struct RiskSeen {
-    /// Every slot of the rank's store has been sealed at once.
-    filled: bool,
     /// At risk at the last check.
     was: bool,
-    /// When it was last said, and how often it went at risk since.
+    /// When it was last said.
     said: Option<Instant>,
+    /// How often it began since.
     times: u64,
 }
 
 impl LagWatch {
-    /// Whether `rank`'s replica is at risk now; says so as above.
-    fn check(&mut self, rank: u64, store: &Store, stored: Option<u64>, endpoint: &str) -> bool {
-        let held: Vec<u64> = store.sealed().iter().map(|i| i.step).collect();
-        let slots = store.geometry().slots;
+    /// Whether `rank`'s replica is [`at_risk`] now, given the steps the
+    /// peer holds of it; says so as above.
+    fn check(&mut self, rank: u64, store: &Store, peer: &[u64], endpoint: &str) -> bool {
+        let held: Vec<(usize, u64)> = store.sealed().iter().map(|i| (i.slot, i.step)).collect();
+        let risk = at_risk(&held, store.writable_slot(), peer);
         let seen = self.ranks.entry(rank).or_default();
-        seen.filled |= held.len() >= slots;
-        let risk = at_risk(&held, slots, stored, seen.filled);
-        let RiskSeen {
-            was, said, times, ..
-        } = seen;
-        if risk && !*was {
-            *times += 1;
-            if said.is_none_or(|at| at.elapsed() >= RISK_WARN_AGAIN) {
-                tracing::warn!(
-                    rank,
-                    endpoint,
-                    replica_step = ?stored,
-                    held = ?held,
-                    slots,
-                    times = *times,
-                    "the peer's replica of this rank is behind every step but the oldest this host keeps: were this host lost now, no step would be common to the replica and the other ranks, and the job could not recover from memory. The stream uses idle CPU only; give more --snapshot-slots, or leave the host some idle CPU"
-                );
-                *said = Some(Instant::now());
-                *times = 0;
-            }
+        if risk && !seen.was {
+            seen.times += 1;
         }
-        *was = risk;
+        seen.was = risk;
+        if risk && seen.times > 0 && seen.said.is_none_or(|at| at.elapsed() >= RISK_WARN_AGAIN) {
+            let steps: Vec<u64> = held.iter().map(|(_, s)| *s).collect();
+            tracing::warn!(
+                rank,
+                endpoint,
+                replica_steps = ?peer,
+                held = ?steps,
+                slots = store.geometry().slots,
+                times = seen.times,
+                "this holder's replica of the rank is behind every step but the one this host's next snapshot overwrites: were this host lost now, and no other holder current, no step would be common to the replica and the other ranks, and the job could not recover from memory. The stream uses idle CPU only; give more --snapshot-slots, or leave the host some idle CPU"
+            );
+            seen.said = Some(Instant::now());
+            seen.times = 0;
+        }
         risk
     }
 }
@@ -298,7 +295,8 @@ pub(super) fn send(
         if checked.elapsed() >= RISK_CHECK {
             checked = Instant::now();
             for (rank, store) in &stores {
-                let risk = watch.check(*rank, store, outbox.stored_step(*rank), endpoint);
+                let peer = outbox.peer_steps(*rank, store.geometry().slots);
+                let risk = watch.check(*rank, store, peer, endpoint);
                 outbox.set_at_risk(*rank, risk);
             }
         }

@@ -396,6 +396,6 @@ fn behind_hint(ranks: &[usize], steps: &[Vec<u64>]) -> String {
         return String::new();
     }
     format!(
-        "; the snapshots of rank(s) {behind:?} end before step {oldest_common}, the oldest the others keep: a replica that falls behind by more steps than there are snapshot slots cannot be recovered from (more --snapshot-slots keep more steps)"
+        "; the snapshots of rank(s) {behind:?} end before step {oldest_common}, the oldest the others keep: a replica that falls as many steps behind as there are snapshot slots, or more, cannot be recovered from (more --snapshot-slots keep more steps)"
     )
 }
