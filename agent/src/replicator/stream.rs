@@ -84,7 +84,7 @@ impl LagWatch {
                 held = ?steps,
                 slots = store.geometry().slots,
                 times = seen.times,
-                "this holder's replica of the rank is behind every step but the one this host's next snapshot overwrites: were this host lost now, and no other holder current, no step would be common to the replica and the other ranks, and the job could not recover from memory. The stream uses idle CPU only; give more --snapshot-slots, or leave the host some idle CPU"
+                "this holder's replica of the rank is behind every step but the one this host's next snapshot overwrites: were this host to fail now, with no other holder current, no step would be common to the replica and the other ranks, and the job could not recover from memory. The stream uses idle CPU only; give more --snapshot-slots, or leave the host some idle CPU"
             );
             seen.said = Some(Instant::now());
             seen.times = 0;
