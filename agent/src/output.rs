@@ -269,7 +269,7 @@ pub const PARTIAL_WAIT: std::time::Duration = std::time::Duration::from_millis(1
 /// The unfinished end of a worker's console output, held back for
 /// [`PARTIAL_WAIT`] at most.
 #[derive(Debug, Default)]
-pub struct Held {
+struct Held {
     bytes: Vec<u8>,
     since: Option<tokio::time::Instant>,
 }
@@ -278,7 +278,7 @@ impl Held {
     /// Takes a read; returns how many of the held bytes may go to the
     /// console now: up to the last line end or redraw, or all of them once
     /// an unfinished line reaches [`CHUNK`].
-    pub fn push(&mut self, data: &[u8]) -> usize {
+    fn push(&mut self, data: &[u8]) -> usize {
         self.bytes.extend_from_slice(data);
         let ready = if self.bytes.len() >= CHUNK {
             self.bytes.len()
@@ -297,18 +297,18 @@ impl Held {
     }
 
     /// The held bytes; [`Held::consume`] drops those written.
-    pub fn bytes(&self) -> &[u8] {
+    fn bytes(&self) -> &[u8] {
         &self.bytes
     }
 
-    pub fn consume(&mut self, n: usize) {
+    fn consume(&mut self, n: usize) {
         self.bytes.drain(..n);
         if self.bytes.is_empty() {
             self.since = None;
         }
     }
 
-    pub fn pending(&self) -> bool {
+    fn pending(&self) -> bool {
         !self.bytes.is_empty()
     }
 

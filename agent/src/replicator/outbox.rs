@@ -125,12 +125,8 @@ impl Outbox {
 
     /// Whether `rank`'s replica is [`at_risk`] now.
     pub fn set_at_risk(&mut self, rank: u64, risk: bool) {
-        match self.progress.get_mut(&rank) {
-            Some(p) => p.at_risk = risk,
-            None if risk => {
-                self.progress.entry(rank).or_default().at_risk = true;
-            }
-            None => {}
+        if risk || self.progress.contains_key(&rank) {
+            self.progress.entry(rank).or_default().at_risk = risk;
         }
     }
 
