@@ -3,7 +3,9 @@
 //! SIGKILLed at three instants (the forward pass, inside the update fences
 //! after `optimizer.step()`, halfway through the snapshot copy) at several
 //! steps. Only that rank restarts; the job ends with parameters
-//! bit-identical to the fault-free run.
+//! bit-identical to the fault-free run. A recovery reads the other ranks'
+//! slices of the sliced snapshots from their stores on this host, or, when
+//! a rank cannot, gathers them over the process group.
 
 mod common;
 
@@ -104,6 +106,39 @@ fn a_ddp_rank_killed_in_forward_in_the_update_or_mid_commit_restarts_alone_bit_i
             r.output
         );
         assert!(!r.output.contains("replacement started rank=0"));
+        // The other ranks' slices came from their stores on this host.
+        assert!(
+            !r.output.contains("gathering them over the process group"),
+            "{plan}: {}",
+            r.output
+        );
+    }
+}
+
+#[test]
+fn ranks_that_cannot_read_each_others_stores_gather_the_slices_over_the_process_group_bit_identical()
+ {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    // Rank 1 is killed in step 13's update; the job goes back to step 11
+    // or 12, and rank 0's read of rank 1's store fails there (planned), so
+    // every rank takes the process-group path.
+    let plan = "1:13:update:kill;0:11:restore:no-siblings;0:12:restore:no-siblings";
+    let r = run(Some(plan), &[]);
+    for log in &r.logs {
+        assert_eq!(digest(log), want, "{}", r.output);
+    }
+    assert_eq!(
+        r.output
+            .matches("gathering them over the process group")
+            .count(),
+        1,
+        "{}",
+        r.output
+    );
+    for log in &r.logs {
+        assert_eq!(events(log, "resume").len(), 1, "{log:?}");
     }
 }
 

@@ -201,6 +201,15 @@ class Runtime:
         returns its metadata block."""
         return self._rt.restore(step)
 
+    def restore_sibling(self, step: int, rank: int, index: int | None = None) -> None:
+        """Sliced snapshots of ranks on one host: copies the slices that
+        rank ``rank`` (number ``index`` in the replication groups; its rank
+        by default) holds in its snapshot of ``step`` into the registered
+        arrays, from its store beside this rank's. After ``restore(step)``
+        and this for every other rank, the replicated parts are whole
+        without a collective. Nothing to do without sliced snapshots."""
+        self._rt.restore_sibling(step, rank, rank if index is None else index)
+
     def set_communicator(self, epoch: int, abort=None) -> None:
         """The communicator of ``epoch`` is built; ``abort`` (a callable), if
         given, is called from another thread when the agent pauses the job."""

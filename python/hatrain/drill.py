@@ -7,14 +7,17 @@ every one). An entry fires at most once per process.
 
 POINT: ``forward`` (the step's compute begins), ``update`` (inside the
 update fences, after ``optimizer.step()`` changed the state and before the
-step is sealed), ``commit`` (halfway through the step's snapshot copy).
+step is sealed), ``commit`` (halfway through the step's snapshot copy),
+``restore`` (a recovery restores STEP; ``hatrain.torch`` only).
 
 ACTION: ``kill`` (SIGKILL itself), ``exit`` (exit code 17), ``hang`` (block
 forever), ``sleepMS`` (sleep MS milliseconds), ``uce-PART-OFFSET`` (an
 uncorrectable memory error at byte OFFSET of state part PART), ``npu-uce``
 (the ``RuntimeError`` torch_npu raises for an NPU's uncorrectable memory
 error, ``UCE ERROR``: raised at the step's update, where an asynchronous
-device error surfaces; see ``Plan.surface``).
+device error surfaces; see ``Plan.surface``), ``no-siblings`` (at
+``restore``: reading the other ranks' slices from their stores fails, so
+they are gathered over the process group).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "HATRAIN_FAULT_PLAN"
-POINTS = ("forward", "update", "commit")
+POINTS = ("forward", "update", "commit", "restore")
 
 
 @dataclass
@@ -52,7 +55,7 @@ def parse(text: str) -> list[Entry]:
         if f[2] not in POINTS:
             raise ValueError(f"invalid {ENV} entry {raw!r}: POINT is one of {', '.join(POINTS)}")
         a = f[3]
-        ok = a in ("kill", "exit", "hang", "npu-uce") or (a.startswith("sleep") and a[5:].isdigit())
+        ok = a in ("kill", "exit", "hang", "npu-uce", "no-siblings") or (a.startswith("sleep") and a[5:].isdigit())
         if a.startswith("uce-"):
             bits = a.split("-")
             ok = len(bits) == 3 and bits[1].isdigit() and bits[2].isdigit()
@@ -109,6 +112,10 @@ class Plan:
                 f"npu_forward:NPUQueue.cpp:219 NPU function error: UCE ERROR, error code is 507053\n"
                 f"[ERROR] (PID:{os.getpid()}, Device:{self.rank}, RankID:{self.rank}) ERR00100 PTA call acl api failed"
             )
+        elif e.action == "no-siblings":
+            from hatrain import HatrainError
+
+            raise HatrainError("planned: the other ranks' stores are not read")
         elif e.action.startswith("uce-") and rt is not None:
             _, part, offset = e.action.split("-")
             rt.inject_uce(int(part), int(offset))

@@ -147,10 +147,19 @@ class Job:
         self._current = None
         self._updated = None
         self._failed = False
+        self._read_siblings = False
         # The state is moved (and its pages touched) first: a warm standby
         # has done all its start-up when it parks here for a rank.
         self.flats = self._take_state()
         self._has_buffers = any(n.startswith("buffers_") for n, _ in self.flats)
+        if self.under_agent_env():
+            # What exists now (the imported modules, the model, the
+            # optimizer) lives as long as the process: frozen, the cycle
+            # collector passes over it, so that the collection a recovery
+            # makes (``_recover``) scans what was made since, in
+            # milliseconds, not torch's import (a tenth of a second, with
+            # the interpreter's lock held).
+            gc.freeze()
         self.standby_pid = os.getpid() if hatrain.standby() is not None else None
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -335,10 +344,37 @@ class Job:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 
+    def _restore_siblings(self, step: int) -> bool:
+        """Sliced snapshots: the other ranks' slices of each flat tensor,
+        read from their snapshot stores (every rank of the job is on this
+        host). False if one could not be: ``_gather`` then sends the slices
+        over the process group."""
+        if not self.rt.sliced or self.world < 2:
+            return True
+        try:
+            self.plan.hit(step, "restore", self.rt)
+            for r in range(self.world):
+                if r != self.rank:
+                    self.rt.restore_sibling(step, r)
+        except hatrain.HatrainError as e:
+            print(
+                f"rank {self.rank}: the other ranks' snapshots of step {step} could not be read here ({e}); "
+                "gathering them over the process group",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        return True
+
     def _gather(self) -> None:
         """Sliced snapshots: each rank restored its slice of each flat
-        tensor; the owner of each slice broadcasts it."""
+        tensor and read the others' from their stores; if any rank could
+        not, the owner of each slice broadcasts it."""
         if not self.rt.sliced or self.world < 2:
+            return
+        failed = torch.tensor([0 if self._read_siblings else 1], dtype=torch.int32)
+        dist.all_reduce(failed)
+        if not failed.item():
             return
         for name, flat in self.flats:
             if name.startswith("buffers_"):
@@ -360,7 +396,9 @@ class Job:
         # it runs on a thread once this rank has told the agent it paused
         # (``await_directive`` lets go of the interpreter), so that the
         # agent decides meanwhile. A process that never built one (a
-        # replacement, a standby) has nothing to collect.
+        # replacement, a standby) has nothing to collect. The objects that
+        # existed when the job was set up are frozen (``__init__``): they
+        # are not scanned.
         paused = threading.Event()
 
         def collect() -> None:
@@ -377,6 +415,7 @@ class Job:
                 raise Stopped(f"rank {self.rank}: the agent stopped the job ({kind})")
             with torch.no_grad():
                 self._load_meta(self.rt.restore(step), step)
+                self._read_siblings = self._restore_siblings(step)
             self.step_done, self.epoch = step, epoch
             if collector is not None:
                 collector.join()

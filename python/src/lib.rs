@@ -330,6 +330,20 @@ impl PyRuntime {
         Ok(PyBytes::new(py, &meta))
     }
 
+    /// Sliced snapshots of ranks on one host: copies the slices sibling
+    /// `rank` (number `index` in the replication groups) holds in its
+    /// snapshot of `step` from its store into the buffers.
+    fn restore_sibling(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        rank: usize,
+        index: usize,
+    ) -> PyResult<()> {
+        py.detach(|| self.rt().restore_sibling(step, rank, index))
+            .map_err(err)
+    }
+
     /// The communicator of `epoch` is built; `abort`, if given, is called
     /// (from another thread) when the agent pauses the job.
     #[pyo3(signature = (epoch, abort = None))]

@@ -29,6 +29,7 @@
 
 mod background;
 mod reshape;
+mod siblings;
 mod uce;
 
 pub use reshape::Donated;
@@ -313,7 +314,11 @@ impl Runtime {
                 });
             }
         };
-        rt.attach(store_path, recover, sliced, incarnation)?;
+        // A fresh rank's first commits copy into mapped pages; a replacement
+        // restores first, and every moment until it pauses holds the job
+        // up: its pages are mapped as they are read and written.
+        let populate = matches!(start, StartMode::Fresh { .. });
+        rt.attach(store_path, recover, sliced, incarnation, populate)?;
         let start = match start {
             StartMode::Fresh { epoch } => Start::Fresh { epoch },
             StartMode::AwaitDirective => Start::AwaitDirective,
@@ -321,14 +326,15 @@ impl Runtime {
         Ok((rt, start))
     }
 
-    /// Maps the store the agent made for this rank and starts the commit
-    /// and watcher threads.
+    /// Maps the store the agent made for this rank (every page now, with
+    /// `populate`) and starts the commit and watcher threads.
     fn attach(
         &mut self,
         store_path: PathBuf,
         recover: bool,
         sliced: bool,
         incarnation: u64,
+        populate: bool,
     ) -> Result<(), RuntimeError> {
         let rank = self.rank as u64;
         // The store is the agent's: its file, in the agent's folder.
@@ -337,7 +343,11 @@ impl Runtime {
             hatrain_shared::trust::check(dir, hatrain_shared::trust::Kind::Dir, me)?;
         }
         hatrain_shared::trust::check(&store_path, hatrain_shared::trust::Kind::File, me)?;
-        let store = Arc::new(Store::open(&store_path)?);
+        let store = Arc::new(if populate {
+            Store::open(&store_path)?
+        } else {
+            Store::open_lazily(&store_path)?
+        });
         if store.page().layout_hash() != self.map.slot_layout_hash(sliced) {
             return Err(RuntimeError::Layout { path: store_path });
         }

@@ -40,6 +40,7 @@ mod saves;
 mod standby;
 mod takeover;
 mod unled;
+mod verify;
 mod warm;
 
 pub(crate) use kept::write_atomic;
@@ -49,6 +50,7 @@ pub use observe::root_cause;
 
 use decider::{Controller, Decider, Follower};
 use orders::recv;
+use verify::verify_side_by_side;
 
 use crate::control::{self, ControlMsg};
 use crate::jobdir::{self, JobDir};
@@ -757,8 +759,7 @@ impl Driver<'_> {
             let mut rejected = Vec::new();
             let mut verify = |stores: Vec<(usize, Arc<Store>)>| {
                 let mut steps = Vec::new();
-                for (rank, store) in stores {
-                    let (ok, bad) = store.verified_steps();
+                for (rank, (ok, bad)) in verify_side_by_side(&stores) {
                     steps.push((rank, ok));
                     rejected.extend(bad.into_iter().map(|e| (rank, e.to_string())));
                 }

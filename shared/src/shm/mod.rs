@@ -254,8 +254,20 @@ impl Store {
         Ok(store)
     }
 
-    /// Opens an existing store, checking its control page.
+    /// Opens an existing store, checking its control page, with every page
+    /// mapped now (its writer's commits copy into mapped memory).
     pub fn open(path: &Path) -> Result<Self, ShmError> {
+        Self::open_mapped(path, true)
+    }
+
+    /// Opens an existing store, as [`Store::open`], with its pages mapped
+    /// as they are touched, not all of them ahead: for a reader of one
+    /// slot, or a writer that has to be quick to start.
+    pub fn open_lazily(path: &Path) -> Result<Self, ShmError> {
+        Self::open_mapped(path, false)
+    }
+
+    fn open_mapped(path: &Path, populate: bool) -> Result<Self, ShmError> {
         let io_err = |source| ShmError::Io {
             path: path.to_path_buf(),
             source,
@@ -278,7 +290,7 @@ impl Store {
         if len < PAGE {
             return Err(fmt(format!("{len} bytes, smaller than a control page")));
         }
-        let map = Mapping::map(&file, len, true).map_err(io_err)?;
+        let map = Mapping::map(&file, len, populate).map_err(io_err)?;
         let page: &ControlPage = map.at(0);
         let magic = page.magic.load(Ordering::Acquire);
         if magic != CONTROL_MAGIC {

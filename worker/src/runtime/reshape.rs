@@ -109,7 +109,7 @@ impl Runtime {
             other => return Err(unexpected("reshaped", other)),
         };
         let incarnation = crate::standby::restart_count();
-        self.attach(store, recover, sliced, incarnation)?;
+        self.attach(store, recover, sliced, incarnation, true)?;
         if let Some(a) = &self.attached {
             let page = a.store.page();
             page.set_step(step);
