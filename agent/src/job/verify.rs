@@ -6,12 +6,12 @@
 use hatrain_shared::shm::{ShmError, Store};
 use std::sync::Arc;
 
-/// Per store, in the order given: its rank, the steps of its slots that
-/// verify (newest first) and why each other sealed-looking slot was
-/// rejected ([`Store::verified_steps`]).
-pub(super) fn verify_side_by_side(
-    stores: &[(usize, Arc<Store>)],
-) -> Vec<(usize, (Vec<u64>, Vec<ShmError>))> {
+/// The steps of a store's slots that verify (newest first) and why each
+/// other sealed-looking slot was rejected ([`Store::verified_steps`]).
+pub(super) type Verified = (Vec<u64>, Vec<ShmError>);
+
+/// Per store, in the order given: its rank and what verified.
+pub(super) fn verify_side_by_side(stores: &[(usize, Arc<Store>)]) -> Vec<(usize, Verified)> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_thread = stores.len().div_ceil(cores.max(1)).max(1);
     std::thread::scope(|s| {
