@@ -41,6 +41,7 @@ norm's running statistics) are snapshotted with them.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import datetime
@@ -158,8 +159,12 @@ class Job:
             # collector passes over it, so that the collection a recovery
             # makes (``_recover``) scans what was made since, in
             # milliseconds, not torch's import (a tenth of a second, with
-            # the interpreter's lock held).
+            # the interpreter's lock held). At exit they are thawed, so
+            # that the interpreter's last collection frees them (extension
+            # modules that count their objects, such as nanobind's, would
+            # report them leaked).
             gc.freeze()
+            atexit.register(gc.unfreeze)
         self.standby_pid = os.getpid() if hatrain.standby() is not None else None
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
