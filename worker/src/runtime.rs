@@ -689,7 +689,8 @@ impl Runtime {
     /// Copies the sealed snapshot of `step` into the state buffers (taking
     /// their write locks) and returns its metadata block. With sliced
     /// snapshots only this rank's slice of a replicated part is restored:
-    /// [`Runtime::rebuild_replicated`] completes it.
+    /// [`Runtime::rebuild_replicated`] completes it, or, for ranks on one
+    /// host, [`Runtime::restore_sibling`] for each other rank.
     pub fn restore(&self, step: u64) -> Result<Vec<u8>, RuntimeError> {
         let a = self
             .attached
