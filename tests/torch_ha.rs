@@ -119,6 +119,34 @@ fn a_ddp_rank_killed_in_forward_in_the_update_or_mid_commit_restarts_alone_bit_i
 }
 
 #[test]
+fn a_rank_killed_while_the_job_restores_is_restarted_and_the_job_ends_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    // Rank 1 is killed in step 13's update; rank 0 is killed once it has
+    // restored its own slice of step 11 or 12, before it reads rank 1's.
+    let plan = "1:13:update:kill;0:11:restore:kill;0:12:restore:kill";
+    let r = run(Some(plan), &[]);
+    for log in &r.logs {
+        assert_eq!(digest(log), want, "{}", r.output);
+    }
+    assert!(r.output.contains("planned fault kill at step 1"), "{}", r.output);
+    // Both ranks were replaced once: rank 0 in the middle of the recovery.
+    // Rank 1's replacement, waiting for rank 0 to build the process group,
+    // gave the build up when the agent paused the job again (it was not
+    // left waiting until the pause timed out, then killed).
+    for log in &r.logs {
+        assert_eq!(events(log, "start").len(), 2, "{log:?}");
+    }
+    assert!(
+        r.output.contains("rank 1: a rank failed while the job rebuilt under epoch 1"),
+        "{}",
+        r.output
+    );
+    assert!(!r.output.contains("did not pause"), "{}", r.output);
+}
+
+#[test]
 fn ranks_that_cannot_read_each_others_stores_gather_the_slices_over_the_process_group_bit_identical()
  {
     let _one_at_a_time = common::python::serial();

@@ -51,6 +51,7 @@ import os
 import random
 import sys
 import threading
+import time
 from typing import Iterator
 
 import numpy as np
@@ -81,6 +82,11 @@ class Stopped(SystemExit):
 
 class _Torn(Exception):
     """A memory error was repaired in the state: the step is thrown away."""
+
+
+class _Abandoned(Exception):
+    """The agent posted another directive while the process group was being
+    built (a rank died meanwhile): the build is given up."""
 
 
 def _shard(numel: int, world: int, index: int) -> tuple[int, int]:
@@ -322,9 +328,12 @@ class Job:
         whose construction broadcasts rank 0's parameters)."""
         if self.world > 1 or self.under_agent:
             if self.under_agent:
+                store = self._store(self.epoch)
+                if gather:
+                    self._meet(store)
                 dist.init_process_group(
                     self.backend,
-                    store=self._store(self.epoch),
+                    store=store,
                     rank=self.rank,
                     world_size=self.world,
                     timeout=self.timeout,
@@ -339,6 +348,19 @@ class Job:
             kwargs = {"init_sync": False, **self.ddp_kwargs} if gather else self.ddp_kwargs
             self.model = DDP(self.module, **kwargs)
         self.rt.set_communicator(self.epoch)
+
+    def _meet(self, store) -> None:
+        """Waits at ``store`` until every rank of the epoch has arrived,
+        watching for a new directive meanwhile: a rank that dies before it
+        arrives would leave the others in the process group's own
+        rendezvous, which no directive interrupts, until the agent's pause
+        timeout. Raises ``_Abandoned`` when the agent posts one."""
+        keys = [f"hatrain/arrived/{r}" for r in range(self.world)]
+        store.set(keys[self.rank], "1")
+        while not store.check(keys):
+            if self.rt.directive_pending():
+                raise _Abandoned()
+            time.sleep(0.001)
 
     def _destroy(self) -> None:
         """Leaves the process group and lets go of the DDP module (whose
@@ -427,6 +449,10 @@ class Job:
                 collector = None
             try:
                 self._build(gather=True)
+            except _Abandoned:
+                print(f"rank {self.rank}: a rank failed while the job rebuilt under epoch {epoch}", file=sys.stderr, flush=True)
+                self._destroy()
+                continue
             except (RuntimeError, dist.DistError) as e:  # the new group could not be formed
                 print(f"rank {self.rank}: rebuilding under epoch {epoch} failed: {e}; told the agent", file=sys.stderr)
                 self._destroy()
