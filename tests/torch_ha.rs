@@ -130,7 +130,11 @@ fn a_rank_killed_while_the_job_restores_is_restarted_and_the_job_ends_bit_identi
     for log in &r.logs {
         assert_eq!(digest(log), want, "{}", r.output);
     }
-    assert!(r.output.contains("planned fault kill at step 1"), "{}", r.output);
+    assert!(
+        r.output.contains("planned fault kill at step 1"),
+        "{}",
+        r.output
+    );
     // Both ranks were replaced once: rank 0 in the middle of the recovery.
     // Rank 1's replacement, waiting for rank 0 to build the process group,
     // gave the build up when the agent paused the job again (it was not
@@ -139,11 +143,33 @@ fn a_rank_killed_while_the_job_restores_is_restarted_and_the_job_ends_bit_identi
         assert_eq!(events(log, "start").len(), 2, "{log:?}");
     }
     assert!(
-        r.output.contains("rank 1: a rank failed while the job rebuilt under epoch 1"),
+        r.output
+            .contains("rank 1: a rank failed while the job rebuilt under epoch 1"),
         "{}",
         r.output
     );
     assert!(!r.output.contains("did not pause"), "{}", r.output);
+}
+
+#[test]
+fn a_rank_killed_after_its_last_step_was_sealed_is_replaced_and_the_job_ends_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    // Rank 0 is killed once its loop has ended (step 24, the last, sealed):
+    // its replacement restores step 24 and finishes, with no process group
+    // to build (rank 1 may have finished and left).
+    let r = run(Some("0:24:close:kill"), &[]);
+    for log in &r.logs {
+        assert_eq!(digest(log), want, "{}", r.output);
+    }
+    assert_eq!(events(&r.logs[0], "start").len(), 2, "{:?}", r.logs[0]);
+    assert!(
+        r.output
+            .contains("rank 0: resumed at step 24, the last, under epoch 1"),
+        "{}",
+        r.output
+    );
 }
 
 #[test]

@@ -8,7 +8,8 @@ every one). An entry fires at most once per process.
 POINT: ``forward`` (the step's compute begins), ``update`` (inside the
 update fences, after ``optimizer.step()`` changed the state and before the
 step is sealed), ``commit`` (halfway through the step's snapshot copy),
-``restore`` (a recovery restores STEP; ``hatrain.torch`` only).
+``restore`` (a recovery restores STEP), ``close`` (the loop ended at STEP,
+its snapshot sealed); the last two in ``hatrain.torch`` only.
 
 ACTION: ``kill`` (SIGKILL itself), ``exit`` (exit code 17), ``hang`` (block
 forever), ``sleepMS`` (sleep MS milliseconds), ``uce-PART-OFFSET`` (an
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "HATRAIN_FAULT_PLAN"
-POINTS = ("forward", "update", "commit", "restore")
+POINTS = ("forward", "update", "commit", "restore", "close")
 
 
 @dataclass

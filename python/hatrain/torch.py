@@ -447,6 +447,14 @@ class Job:
             if collector is not None:
                 collector.join()
                 collector = None
+            if self.total is not None and step >= self.total:
+                # Killed after its last step was sealed: the job's work is
+                # done (the other ranks may have finished and left), so
+                # this rank finishes too, with no process group to build.
+                self.rt.set_communicator(epoch)
+                print(f"rank {self.rank}: resumed at step {step}, the last, under epoch {epoch}", file=sys.stderr, flush=True)
+                self.on_resume(step, epoch)
+                return
             try:
                 self._build(gather=True)
             except _Abandoned:
@@ -560,6 +568,7 @@ class Job:
     def close(self) -> None:
         """Waits for the last snapshot and leaves the process group."""
         self.rt.wait_commit()
+        self.plan.hit(self.step_done, "close", self.rt)
         self._destroy()
 
     def model_digest(self) -> str:
