@@ -10,7 +10,7 @@
 mod common;
 
 use common::python::{example, launch};
-use common::{Job, job_id, read_log, text};
+use common::{Job, job_id, kill, read_log, text, wait_until};
 use std::path::Path;
 use std::time::Duration;
 
@@ -320,5 +320,81 @@ fn an_npu_uce_raised_in_a_ddp_step_is_repaired_in_place_or_restarts_the_rank_bit
             1,
             "rank 0 never restarted"
         );
+    }
+}
+
+/// Whether `pid` is a process of test job `job` (its environment carries the
+/// job's tag): a pid read from a log is only signalled while it is.
+fn of_job(pid: i32, job: &str) -> bool {
+    let tag = format!("HATRAIN_TEST_TAG={job}");
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == tag.as_bytes()))
+}
+
+#[test]
+fn a_second_rank_killed_at_a_seeded_moment_of_the_first_recovery_ends_bit_identical() {
+    let _one_at_a_time = common::python::serial();
+    let clean = run(None, &[]);
+    let want = digest(&clean.logs[0]);
+    for seed in 0..4u64 {
+        // Rank 1 is SIGKILLed after step 6, then rank 0 a seeded moment
+        // later: within the recovery, as it ends, or after it (up to 0.5 s
+        // with a warm standby, whose recovery is short; 2 s without).
+        let standby = seed % 2 == 0;
+        let mut x = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let delay = Duration::from_millis((x ^ (x >> 31)) % if standby { 500 } else { 2000 });
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log.{rank}.jsonl");
+        let script = example("torch_ddp.py");
+        let args = [
+            script.to_str().unwrap(),
+            "--steps",
+            STEPS,
+            "--step-ms",
+            "30",
+            "--log-jsonl",
+            log.to_str().unwrap(),
+        ];
+        let extra: &[&str] = if standby {
+            &["--warm-standby", "1"]
+        } else {
+            &[]
+        };
+        let mut cmd = launch(2, extra, &args, dir.path());
+        cmd.env_remove("HATRAIN_FAULT_PLAN");
+        let id = job_id("torch-race");
+        let mut job = Job::spawn(cmd, &id);
+        let read = |r: usize| read_log(&dir.path().join(format!("log.{r}.jsonl")));
+        let pid = |r: usize| {
+            events(&read(r), "start")
+                .last()
+                .and_then(|e| e["pid"].as_i64())
+                .map(|p| p as i32)
+        };
+        let at_6 = wait_until(Duration::from_secs(120), || {
+            events(&read(0), "step").len() >= 6 && pid(1).is_some()
+        });
+        assert!(at_6, "seed {seed}: no step 6");
+        kill(pid(1).unwrap(), libc::SIGKILL);
+        std::thread::sleep(delay);
+        let second = pid(0).unwrap();
+        assert!(
+            of_job(second, &id),
+            "seed {seed}: rank 0 ended before {delay:?}"
+        );
+        kill(second, libc::SIGKILL);
+        let out = job.wait_output(Duration::from_secs(240));
+        let output = text(&out);
+        let what = format!("seed {seed} (delay {delay:?}, standby {standby})");
+        assert!(out.status.success(), "{what}: {output}");
+        for r in 0..2 {
+            assert_eq!(digest(&read(r)), want, "{what}: rank {r}: {output}");
+        }
+        assert_eq!(events(&read(0), "start").len(), 2, "{what}: {output}");
+        // No rank was left to the agent's pause or resume timeouts.
+        assert!(!output.contains("did not pause"), "{what}: {output}");
+        assert!(!output.contains("did not complete"), "{what}: {output}");
     }
 }
