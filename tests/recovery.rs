@@ -494,3 +494,34 @@ fn full_and_sliced_snapshots_both_recover_two_ranks_killed_at_once_bit_identical
         bytes[0]
     );
 }
+
+#[test]
+fn a_rank_killed_after_its_last_step_was_sealed_is_replaced_and_finishes_bit_identical() {
+    let d = tempfile::tempdir().unwrap();
+    let train = |log: &std::path::Path| {
+        let mut a = tiny_args(20);
+        a.extend(["--log-jsonl".into(), log.display().to_string()]);
+        a
+    };
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("faulty.jsonl"));
+    let mut clean = reboot_pair(&[], &train(&ref_log));
+    clean.env_remove("HATRAIN_FAULT_PLAN");
+    let out = Job::spawn(clean, &job_id("last-ref")).wait_output(Duration::from_secs(120));
+    assert_success(&out, "fault-free run");
+    // Rank 0 is killed once its loop has ended at step 20, the last, with
+    // that step sealed on every rank (rank 1 may have finished and left).
+    let mut cmd = reboot_pair(&[], &train(&log));
+    cmd.env("HATRAIN_FAULT_PLAN", "0:20:end:kill");
+    let out = Job::spawn(cmd, &job_id("last")).wait_output(Duration::from_secs(120));
+    let output = text(&out);
+    assert_success(&out, "run with rank 0 killed after its last step");
+    assert!(
+        output.contains("rank 0: resumed at step 20, the last, under epoch 1"),
+        "{output}"
+    );
+    assert!(!output.contains("did not complete"), "{output}");
+    assert_eq!(
+        final_checksum(&read_log(&log)),
+        final_checksum(&read_log(&ref_log))
+    );
+}

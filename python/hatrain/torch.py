@@ -447,10 +447,11 @@ class Job:
             if collector is not None:
                 collector.join()
                 collector = None
-            if self.total is not None and step >= self.total:
+            if self.total is not None and step >= self.total and self._read_siblings:
                 # Killed after its last step was sealed: the job's work is
                 # done (the other ranks may have finished and left), so
-                # this rank finishes too, with no process group to build.
+                # this rank finishes too, with no process group to build
+                # (its state is whole: the other ranks' slices were read).
                 self.rt.set_communicator(epoch)
                 print(f"rank {self.rank}: resumed at step {step}, the last, under epoch {epoch}", file=sys.stderr, flush=True)
                 self.on_resume(step, epoch)

@@ -43,6 +43,8 @@ pub enum Point {
     Commit,
     /// Rebuilding the communicator to resume from the step named.
     Rebuild,
+    /// The loop has ended at the step named, its snapshot sealed.
+    End,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,7 +116,8 @@ impl FaultPlan {
                     "update" => Point::Update,
                     "commit" => Point::Commit,
                     "rebuild" => Point::Rebuild,
-                    _ => return Err(bad("POINT must be forward, update, commit or rebuild")),
+                    "end" => Point::End,
+                    _ => return Err(bad("POINT must be forward, update, commit, rebuild or end")),
                 },
                 action: match a {
                     "stop" => Action::Stop,

@@ -361,7 +361,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
                 t.state.scalars.encode(),
                 CommitOf::Start,
             );
-            comm
+            Some(comm)
         }
         Start::AwaitDirective => {
             // A replacement: its state comes from shared memory.
@@ -399,12 +399,14 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     }))?;
 
     while t.state.scalars.step < args.train_iters {
+        // No communicator only after a resume at the last step.
+        let Some(c) = comm.as_mut() else { break };
         let result = if rt.directive_pending() {
             Err(StepError::Collective(CollectiveError::Aborted {
                 epoch: t.epoch,
             }))
         } else {
-            t.step(&mut rt, &mut comm)
+            t.step(&mut rt, c)
         };
         match result {
             Ok(()) => {}
@@ -426,7 +428,10 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         }
     }
     let sealed = rt.finish(t.state.scalars.step);
-    if let (Some(dir), true) = (&args.save, rt.agent_saves()) {
+    t.plan.hit(t.state.scalars.step, Point::End);
+    // A rank resumed at the last step has no communicator: every rank's
+    // snapshot of that step is sealed (the agent verified it for s*).
+    if let (Some(dir), true, Some(comm)) = (&args.save, rt.agent_saves(), comm.as_mut()) {
         // The agent writes the final checkpoint from the final snapshot; if
         // any rank's could not be sealed, every rank saves it here instead.
         let unsealed = rt.collective(|| comm.all_gather_f64(if sealed { 0.0 } else { 1.0 }))?;
@@ -437,7 +442,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
                     t.state.scalars.step
                 );
             }
-            let path = rt.collective(|| t.save(dir, &mut comm))?;
+            let path = rt.collective(|| t.save(dir, comm))?;
             if rank == 0 {
                 println!(
                     "saved iteration {} to {}",

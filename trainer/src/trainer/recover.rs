@@ -4,14 +4,37 @@
 use super::*;
 
 impl Trainer<'_> {
+    /// Whether this rank holds the whole state of `step` without a
+    /// communicator: its snapshots are not sliced, or every other rank's
+    /// store is on this host and holds its slice of `step`.
+    fn whole_here(&self, rt: &Runtime, step: u64) -> bool {
+        if !rt.sliced() {
+            return true;
+        }
+        (0..self.world)
+            .filter(|&r| r != self.rank)
+            .all(|r| match rt.restore_sibling(step, r, r) {
+                Ok(()) => true,
+                Err(e) => {
+                    eprintln!(
+                        "rank {}: rank {r}'s slice of step {step} is not readable here ({e}): gathering it",
+                        self.rank
+                    );
+                    false
+                }
+            })
+    }
+
     /// Waits for the agent's directive and carries it out: restores the
     /// snapshot of the step it names (unless the live state is exactly that
-    /// step) and joins the new epoch's communicator.
+    /// step) and joins the new epoch's communicator. At the last step there
+    /// is nothing left to train (the other ranks may have finished and
+    /// left): no communicator is built (`None`).
     pub(super) fn recover(
         &mut self,
         rt: &mut Runtime,
         dist: &mut Dist,
-    ) -> Result<Communicator, TrainError> {
+    ) -> Result<Option<Communicator>, TrainError> {
         loop {
             match rt.await_directive() {
                 Directive::Resume { epoch, step } => {
@@ -24,6 +47,16 @@ impl Trainer<'_> {
                         self.torn = false;
                     }
                     self.epoch = epoch;
+                    if step >= self.args.train_iters && self.whole_here(rt, step) {
+                        eprintln!(
+                            "rank {}: resumed at step {step}, the last, under epoch {epoch}",
+                            self.rank
+                        );
+                        self.log.write(serde_json::json!({
+                            "event": "resume", "step": step, "epoch": epoch, "restored": !live,
+                        }))?;
+                        return Ok(None);
+                    }
                     let built = if self.plan.fails(step, Point::Rebuild) {
                         Err(TrainError::Collective(CollectiveError::Connect {
                             epoch,
@@ -56,7 +89,7 @@ impl Trainer<'_> {
                             self.log.write(serde_json::json!({
                                 "event": "resume", "step": step, "epoch": epoch, "restored": !live,
                             }))?;
-                            return Ok(comm);
+                            return Ok(Some(comm));
                         }
                         // A newer directive came while building: obey it.
                         Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
@@ -90,7 +123,7 @@ impl Trainer<'_> {
                         dist.place(self.rank, self.world);
                     }
                     match reshaped {
-                        Ok(comm) => return Ok(comm),
+                        Ok(comm) => return Ok(Some(comm)),
                         Err(TrainError::Collective(CollectiveError::Aborted { .. })) => {}
                         Err(TrainError::Collective(c)) => {
                             eprintln!(
