@@ -59,6 +59,18 @@ fn events<'a>(log: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::V
     log.iter().filter(|e| e["event"] == name).collect()
 }
 
+/// The parameters' digest of the fault-free run with the default flags,
+/// made once per test binary: every fault must end with it.
+fn clean_digest() -> &'static str {
+    static DIGEST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DIGEST.get_or_init(|| {
+        let clean = run(None, &[]);
+        let want = digest(&clean.logs[0]);
+        assert_eq!(digest(&clean.logs[1]), want, "DDP keeps the ranks equal");
+        want
+    })
+}
+
 fn digest(log: &[serde_json::Value]) -> String {
     let f = events(log, "final");
     assert_eq!(f.len(), 1, "{log:?}");
@@ -69,9 +81,7 @@ fn digest(log: &[serde_json::Value]) -> String {
 #[test]
 fn a_ddp_rank_killed_in_forward_in_the_update_or_mid_commit_restarts_alone_bit_identical() {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
-    assert_eq!(digest(&clean.logs[1]), want, "DDP keeps the ranks equal");
+    let want = clean_digest();
     for (point, step) in [
         ("forward", 7),
         ("update", 13),
@@ -121,8 +131,7 @@ fn a_ddp_rank_killed_in_forward_in_the_update_or_mid_commit_restarts_alone_bit_i
 #[test]
 fn a_rank_killed_while_the_job_restores_is_restarted_and_the_job_ends_bit_identical() {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
+    let want = clean_digest();
     // Rank 1 is killed in step 13's update; rank 0 is killed once it has
     // restored its own slice of step 11 or 12, before it reads rank 1's.
     let plan = "1:13:update:kill;0:11:restore:kill;0:12:restore:kill";
@@ -154,8 +163,7 @@ fn a_rank_killed_while_the_job_restores_is_restarted_and_the_job_ends_bit_identi
 #[test]
 fn a_rank_killed_after_its_last_step_was_sealed_is_replaced_and_the_job_ends_bit_identical() {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
+    let want = clean_digest();
     // Rank 0 is killed once its loop has ended (step 24, the last, sealed):
     // its replacement restores step 24 and finishes, with no process group
     // to build (rank 1 may have finished and left).
@@ -176,8 +184,7 @@ fn a_rank_killed_after_its_last_step_was_sealed_is_replaced_and_the_job_ends_bit
 fn ranks_that_cannot_read_each_others_stores_gather_the_slices_over_the_process_group_bit_identical()
  {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
+    let want = clean_digest();
     // Rank 1 is killed in step 13's update; the job goes back to step 11
     // or 12, and rank 0's read of rank 1's store fails there (planned), so
     // every rank takes the process-group path.
@@ -202,8 +209,7 @@ fn ranks_that_cannot_read_each_others_stores_gather_the_slices_over_the_process_
 #[test]
 fn a_uce_in_a_ddp_ranks_parameters_is_repaired_in_the_same_process_bit_identical() {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
+    let want = clean_digest();
     // Byte 40000 of part 1 (the flat parameters), at the forward pass.
     let r = run(Some("1:9:forward:uce-1-40000"), &[]);
     for log in &r.logs {
@@ -269,8 +275,7 @@ npu = _Npu()
 #[test]
 fn an_npu_uce_raised_in_a_ddp_step_is_repaired_in_place_or_restarts_the_rank_bit_identical() {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
+    let want = clean_digest();
     // torch_npu's RuntimeError for ACL error 507053 ("UCE ERROR"), raised
     // in rank 1's forward pass, with the bad address in resident memory:
     // the step is repaired in the same processes.
@@ -334,8 +339,7 @@ fn of_job(pid: i32, job: &str) -> bool {
 #[test]
 fn a_second_rank_killed_at_a_seeded_moment_of_the_first_recovery_ends_bit_identical() {
     let _one_at_a_time = common::python::serial();
-    let clean = run(None, &[]);
-    let want = digest(&clean.logs[0]);
+    let want = clean_digest();
     for seed in 0..4u64 {
         // Rank 1 is SIGKILLed after step 6, then rank 0 a seeded moment
         // later: within the recovery, as it ends, or after it (up to 0.5 s

@@ -702,38 +702,11 @@ impl Runtime {
         self.wait_commit();
         let mut meta = vec![0u8; self.meta_len];
         let mut guards: Vec<_> = self.buffers.iter().map(Buffer::write).collect();
-        // Newest candidate first; each copy is verified as it is made.
-        let mut last_err = None;
-        let mut restored = false;
-        for info in a.store.sealed().into_iter().filter(|i| i.step == step) {
-            let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
-            for (g, held) in guards.iter_mut().zip(a.held.iter()) {
-                outs.push(g.bytes_mut(held.clone()));
-            }
-            match a.store.read_slot(info.slot, &mut outs) {
-                Ok(read) if read.step == step => {
-                    restored = true;
-                    break;
-                }
-                Ok(read) => {
-                    last_err = Some(ShmError::BadSlot {
-                        path: a.store.path().to_path_buf(),
-                        slot: read.slot,
-                        detail: format!("holds step {}, not {step}", read.step),
-                    })
-                }
-                Err(e) => last_err = Some(e),
-            }
+        let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
+        for (g, held) in guards.iter_mut().zip(a.held.iter()) {
+            outs.push(g.bytes_mut(held.clone()));
         }
-        if !restored {
-            return Err(match last_err {
-                Some(e) => e.into(),
-                None => RuntimeError::NoSnapshot {
-                    step,
-                    path: a.store.path().to_path_buf(),
-                },
-            });
-        }
+        read_step(&a.store, step, &mut outs)?;
         drop(guards);
         a.store.page().set_step(step);
         Ok(meta)
@@ -769,4 +742,30 @@ impl Drop for Runtime {
             }
         }
     }
+}
+
+/// Copies `store`'s sealed snapshot of `step` into `outs` (the slot's parts
+/// in order), newest candidate first, each copy verified as it is made.
+fn read_step(store: &Store, step: u64, outs: &mut [&mut [u8]]) -> Result<(), RuntimeError> {
+    let mut last_err = None;
+    for info in store.sealed().into_iter().filter(|i| i.step == step) {
+        match store.read_slot(info.slot, outs) {
+            Ok(read) if read.step == step => return Ok(()),
+            Ok(read) => {
+                last_err = Some(ShmError::BadSlot {
+                    path: store.path().to_path_buf(),
+                    slot: read.slot,
+                    detail: format!("holds step {}, not {step}", read.step),
+                })
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(match last_err {
+        Some(e) => e.into(),
+        None => RuntimeError::NoSnapshot {
+            step,
+            path: store.path().to_path_buf(),
+        },
+    })
 }

@@ -2,8 +2,8 @@
 //! other ranks hold straight from their stores, beside this rank's in the
 //! agent's folder, instead of gathering them over the communicator.
 
-use super::{Runtime, RuntimeError};
-use hatrain_shared::shm::{ShmError, Store, store_path};
+use super::{Runtime, RuntimeError, read_step};
+use hatrain_shared::shm::{Store, store_path};
 use hatrain_shared::statemap::Sharing;
 use std::path::Path;
 
@@ -69,33 +69,16 @@ impl Runtime {
             .map(|(r, &s)| if s { Vec::new() } else { vec![0u8; r.len()] })
             .collect();
         let mut guards: Vec<_> = self.buffers.iter().map(|b| b.write()).collect();
-        let mut last_err = None;
-        for info in store.sealed().into_iter().filter(|i| i.step == step) {
-            let (meta, parts) = scratch.split_first_mut().expect("the meta block is part 0");
-            let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
-            for (i, (g, own)) in guards.iter_mut().zip(parts.iter_mut()).enumerate() {
-                if sliced[i + 1] {
-                    let r = map.held(i + 1, true);
-                    outs.push(g.bytes_mut(r.start as usize..r.end as usize));
-                } else {
-                    outs.push(&mut own[..]);
-                }
-            }
-            match store.read_slot(info.slot, &mut outs) {
-                Ok(read) if read.step == step => return Ok(()),
-                Ok(read) => {
-                    last_err = Some(ShmError::BadSlot {
-                        path: path.clone(),
-                        slot: read.slot,
-                        detail: format!("holds step {}, not {step}", read.step),
-                    });
-                }
-                Err(e) => last_err = Some(e),
+        let (meta, parts) = scratch.split_first_mut().expect("the meta block is part 0");
+        let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
+        for (i, (g, own)) in guards.iter_mut().zip(parts.iter_mut()).enumerate() {
+            if sliced[i + 1] {
+                let r = map.held(i + 1, true);
+                outs.push(g.bytes_mut(r.start as usize..r.end as usize));
+            } else {
+                outs.push(&mut own[..]);
             }
         }
-        Err(match last_err {
-            Some(e) => e.into(),
-            None => RuntimeError::NoSnapshot { step, path },
-        })
+        read_step(&store, step, &mut outs)
     }
 }
