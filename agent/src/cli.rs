@@ -262,6 +262,15 @@ pub struct HaArgs {
     /// that supports it (hatrain.torch, hatrain-train).
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub warm_standby: usize,
+    /// Python modules to import once per host (`torch,torch._dynamo`): the
+    /// workers, at the start, in a worker reboot or a group restart and as
+    /// warm standbys, are forked from a Python server that has imported
+    /// them, instead of each importing them again. Needs a Python worker
+    /// command (a script, or -m MODULE) and the hatrain package in its
+    /// interpreter; what the modules read from the environment at import
+    /// is the job's, not a rank's.
+    #[arg(long, value_delimiter = ',', value_name = "MODULES")]
+    pub preload: Vec<String>,
     /// With several nodes: spare agents of the job, started with
     /// `--standby` and node ranks `--nnodes` and up; every agent of the job
     /// is given the same count.

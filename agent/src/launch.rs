@@ -99,6 +99,9 @@ pub struct HaSettings {
     pub standby_nodes: usize,
     /// Warm standby worker processes kept on this host.
     pub warm_standbys: usize,
+    /// Python modules the fork server of the workers imports (`--preload`;
+    /// none: no server).
+    pub preload: Vec<String>,
     /// This agent is one of them.
     pub standby: bool,
     /// Elastic training shrinks only while this many hosts are left.
@@ -169,6 +172,7 @@ impl Default for HaSettings {
             local_addr: None,
             standby_nodes: 0,
             warm_standbys: 0,
+            preload: Vec::new(),
             standby: false,
             min_nodes: 1,
             coordinator: CoordinatorChoice::Embedded,
@@ -383,6 +387,15 @@ impl LaunchConfig {
                 "--warm-standby {} needs --enable-worker-reboot: a standby takes the place of a rank that is restarted in place",
                 self.ha.warm_standbys
             ));
+        }
+        if !self.ha.preload.is_empty() {
+            for m in &self.ha.preload {
+                crate::supervisor::check_module(m).map_err(LaunchError::Config)?;
+            }
+            if let Some((program, args)) = self.command.split_first() {
+                crate::supervisor::PythonCommand::parse(program.as_ref(), args)
+                    .map_err(|e| LaunchError::Config(format!("--preload: {e}")))?;
+            }
         }
         if self.ha.warm_standbys > MAX_WARM_STANDBYS {
             return bad(format!(

@@ -115,13 +115,31 @@ impl Reaper {
         cmd: &mut Command,
         exits: &UnboundedSender<ExitEvent>,
     ) -> std::io::Result<Child> {
-        // INVARIANT: the lock is held from before the fork until the pid is
-        // registered, and `reap_all` takes it for every exit it delivers.
+        let mut child = None;
+        self.spawn_with(exits, || {
+            let c = cmd.spawn()?;
+            let pid = i32::try_from(c.id()).expect("pids fit in i32");
+            child = Some(c);
+            Ok(pid)
+        })?;
+        Ok(child.expect("spawned"))
+    }
+
+    /// Runs `start`, which makes a child of this process some way (a fork
+    /// server's worker is reparented here) and returns its pid, and sends
+    /// that child's exit to `exits`.
+    pub fn spawn_with(
+        &self,
+        exits: &UnboundedSender<ExitEvent>,
+        start: impl FnOnce() -> std::io::Result<i32>,
+    ) -> std::io::Result<i32> {
+        // INVARIANT: the lock is held from before the child exists until
+        // its pid is registered, and `reap_all` takes it for every exit it
+        // delivers.
         let mut w = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
-        let child = cmd.spawn()?;
-        let pid = i32::try_from(child.id()).expect("pids fit in i32");
+        let pid = start()?;
         w.insert(pid, exits.clone());
-        Ok(child)
+        Ok(pid)
     }
 
     /// Reaps now, without waiting for a SIGCHLD (used after sending signals).

@@ -86,6 +86,7 @@ pub fn launch_config(
         local_addr: h.local_addr,
         standby_nodes: h.standby_nodes,
         warm_standbys: h.warm_standby,
+        preload: h.preload.clone(),
         min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
         standby: h.standby,
         coordinator: h.coordinator.parse().map_err(LaunchError::Config)?,

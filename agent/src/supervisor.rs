@@ -15,7 +15,10 @@
 //! worker is restarted beneath it. Either way the exits arrive here as
 //! [`ExitEvent`]s and the signals go to the worker's process group.
 
+mod forkserver;
 mod warm;
+
+pub use forkserver::{PythonCommand, check_module};
 
 use crate::launch::{ENV_ERROR_FILE, ENV_GROUP_RESTARTS, OutputPlan, attempt_dir, error_file};
 use crate::output::Sink;
@@ -63,6 +66,10 @@ pub enum SupervisorError {
     },
 }
 
+/// How long the fork server may take over its imports before the workers
+/// start without it.
+const FORK_SERVER_START: Duration = Duration::from_secs(120);
+
 /// Who forks the workers.
 #[derive(Debug, Clone)]
 pub enum Spawner {
@@ -99,20 +106,24 @@ pub struct Supervisor {
     attempt: u32,
     /// Warm standby processes (`--warm-standby`).
     warm: warm::Pool,
+    /// The fork server of Python workers (`--preload`).
+    forks: Option<forkserver::ForkServer>,
 }
 
 impl Supervisor {
     /// Spawns every worker, each through the reaper (which delivers its exit
     /// here). If one cannot be spawned, those already started are stopped
-    /// again.
+    /// again. With `preload` modules, the workers are forked from a Python
+    /// that has imported them, once it is ready.
     pub async fn start(
         specs: &[WorkerSpec],
         spawner: Spawner,
         grace: Duration,
-        plan: OutputPlan,
-        run_dir: PathBuf,
+        (plan, run_dir): (OutputPlan, PathBuf),
+        preload: &[String],
     ) -> Result<Self, SupervisorError> {
         let mut sup = Self::new(specs, spawner, grace, plan, run_dir);
+        sup.start_fork_server(preload).await;
         for spec in specs {
             match sup.spawn(spec) {
                 Ok(pid) => sup.running_as(spec.rank, pid),
@@ -176,7 +187,48 @@ impl Supervisor {
             run_dir,
             attempt: 0,
             warm: warm::Pool::default(),
+            forks: None,
         }
+    }
+
+    /// Starts the fork server of `preload` and waits until it is ready
+    /// (imports take seconds; a worker started meanwhile would do them
+    /// again). Without modules, or for workers another launcher starts,
+    /// nothing.
+    async fn start_fork_server(&mut self, preload: &[String]) {
+        if preload.is_empty() || self.specs.is_empty() {
+            return;
+        }
+        if matches!(self.spawner, Spawner::Shims(_)) {
+            tracing::warn!(
+                "--preload is for `launch`: a served job's processes are its launcher's to start"
+            );
+            return;
+        }
+        self.forks = Some(forkserver::ForkServer::new(preload.to_vec()));
+        self.restart_fork_server();
+        if let Some(f) = &mut self.forks {
+            f.wait_ready(FORK_SERVER_START).await;
+        }
+    }
+
+    /// Starts the fork server if it is down and may be started again.
+    fn restart_fork_server(&mut self) {
+        let (Some(f), Spawner::Own(reaper), Some(template)) =
+            (&mut self.forks, &self.spawner, self.specs.first())
+        else {
+            return;
+        };
+        // The server imports with the environment the ranks share: none
+        // of a rank's own variables.
+        let env: Vec<(String, String)> = template
+            .env
+            .iter()
+            .filter(|kv| self.specs.iter().all(|s| s.env.contains(kv)))
+            .filter(|(k, _)| !warm::RANK_VARS.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        f.start(reaper, &self.exits_tx, template, &env);
     }
 
     fn running_as(&mut self, rank: usize, pid: i32) {
@@ -262,6 +314,7 @@ impl Supervisor {
             started.push((spec.rank, pid));
         }
         self.warm.stopping = false;
+        self.restart_fork_server();
         self.refill();
         Ok(started)
     }
@@ -352,6 +405,56 @@ impl Supervisor {
                 return Ok(pid);
             }
         };
+        let forked = match &mut self.forks {
+            Some(f) => f.fork(&reaper, &self.exits_tx, spec),
+            None => None,
+        };
+        let from_server = forked.is_some();
+        let (pid, stdout, stderr) = match forked {
+            Some((pid, out, err)) => (pid, Some(out), Some(err)),
+            None => self.spawn_process(&reaper, spec)?,
+        };
+        match standby {
+            Some(n) => tracing::info!(standby = n, pid, from_server, "warm standby started"),
+            None => tracing::info!(
+                rank = spec.rank,
+                local_rank = spec.local_rank,
+                pid,
+                from_server,
+                "worker started"
+            ),
+        }
+        let out_err = |source| SupervisorError::Output {
+            rank: spec.rank,
+            source,
+        };
+        let mut retarget = Vec::new();
+        for (fd, to_stderr) in [(stdout, false), (stderr, true)] {
+            if let Some(fd) = fd {
+                let sink = self.sink(spec, standby, to_stderr).map_err(out_err)?;
+                let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(out_err)?;
+                // A standby's output goes to its rank's sink once it has one.
+                let to = standby.map(|_| {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    retarget.push((to_stderr, tx));
+                    rx
+                });
+                self.output.spawn(crate::output::forward(rx, sink, to));
+            }
+        }
+        if standby.is_some() {
+            self.warm.retarget.insert(pid, retarget);
+        }
+        Ok(pid)
+    }
+
+    /// Forks and execs `spec`'s command: its pid and the read ends of its
+    /// stdout and stderr.
+    fn spawn_process(
+        &self,
+        reaper: &Reaper,
+        spec: &WorkerSpec,
+    ) -> Result<(i32, Option<OwnedFd>, Option<OwnedFd>), SupervisorError> {
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -380,40 +483,10 @@ impl Supervisor {
                     source,
                 })?;
         let pid = i32::try_from(child.id()).expect("pids fit in i32");
-        match standby {
-            Some(n) => tracing::info!(standby = n, pid, "warm standby started"),
-            None => tracing::info!(
-                rank = spec.rank,
-                local_rank = spec.local_rank,
-                pid,
-                "worker started"
-            ),
-        }
-        let out_err = |source| SupervisorError::Output {
-            rank: spec.rank,
-            source,
-        };
         // The `Child` is dropped without waiting: the reaper collects it.
         let stdout = child.stdout.take().map(OwnedFd::from);
         let stderr = child.stderr.take().map(OwnedFd::from);
-        let mut retarget = Vec::new();
-        for (fd, to_stderr) in [(stdout, false), (stderr, true)] {
-            if let Some(fd) = fd {
-                let sink = self.sink(spec, standby, to_stderr).map_err(out_err)?;
-                let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(out_err)?;
-                // A standby's output goes to its rank's sink once it has one.
-                let to = standby.map(|_| {
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    retarget.push((to_stderr, tx));
-                    rx
-                });
-                self.output.spawn(crate::output::forward(rx, sink, to));
-            }
-        }
-        if standby.is_some() {
-            self.warm.retarget.insert(pid, retarget);
-        }
-        Ok(pid)
+        Ok((pid, stdout, stderr))
     }
 
     /// Where one stream of a worker goes: the console unless redirected
@@ -462,6 +535,9 @@ impl Supervisor {
             signal(-pid, Signal::SIGKILL);
         }
         self.signal_standbys(Signal::SIGKILL);
+        if let Some(pid) = self.forks.as_ref().and_then(|f| f.pid()) {
+            signal(pid, Signal::SIGKILL);
+        }
     }
 
     /// Pids of the workers still running, by rank.
@@ -481,6 +557,12 @@ impl Supervisor {
         if self.standby_exited(&ev) {
             return None;
         }
+        if self.forks.as_mut().is_some_and(|f| f.exited(&ev)) {
+            if !self.warm.stopping {
+                self.restart_fork_server();
+            }
+            return None;
+        }
         let idx = self.by_pid.remove(&ev.pid)?;
         self.states[idx] = WorkerState::Exited(ev.status);
         // What the worker started dies with it. A shim's worker is the
@@ -496,6 +578,9 @@ impl Supervisor {
     /// the grace period, then waits until all are reaped and their output is
     /// drained.
     pub async fn stop_all(&mut self) {
+        if let Some(f) = &mut self.forks {
+            f.stop();
+        }
         self.stop_running().await;
         self.output.close();
         // Output pipes close when the workers die; a grandchild holding a

@@ -359,8 +359,8 @@ async fn run_with(
             Supervisor::resume(&specs, spawner, &pids, cfg.stop_grace, run_dir.into())
         }
         _ => {
-            let (plan, run_dir) = (cfg.output.clone(), run_dir.to_path_buf());
-            let mut sup = Supervisor::start(&specs, spawner, cfg.stop_grace, plan, run_dir).await?;
+            let (out, preload) = ((cfg.output.clone(), run_dir.to_path_buf()), &cfg.ha.preload);
+            let mut sup = Supervisor::start(&specs, spawner, cfg.stop_grace, out, preload).await?;
             sup.keep_warm(cfg.ha.warm_standbys);
             sup
         }

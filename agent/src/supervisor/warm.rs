@@ -22,7 +22,8 @@ pub const MAX_DEATHS: u32 = 3;
 
 /// The variables a rank's process has and a standby's must not: it has no
 /// rank until the agent gives it one.
-const RANK_VARS: [&str; 4] = ["RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE"];
+pub(super) const RANK_VARS: [&str; 4] =
+    ["RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE"];
 
 #[derive(Debug, Default)]
 pub(super) struct Pool {
