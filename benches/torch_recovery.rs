@@ -10,6 +10,9 @@
 //!   which its second restart fails);
 //! - `hatrain-agent launch` with worker reboot (only rank 1 restarts, and
 //!   refills from shared memory);
+//! - the same with `--preload torch,torch._dynamo` (rank 1's new process
+//!   is forked from a server that has imported them: it builds the model
+//!   and refills);
 //! - the same with `--warm-standby 1` (rank 1's place goes to a process
 //!   that has imported torch and built the model already).
 //!
@@ -39,6 +42,7 @@ const KILL_AT: [u64; 3] = [13, 16, 19];
 enum Mode {
     Torchrun,
     Reboot,
+    Preload,
     Standby,
 }
 
@@ -47,6 +51,7 @@ impl Mode {
         match self {
             Self::Torchrun => "torchrun + torch.save every 10 steps",
             Self::Reboot => "hatrain worker reboot",
+            Self::Preload => "hatrain worker reboot + --preload torch",
             Self::Standby => "hatrain worker reboot + warm standby",
         }
     }
@@ -102,12 +107,15 @@ fn start(mode: Mode, dir: &Path) -> Child {
                 .env("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1");
             c
         }
-        Mode::Reboot | Mode::Standby => {
+        Mode::Reboot | Mode::Preload | Mode::Standby => {
             let mut c = Command::new(agent());
             c.args(["launch", "--nproc-per-node", "2", "--stop-grace-secs", "3"])
                 .args(["--enable-high-availability", "--enable-worker-reboot"]);
             if mode == Mode::Standby {
                 c.args(["--warm-standby", "1"]);
+            }
+            if mode == Mode::Preload {
+                c.args(["--preload", "torch,torch._dynamo"]);
             }
             c.arg("--").arg(py).args(&args).env("RUST_LOG", "warn");
             c
@@ -196,7 +204,7 @@ fn run(mode: Mode, kill_at: u64) -> Sample {
 }
 
 fn main() {
-    let modes = [Mode::Torchrun, Mode::Reboot, Mode::Standby];
+    let modes = [Mode::Torchrun, Mode::Reboot, Mode::Preload, Mode::Standby];
     let mut samples: Vec<(Mode, Sample)> = Vec::new();
     // Interleaved: each repetition runs every mode once.
     for (rep, &k) in KILL_AT.iter().enumerate() {

@@ -757,4 +757,23 @@ mod tests {
                 .contains("no worker command")
         );
     }
+
+    #[test]
+    fn preload_needs_module_names_and_a_python_command() {
+        let mut c = cfg();
+        c.ha.preload = vec!["torch".into()];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("--preload") && e.contains("not a Python interpreter"),
+            "{e}"
+        );
+        c.command = vec!["python3".into(), "-u".into(), "train.py".into()];
+        c.validate().unwrap();
+        c.ha.preload = vec!["torch".into(), "torch/_dynamo".into()];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("\"torch/_dynamo\" is not a Python module name"),
+            "{e}"
+        );
+    }
 }

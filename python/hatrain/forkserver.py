@@ -55,6 +55,7 @@ import socket
 import struct
 import sys
 import time
+import warnings
 
 _PR_SET_PDEATHSIG = 1
 # A request and its environment; larger ones are refused.
@@ -78,6 +79,16 @@ class _Worker:
         self.request = request
         self.fds = fds
         self.agent = agent
+
+
+
+def _fork_quietly():
+    """os.fork(), without the warning Python 3.12 gives at a fork of a
+    process with threads (torch's import starts one; the worker's own
+    start after the fork)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+        return os.fork()
 
 
 def _serve(sock, agent):
@@ -113,11 +124,11 @@ def _fork(sock, request, fds, agent):
     """Forks the worker through a go-between: its pid in the server, a
     `_Worker` in the worker."""
     r, w = os.pipe()
-    go_between = os.fork()
+    go_between = _fork_quietly()
     if go_between == 0:
         try:
             os.close(r)
-            pid = os.fork()
+            pid = _fork_quietly()
         except BaseException:
             os._exit(1)
         if pid == 0:
