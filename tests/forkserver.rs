@@ -2,13 +2,13 @@
 //! MODULES`), under a real agent.
 //!
 //! - A forked worker is what `python SCRIPT ARGS` or `python -m MODULE
-//!   ARGS` would have started: `__main__`, its arguments and path, its
-//!   rank's environment (in `/proc/PID/environ` too), its command in
-//!   `/proc/PID/cmdline`, the agent as its parent, a process group of its
-//!   own, the workers' OOM score, stdin from /dev/null, its output
+//!   ARGS` would have started: a fresh `__main__`, its arguments and path,
+//!   its rank's environment, its command in `/proc/PID/cmdline`, the agent
+//!   as its parent, a process group of its own, the workers' OOM score,
+//!   stdin from /dev/null, numpy's generator seeded afresh, its output
 //!   forwarded and labelled, and its exit status reported as it is.
 //! - A server that cannot import its modules leaves the workers to start
-//!   afresh, and the job runs.
+//!   afresh, the job runs, and nothing is left.
 //! - `examples/torch_ddp.py` with `--preload torch,torch._dynamo`: a rank
 //!   SIGKILLed is replaced by a worker forked from the server; the server
 //!   SIGKILLed is started again; a second rank SIGKILLed then is replaced
@@ -67,7 +67,7 @@ fn a_forked_worker_is_what_python_would_have_started() {
         ),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let mut cmd = plain_launch(&["--preload", "xml.dom.minidom"], &args, dir.path());
+        let mut cmd = plain_launch(&["--preload", "xml.dom.minidom,numpy"], &args, dir.path());
         cmd.env("PYTHONPATH", &folder);
         let mut job = Job::spawn(cmd, &job_id("forked"));
         let agent = job.pid();
@@ -104,13 +104,15 @@ fn a_forked_worker_is_what_python_would_have_started() {
             let mut want = vec![python().display().to_string()];
             want.extend(args.iter().map(|a| a.to_string()));
             assert_eq!(cmdline, want, "{what}");
-            let environ: Vec<String> = serde_json::from_value(r["environ"].clone()).unwrap();
-            assert!(environ.contains(&format!("RANK={rank}")), "{what}");
-            assert!(environ.contains(&format!("LOCAL_RANK={rank}")), "{what}");
+            assert_eq!(r["rank_env"], rank.to_string(), "{what}");
+            assert_eq!(r["server_names"], serde_json::json!([]), "{what}");
+            assert_eq!(
+                r["file"],
+                folder.join("forked.py").display().to_string(),
+                "{what}"
+            );
             assert!(
-                !environ
-                    .iter()
-                    .any(|kv| kv.starts_with("HATRAIN_FORKSERVER")),
+                Path::new(r["dunder_file"].as_str().unwrap()).is_absolute(),
                 "{what}"
             );
             assert!(
@@ -130,6 +132,9 @@ fn a_forked_worker_is_what_python_would_have_started() {
             );
         }
         assert!(output.contains("fork server ready"), "{output}");
+        // Each rank drew its own numbers, as fresh processes do.
+        let draws = [0, 1].map(|r| report(dir.path(), r)["numpy_draw"].as_f64().unwrap());
+        assert_ne!(draws[0], draws[1], "{args:?}");
     }
 }
 
@@ -161,9 +166,12 @@ fn a_server_that_cannot_import_its_modules_leaves_the_workers_to_start_afresh() 
         &[file.to_str().unwrap()],
         dir.path(),
     );
-    let out = Job::spawn(cmd, &job_id("forked-bad")).wait_output(Duration::from_secs(120));
+    let id = job_id("forked-bad");
+    let out = Job::spawn(cmd, &id).wait_output(Duration::from_secs(120));
     let output = text(&out);
     assert!(out.status.success(), "{output}");
+    let left = job_pids(&id);
+    assert!(left.is_empty(), "left behind: {left:?}: {output}");
     assert!(
         output.contains("cannot import no_such_module_here"),
         "{output}"

@@ -536,7 +536,7 @@ impl Supervisor {
         }
         self.signal_standbys(Signal::SIGKILL);
         if let Some(pid) = self.forks.as_ref().and_then(|f| f.pid()) {
-            signal(pid, Signal::SIGKILL);
+            signal(-pid, Signal::SIGKILL);
         }
     }
 

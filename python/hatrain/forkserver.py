@@ -17,12 +17,13 @@ own runs in the server, so what a module reads from the environment at
 import time is read from the server's: the job's, without a rank's own
 variables.
 
-A worker's ``/proc/PID/cmdline`` and ``/proc/PID/environ`` (what ``ps``
-and debuggers show) are read from the memory its command and environment
-came in, which a forked worker has from the server. The worker writes its
-own over them once the C environment no longer points there; the agent
-makes the server's long enough: the worker command after ``--``, and
-``HATRAIN_FORKSERVER_ROOM``.
+A worker's ``/proc/PID/cmdline`` (what ``ps`` shows) is read from the
+memory its command came in, which a forked worker has from the server; the
+worker writes its own command there, and the agent makes the server's long
+enough (the worker command after ``--``). ``/proc/PID/environ`` is read the
+same way, but is left as it is: code loaded in the server may keep pointers
+into it. It shows the server's starting environment (the job's, without a
+rank's variables); ``os.environ`` and ``getenv`` give the worker's.
 
 Protocol: JSON messages on the SOCK_SEQPACKET socket whose descriptor is
 ``HATRAIN_FORKSERVER_FD``:
@@ -31,18 +32,21 @@ Protocol: JSON messages on the SOCK_SEQPACKET socket whose descriptor is
   ``{"error": MESSAGE}`` before it exits;
 - agent to server: ``{"script": PATH}`` or ``{"module": NAME}``, with
   ``"args"``, ``"argv"`` (the whole command, for its title), ``"env"`` (``[[KEY, VALUE], ...]``, the whole environment)
-  and ``"oom_score_adj"``, and the worker's stdout and stderr as
-  SCM_RIGHTS;
+  and ``"oom_score_adj"``, and three descriptors as SCM_RIGHTS: the
+  worker's stdout and stderr, and a gate;
 - server to agent: ``{"pid": PID}`` or ``{"error": MESSAGE}``.
 
 The worker is the agent's child, as if the agent had forked it: the server
 forks a go-between, which forks the worker and exits, and the orphan goes
 to the agent, a child subreaper (prctl(2)), which reaps it and hears of its
-death like any worker's. The worker waits for that, then takes what a
-worker the agent starts has: the agent as the parent whose death kills it,
-a process group of its own, its OOM score. The agent holds its reaper's
-lock from the request until it has registered the pid, so an exit that
-comes first is not lost.
+death like any worker's. The go-between puts the worker in a process
+group of its own before it tells its pid. The worker waits to be the
+agent's, takes the agent as the parent whose death kills it and the
+workers' OOM score, and then waits at the gate: the agent writes a byte
+there once it has registered the pid (it holds its reaper's lock from the
+request until then, so an exit that comes first is not lost), and closes
+it unwritten if the fork failed on its side, so that no worker it does not
+know of runs.
 
 The server exits when the agent closes the socket, and dies with it.
 """
@@ -96,17 +100,17 @@ def _serve(sock, agent):
     worker, with what it is to become."""
     while True:
         try:
-            msg, fds, flags, _ = socket.recv_fds(sock, _MAX_REQUEST, 2)
+            msg, fds, flags, _ = socket.recv_fds(sock, _MAX_REQUEST, 3)
         except InterruptedError:
             continue
         if not msg and not fds:
             sys.exit(0)
         try:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-                raise ValueError(f"a request of more than {_MAX_REQUEST} bytes or 2 descriptors")
+                raise ValueError(f"a request of more than {_MAX_REQUEST} bytes or 3 descriptors")
             request = json.loads(msg)
-            if len(fds) != 2 or not isinstance(request, dict):
-                raise ValueError("a request is a JSON object with the worker's stdout and stderr")
+            if len(fds) != 3 or not isinstance(request, dict):
+                raise ValueError("a request is a JSON object with the worker's stdout, stderr and gate")
             worker = _fork(sock, request, fds, agent)
         except Exception as e:  # noqa: BLE001: every failure is the agent's to hear of
             for fd in fds:
@@ -124,21 +128,29 @@ def _fork(sock, request, fds, agent):
     """Forks the worker through a go-between: its pid in the server, a
     `_Worker` in the worker."""
     r, w = os.pipe()
+    # Nothing buffered here may be written again by each worker.
+    sys.stdout.flush()
+    sys.stderr.flush()
     go_between = _fork_quietly()
     if go_between == 0:
+        # Neither the go-between nor a worker that fails here ever runs
+        # the server's code again.
         try:
             os.close(r)
             pid = _fork_quietly()
+            if pid == 0:
+                os.close(w)
+                sock.close()
+                worker = _Worker(request, fds, agent)
+            else:
+                # Its own group before anyone can signal it by its pid.
+                os.setpgid(pid, pid)
+                os.write(w, struct.pack("=i", pid))
         except BaseException:
             os._exit(1)
         if pid == 0:
-            os.close(w)
-            sock.close()
-            return _Worker(request, fds, agent)
-        try:
-            os.write(w, struct.pack("=i", pid))
-        finally:
-            os._exit(0)
+            return worker
+        os._exit(0)
     os.close(w)
     try:
         got = os.read(r, 4)
@@ -164,7 +176,11 @@ def _become(worker):
     if os.getppid() != worker.agent:
         # The agent died between the check and the signal.
         os._exit(1)
-    os.setpgid(0, 0)
+    stdout, stderr, gate = worker.fds
+    # The agent has registered this pid, or gave up on it.
+    if os.read(gate, 1) != b"\x01":
+        os._exit(1)
+    os.close(gate)
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(str(request.get("oom_score_adj", "")))
@@ -173,62 +189,66 @@ def _become(worker):
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    for target, fd in zip((1, 2), worker.fds):
+    for target, fd in ((1, stdout), (2, stderr)):
         os.dup2(fd, target)
         os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # Every variable is unset and set again, so the C environment holds
-    # copies, none in the memory the server's environment came in.
     os.environ.clear()
     os.environ.update({k: v for k, v in request["env"]})
-    _reshow(request.get("argv", []), request["env"])
+    argv = [str(a) for a in request.get("argv", [])]
+    _retitle(argv)
+    sys.orig_argv = argv
     args = [str(a) for a in request.get("args", [])]
+    main = _fresh_main()
     if "module" in request:
         import runpy
 
         sys.argv = [request["module"]] + args
-        # What `python -m MODULE` does.
+        # What `python -m MODULE` does, in the fresh `__main__`.
         runpy._run_module_as_main(request["module"], alter_argv=True)
         return
-    _run_script(str(request["script"]), args)
+    _run_script(main, str(request["script"]), args)
 
 
-def _reshow(argv, env):
-    """Writes the worker's command and environment over the server's in
-    this process's memory, where ``/proc/PID/cmdline`` and
-    ``/proc/PID/environ`` are read from; each is left as it was if it does
-    not fit."""
+def _fresh_main():
+    """A new, empty `__main__` in place of the server's."""
+    import builtins
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    return main
+
+
+def _retitle(argv):
+    """Writes the worker's command over the server's in this process's
+    memory, where ``/proc/PID/cmdline`` is read from; left as it was if
+    it does not fit."""
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read()
-        # Fields 48 to 51, counted after the command name's parenthesis.
+        # Fields 48 and 49, counted after the command name's parenthesis.
         fields = stat[stat.rindex(b")") + 2 :].split()
-        arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])
+        start, end = int(fields[45]), int(fields[46])
     except (OSError, ValueError, IndexError):
         return
-    for (start, end), items in (
-        ((arg_start, arg_end), [os.fsencode(str(a)) for a in argv]),
-        ((env_start, env_end), [os.fsencode(f"{k}={v}") for k, v in env]),
-    ):
-        block = b"".join(i + b"\0" for i in items)
-        if items and len(block) <= end - start:
-            ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
+    block = b"".join(os.fsencode(a) + b"\0" for a in argv)
+    if argv and len(block) <= end - start:
+        ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
 
 
-def _run_script(path, args):
-    """What `python SCRIPT` does: the script's folder first on the path,
-    and its code run as a fresh `__main__`."""
-    import builtins
+def _run_script(main, path, args):
+    """What `python SCRIPT` does: the script's folder first on the path
+    (unless -P or -I keeps it off), and its code run in `main`."""
     import importlib.machinery
-    import types
 
     sys.argv = [path] + args
-    sys.path[0] = os.path.dirname(os.path.realpath(path))
-    main = types.ModuleType("__main__")
-    main.__file__ = path
-    main.__builtins__ = builtins
+    if not getattr(sys.flags, "safe_path", False):
+        # The working folder, where `-m hatrain.forkserver` put it.
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+    main.__file__ = os.path.abspath(path)
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    sys.modules["__main__"] = main
     with open(path, "rb") as f:
         code = compile(f.read(), path, "exec", dont_inherit=True)
     try:
@@ -243,7 +263,6 @@ def _run_script(path, args):
 
 def main():
     fd = os.environ.pop("HATRAIN_FORKSERVER_FD", None)
-    os.environ.pop("HATRAIN_FORKSERVER_ROOM", None)
     if fd is None:
         sys.exit("hatrain.forkserver is started by hatrain-agent (launch --preload), not by hand")
     sock = socket.socket(fileno=int(fd))
@@ -258,7 +277,10 @@ def main():
             __import__(name)
         except BaseException as e:  # noqa: BLE001: told to the agent
             _send(sock, error=f"cannot import {name}: {type(e).__name__}: {e}")
-            sys.exit(1)
+            sys.stderr.flush()
+            # Not sys.exit: a thread the failed import started must not
+            # keep the server alive.
+            os._exit(1)
     _send(sock, ready=True, seconds=round(time.monotonic() - t0, 3))
     worker = _serve(sock, agent)
     _become(worker)

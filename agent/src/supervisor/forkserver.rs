@@ -41,13 +41,10 @@ use tokio::time::Instant;
 
 /// The variable that names the server's socket.
 pub const ENV_FD: &str = "HATRAIN_FORKSERVER_FD";
-/// A variable of the server's whose length makes room for a worker's own
-/// environment in the memory `/proc/PID/environ` is read from.
-const ENV_ROOM: &str = "HATRAIN_FORKSERVER_ROOM";
 /// The descriptor the server's socket has in the server.
 const SERVER_FD: i32 = 3;
 /// How long a fork may take before the server counts as broken.
-pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Servers started per job, the first included.
 pub const MAX_STARTS: u32 = 4;
 /// Largest message the server sends.
@@ -189,6 +186,11 @@ enum State {
         pid: i32,
         sock: OwnedFd,
     },
+    /// SIGKILLed, its exit not yet recorded; `again`: start another then.
+    Stopping {
+        pid: i32,
+        again: bool,
+    },
     /// Not running; `again`: start another.
     Down {
         again: bool,
@@ -216,10 +218,12 @@ impl ForkServer {
         }
     }
 
-    /// The server's pid while it runs.
+    /// The server's pid until its exit is recorded.
     pub(super) fn pid(&self) -> Option<i32> {
         match &self.state {
-            State::Starting { pid, .. } | State::Ready { pid, .. } => Some(*pid),
+            State::Starting { pid, .. }
+            | State::Ready { pid, .. }
+            | State::Stopping { pid, .. } => Some(*pid),
             State::Down { .. } => None,
         }
     }
@@ -264,13 +268,6 @@ impl ForkServer {
             SockFlag::SOCK_CLOEXEC,
         )
         .map_err(|e| format!("socketpair: {e}"))?;
-        // A worker's environment is the agent's with its own over it.
-        let room = 4096
-            + template
-                .env
-                .iter()
-                .map(|(k, v)| k.len() + v.len() + 2)
-                .sum::<usize>();
         let mut cmd = Command::new(&py.program);
         cmd.args(&py.options)
             .args(["-m", "hatrain.forkserver"])
@@ -281,7 +278,6 @@ impl ForkServer {
             .args(&template.args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env(ENV_FD, SERVER_FD.to_string())
-            .env(ENV_ROOM, ".".repeat(room))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -325,40 +321,36 @@ impl ForkServer {
         let said = match recv(sock.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT) {
             Err(nix::errno::Errno::EAGAIN) => return true,
             Err(e) => Err(format!("its socket: {e}")),
-            Ok(0) => Err("it ended before it was ready".to_string()),
+            Ok(0) => Err(
+                "it ended before it was ready (is the hatrain package installed for the worker command's Python?)"
+                    .to_string(),
+            ),
             Ok(n) => serde_json::from_slice::<serde_json::Value>(&buf[..n])
                 .map_err(|e| format!("its message is not JSON: {e}")),
         };
-        let said = said.and_then(|m| {
-            if m["ready"] == true {
-                Ok(m["seconds"].as_f64().unwrap_or(f64::NAN))
-            } else {
-                Err(m["error"]
-                    .as_str()
-                    .unwrap_or("an unknown message")
-                    .to_string())
-            }
+        let said = said.and_then(|m| match (&m["ready"], m["error"].as_str()) {
+            (serde_json::Value::Bool(true), _) => Ok(m["seconds"].as_f64().unwrap_or(f64::NAN)),
+            (_, Some(why)) => Err(why.to_string()),
+            _ => Err(format!("an unknown message: {m}")),
+        });
+        let limit = TimeVal::new(REPLY_TIMEOUT.as_secs() as _, 0);
+        let said = said.and_then(|seconds| {
+            setsockopt(sock, sockopt::ReceiveTimeout, &limit)
+                .map(|()| seconds)
+                .map_err(|e| format!("cannot bound its replies: {e}"))
         });
         match said {
             Ok(seconds) => {
                 tracing::info!(pid, seconds, modules = ?self.modules, "fork server ready: workers are forked from it");
-                let State::Starting { sock, .. } =
+                if let State::Starting { sock, .. } =
                     std::mem::replace(&mut self.state, State::Down { again: false })
-                else {
-                    unreachable!()
-                };
-                let limit = TimeVal::new(REPLY_TIMEOUT.as_secs() as _, 0);
-                if let Err(e) = setsockopt(&sock, sockopt::ReceiveTimeout, &limit) {
-                    tracing::error!(error = %e, "cannot bound the fork server's replies: workers start as fresh processes");
-                    super::signal(pid, Signal::SIGKILL);
-                    return false;
+                {
+                    self.state = State::Ready { pid, sock };
                 }
-                self.state = State::Ready { pid, sock };
             }
             Err(why) => {
                 tracing::error!(pid, error = %why, modules = ?self.modules, "the fork server failed: workers start as fresh processes");
-                super::signal(pid, Signal::SIGKILL);
-                self.state = State::Down { again: false };
+                self.kill(false);
             }
         }
         false
@@ -375,7 +367,7 @@ impl ForkServer {
                     ?limit,
                     "the fork server is not ready in time: stopped, workers start as fresh processes"
                 );
-                self.stop();
+                self.kill(false);
                 return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -384,6 +376,9 @@ impl ForkServer {
 
     /// Forks `spec`'s worker from the server; `None` if it cannot (the
     /// caller starts a fresh process), with the reason logged.
+    ///
+    /// This blocks the calling thread for the exchange: a few tens of
+    /// milliseconds, [`REPLY_TIMEOUT`] at most.
     pub(super) fn fork(
         &mut self,
         reaper: &Reaper,
@@ -409,7 +404,10 @@ impl ForkServer {
         let result = (|| {
             let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
             let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-            let fds = [out_w.as_raw_fd(), err_w.as_raw_fd()];
+            // The worker waits here until its pid is registered; closed
+            // unwritten, it exits.
+            let (gate_r, gate_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+            let fds = [out_w.as_raw_fd(), err_w.as_raw_fd(), gate_r.as_raw_fd()];
             let pid = reaper.spawn_with(exits, || {
                 sendmsg::<()>(
                     sock.as_raw_fd(),
@@ -420,26 +418,29 @@ impl ForkServer {
                 )?;
                 let mut buf = vec![0u8; MAX_REPLY];
                 let n = recv(sock.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+                if n == 0 {
+                    return Err(std::io::Error::other("the fork server closed its socket"));
+                }
                 let reply: serde_json::Value = serde_json::from_slice(&buf[..n])
                     .map_err(|e| std::io::Error::other(format!("a reply that is not JSON: {e}")))?;
                 match reply["pid"].as_i64().and_then(|p| i32::try_from(p).ok()) {
                     Some(pid) if pid > 0 => Ok(pid),
-                    _ => Err(std::io::Error::other(
-                        reply["error"]
-                            .as_str()
-                            .unwrap_or("a reply with no pid")
-                            .to_string(),
-                    )),
+                    _ => Err(std::io::Error::other(match reply["error"].as_str() {
+                        Some(why) => why.to_string(),
+                        None => format!("a reply with no pid: {reply}"),
+                    })),
                 }
             })?;
+            // A worker that died already has no gate to read: its exit
+            // is registered all the same.
+            let _ = nix::unistd::write(&gate_w, &[1]);
             Ok::<_, std::io::Error>((pid, out_r, err_r))
         })();
         match result {
             Ok(forked) => Some(forked),
             Err(e) => {
-                tracing::error!(server, rank = spec.rank, error = %e, "the fork server did not fork the worker: stopped, a fresh process instead");
-                super::signal(server, Signal::SIGKILL);
-                self.state = State::Down { again: true };
+                tracing::error!(server, rank = spec.rank, error = %e, "the fork server did not fork the worker: it is started again, and the worker starts as a fresh process");
+                self.kill(true);
                 None
             }
         }
@@ -450,28 +451,42 @@ impl ForkServer {
         if self.pid() != Some(ev.pid) {
             return false;
         }
-        let again = matches!(self.state, State::Ready { .. });
+        let again = match self.state {
+            State::Ready { .. } => true,
+            State::Stopping { again, .. } => again,
+            State::Starting { .. } | State::Down { .. } => false,
+        };
         if again && self.starts < MAX_STARTS {
             tracing::warn!(pid = ev.pid, status = %ev.status, "the fork server ended: starting another");
-        } else {
+        } else if !matches!(self.state, State::Stopping { again: false, .. }) {
             tracing::error!(pid = ev.pid, status = %ev.status, "the fork server ended: workers start as fresh processes");
         }
         self.state = State::Down { again };
         true
     }
 
-    /// Stops the server (SIGKILL: it holds nothing); none is started again.
-    pub(super) fn stop(&mut self) {
+    /// SIGKILL to the server and its go-between (its process group: it
+    /// holds nothing); another is started after its exit if `again`.
+    fn kill(&mut self, again: bool) {
         if let Some(pid) = self.pid() {
-            super::signal(pid, Signal::SIGKILL);
+            super::signal(-pid, Signal::SIGKILL);
+            self.state = State::Stopping { pid, again };
+        } else {
+            self.state = State::Down { again };
         }
-        self.state = State::Down { again: false };
+    }
+
+    /// Stops the server for good.
+    pub(super) fn stop(&mut self) {
+        self.kill(false);
     }
 }
 
 impl Drop for ForkServer {
     fn drop(&mut self) {
-        self.stop();
+        if let Some(pid) = self.pid() {
+            super::signal(-pid, Signal::SIGKILL);
+        }
     }
 }
 
@@ -482,7 +497,11 @@ fn request(spec: &super::WorkerSpec) -> Result<Vec<u8>, String> {
     let utf8 = |s: OsString| s.into_string().map_err(|s| format!("{s:?} is not UTF-8"));
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     for (k, v) in std::env::vars_os() {
-        env.insert(utf8(k)?, utf8(v)?);
+        let k = utf8(k)?;
+        let v = v
+            .into_string()
+            .map_err(|_| format!("the value of the environment variable {k} is not UTF-8"))?;
+        env.insert(k, v);
     }
     env.extend(spec.env.iter().cloned());
     let args = py
