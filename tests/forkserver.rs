@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::python::{example, launch, python, script};
+use common::python::{example, launch, launch_plain, python, script};
 use common::{Job, job_id, job_pids, kill, read_log, text, wait_until};
 use std::path::Path;
 use std::time::Duration;
@@ -28,21 +28,11 @@ fn report(dir: &Path, rank: usize) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
-/// `launch` of 2 ranks of `python ARGS` with `extra` flags, its workers'
-/// reports going to `dir`, without the helper's high-availability flags
-/// (an exit is the job's end, as under torchrun).
+/// `launch` of 2 ranks of `python ARGS` with only the `extra` flags, its
+/// workers' reports going to `dir`.
 fn plain_launch(extra: &[&str], args: &[&str], dir: &Path) -> std::process::Command {
-    let mut c = std::process::Command::new(common::agent());
-    c.args(["launch", "--nproc-per-node", "2", "--stop-grace-secs", "3"])
-        .args(extra)
-        .arg("--")
-        .arg(python())
-        .args(args)
-        .current_dir(dir)
-        .env_remove("HATRAIN_JOB_ID")
-        .env_remove("HATRAIN_FAULT_PLAN")
-        .env("FORKED_OUT", dir)
-        .env("RUST_LOG", "info");
+    let mut c = launch_plain(2, extra, args, dir);
+    c.env_remove("HATRAIN_FAULT_PLAN").env("FORKED_OUT", dir);
     c
 }
 

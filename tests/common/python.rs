@@ -44,11 +44,22 @@ pub fn example(name: &str) -> PathBuf {
 /// `hatrain-agent launch` of `nproc` ranks of `python <args>` in `dir`, with
 /// worker reboot and step repair on and `extra` flags before `--`.
 pub fn launch(nproc: usize, extra: &[&str], args: &[&str], dir: &Path) -> Command {
+    let mut flags = vec![
+        "--enable-high-availability",
+        "--enable-worker-reboot",
+        "--enable-hbmfault-repair",
+    ];
+    flags.extend(extra);
+    launch_plain(nproc, &flags, args, dir)
+}
+
+/// `hatrain-agent launch` of `nproc` ranks of `python <args>` in `dir`, with
+/// only the `extra` flags: without high availability, a worker's exit ends
+/// the job, as under torchrun.
+pub fn launch_plain(nproc: usize, extra: &[&str], args: &[&str], dir: &Path) -> Command {
     let mut c = Command::new(super::agent());
     c.args(["launch", "--nproc-per-node", &nproc.to_string()])
         .args(["--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .arg("--enable-hbmfault-repair")
         .args(extra)
         .arg("--")
         .arg(python())
