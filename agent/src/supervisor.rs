@@ -13,7 +13,10 @@
 //! (`launch`), or, for a job another launcher started (`serve`), the rank's
 //! `hatrain-agent exec` shim, which stays the launcher's child while its
 //! worker is restarted beneath it. Either way the exits arrive here as
-//! [`ExitEvent`]s and the signals go to the worker's process group.
+//! [`ExitEvent`]s and the signals go to the worker's process group. With
+//! `--preload`, the agent's Python workers are forked from a server that
+//! has done their imports, and are still the agent's children
+//! (`forkserver`).
 
 mod forkserver;
 mod warm;
