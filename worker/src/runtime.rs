@@ -737,6 +737,7 @@ impl Drop for Runtime {
         if let Some(mut a) = self.attached.take() {
             a.jobs.take(); // closes the commit channel
             a.stop.store(true, Ordering::SeqCst);
+            a.store.page().wake_directive_waiters();
             for t in a.threads.drain(..) {
                 let _ = t.join();
             }

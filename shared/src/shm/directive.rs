@@ -6,6 +6,9 @@
 //! seq` with one atomic load (no syscall) at every step boundary; it reads
 //! a directive consistently by re-checking the sequence after the fields,
 //! and acknowledges it by storing its sequence in `acknowledged seq`.
+//! Between steps a rank's watcher sleeps on the sequence (a futex on its
+//! low 32 bits, shared by every process that maps the page), which each
+//! post wakes.
 //!
 //! ```text
 //! kind word: 0 none | 1 pause | 2 resume | 3 stop | 4 reshape
@@ -13,7 +16,8 @@
 //! ```
 
 use super::page::ControlPage;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::Duration;
 
 /// An instruction from the agent to a rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -100,7 +104,50 @@ impl ControlPage {
         self.dir_step.store(step, Ordering::Relaxed);
         self.dir_rank.store(rank, Ordering::Relaxed);
         self.dir_world.store(world, Ordering::Relaxed);
-        self.dir_seq.fetch_add(1, Ordering::Release) + 1
+        let seq = self.dir_seq.fetch_add(1, Ordering::Release) + 1;
+        self.wake_directive_waiters();
+        seq
+    }
+
+    /// Blocks until the directive sequence is no longer `seen`, a post
+    /// wakes the caller, or `limit` passes; it may also return early
+    /// (a signal, a wake for another reason).
+    pub fn wait_directive(&self, seen: u64, limit: Duration) {
+        let ts = libc::timespec {
+            tv_sec: limit.as_secs().try_into().unwrap_or(libc::time_t::MAX),
+            tv_nsec: limit.subsec_nanos().into(),
+        };
+        // SAFETY: a futex wait on an aligned word of this mapped page,
+        // compared with the sequence's low 32 bits (which a post changes);
+        // the timespec outlives the call. EAGAIN, EINTR and ETIMEDOUT all
+        // mean: look again.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                low_word(&self.dir_seq),
+                libc::FUTEX_WAIT,
+                seen as u32,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+
+    /// Wakes every [`Self::wait_directive`] on this page, in any process.
+    pub fn wake_directive_waiters(&self) {
+        // SAFETY: a futex wake on an aligned word of this mapped page.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                low_word(&self.dir_seq),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
     }
 
     /// The directive sequence number: one atomic load, the step-boundary
@@ -144,6 +191,16 @@ impl ControlPage {
     pub fn acknowledged_directive(&self) -> Option<Directive> {
         let (seq, d) = self.directive();
         (seq != 0 && self.acknowledged() == seq).then_some(d)
+    }
+}
+
+/// The address of the low 32 bits of `word`: what a futex on it compares.
+fn low_word(word: &AtomicU64) -> *const u32 {
+    let p = word.as_ptr().cast::<u32>().cast_const();
+    if cfg!(target_endian = "little") {
+        p
+    } else {
+        p.wrapping_add(1)
     }
 }
 

@@ -373,6 +373,35 @@ mod tests {
     }
 
     #[test]
+    fn a_directive_posted_in_one_mapping_wakes_a_waiter_in_another() {
+        use std::time::{Duration, Instant};
+        let d = tempfile::tempdir().unwrap();
+        let agent = store(d.path(), 64);
+        let worker = Store::open(&store_path(d.path(), 3)).unwrap();
+        // A sequence that has moved on returns at once.
+        let seen = worker.page().directive_seq();
+        agent.page().post(Directive::Pause { epoch: 1 });
+        let t = Instant::now();
+        worker.page().wait_directive(seen, Duration::from_secs(60));
+        assert!(t.elapsed() < Duration::from_secs(60));
+        // A waiter on the current sequence sleeps until the next post: the
+        // one wait returns with the post made.
+        let seen = worker.page().directive_seq();
+        let woke = std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let t = Instant::now();
+                worker.page().wait_directive(seen, Duration::from_secs(60));
+                (t.elapsed(), worker.page().directive())
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            agent.page().post(Directive::Stop);
+            waiter.join().unwrap()
+        });
+        assert_eq!(woke.1, (seen + 2, Directive::Stop), "{woke:?}");
+        assert!(woke.0 < Duration::from_secs(60), "{woke:?}");
+    }
+
+    #[test]
     fn a_snapshot_received_in_pieces_seals_identical_to_its_source_and_a_flipped_bit_never_seals() {
         let d = tempfile::tempdir().unwrap();
         let src = store(d.path(), 10_000);

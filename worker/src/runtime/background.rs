@@ -135,9 +135,10 @@ pub(super) fn watch_loop(
 ) {
     let mut aborted_for = 0;
     while !stop.load(Ordering::SeqCst) {
-        let seq = store.page().directive_seq();
+        let mut seq = store.page().directive_seq();
         if seq != handled.load(Ordering::Acquire) && seq != aborted_for {
-            let (seq, d) = store.page().directive();
+            let (now, d) = store.page().directive();
+            seq = now;
             if matches!(d, Directive::Pause { .. } | Directive::Stop) {
                 if let Some(h) = abort.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                     h.abort();
@@ -145,6 +146,9 @@ pub(super) fn watch_loop(
                 aborted_for = seq;
             }
         }
-        thread::sleep(Duration::from_millis(1));
+        // Asleep until the next post (or the runtime's stop) wakes it: no
+        // CPU taken from the training between steps. The limit only
+        // bounds a wake that is missed.
+        store.page().wait_directive(seq, Duration::from_millis(200));
     }
 }
