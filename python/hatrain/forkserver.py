@@ -85,7 +85,6 @@ class _Worker:
         self.agent = agent
 
 
-
 def _fork_quietly():
     """os.fork(), without the warning Python 3.12 gives at a fork of a
     process with threads (torch's import starts one; the worker's own
