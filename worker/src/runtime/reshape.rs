@@ -13,7 +13,7 @@
 
 use super::{Buffer, Runtime, RuntimeError, SharedBuf, check_buffers};
 use hatrain_shared::control::{self, Donation, PROTOCOL, Request, Response};
-use hatrain_shared::shm::{Phase, ShmError, Store};
+use hatrain_shared::shm::{Phase, Store};
 use hatrain_shared::statemap::StateMap;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -157,39 +157,18 @@ fn read_donation(d: Donation, step: u64, sliced: bool) -> Result<Donated, Runtim
         })
         .collect();
     let meta_len = d.map.parts.first().map_or(0, |p| p.len as usize);
-    let mut last_err = None;
-    for info in store.sealed().into_iter().filter(|i| i.step == step) {
-        let mut meta = vec![0u8; meta_len];
-        let mut data: Vec<Vec<f32>> = held.iter().map(|r| vec![0f32; r.len()]).collect();
-        let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
-        outs.extend(
-            data.iter_mut()
-                .map(|v| bytemuck::cast_slice_mut(&mut v[..])),
-        );
-        match store.read_slot(info.slot, &mut outs) {
-            Ok(read) if read.step == step => {
-                return Ok(Donated {
-                    rank: d.rank,
-                    map: d.map,
-                    meta,
-                    parts: held.into_iter().zip(data).collect(),
-                });
-            }
-            Ok(read) => {
-                last_err = Some(ShmError::BadSlot {
-                    path: d.store.clone(),
-                    slot: read.slot,
-                    detail: format!("holds step {}, not {step}", read.step),
-                });
-            }
-            Err(e) => last_err = Some(e),
-        }
-    }
-    Err(match last_err {
-        Some(e) => e.into(),
-        None => RuntimeError::NoSnapshot {
-            step,
-            path: d.store,
-        },
+    let mut meta = vec![0u8; meta_len];
+    let mut data: Vec<Vec<f32>> = held.iter().map(|r| vec![0f32; r.len()]).collect();
+    let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
+    outs.extend(
+        data.iter_mut()
+            .map(|v| bytemuck::cast_slice_mut(&mut v[..])),
+    );
+    super::read_step(&store, step, &mut outs)?;
+    Ok(Donated {
+        rank: d.rank,
+        map: d.map,
+        meta,
+        parts: held.into_iter().zip(data).collect(),
     })
 }
