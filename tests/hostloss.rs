@@ -15,6 +15,8 @@
 //!   resuming from it on one host of six ranks ends bit-identically.
 //! - SIGTERM to a follower's agent: every host writes its share of the
 //!   last words; resuming from them ends bit-identically.
+//! - A standby that took a lost host's ranks lost in turn (vanished, or
+//!   frozen past the host timeout): the next standby takes them.
 //! - A host lost while the last words are under way (SIGTERM to the
 //!   controller, then host 1 vanishes while the ranks pause): its ranks
 //!   come from their replicas, and the resume is bit-identical.
@@ -131,6 +133,71 @@ fn hosts_lost_one_after_the_other_are_recovered_as_the_replicas_follow_the_stand
     assert_filled(&stderr(&outs, 3), &[2, 3]);
     assert_filled(&stderr(&outs, 4), &[0, 1]);
     assert_recovered(&c, &outs, &reference);
+}
+
+/// A standby that took a lost host's ranks is lost in turn. Host 0, the
+/// controller's, vanishes: node 1 takes over and gives ranks 0 and 1 to
+/// standby 3, which streams their replicas to host 1 as host 0 did. Then
+/// host 3 is lost too (`lose`), and standby 4 takes ranks 0 and 1, filled
+/// from the replicas host 1 holds of them. Rank 2 naps in step 45 so that
+/// those replicas catch up first.
+fn a_standby_lost_in_turn(name: &str, lose: impl FnOnce(&mut Cluster)) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, reference) = six_ranks_reference(tmp.path());
+    let plan = format!("{NAP};2:45:forward:sleep8000");
+    let mut c = Cluster::start_with_plan(tmp, name, 2, &[], &train, &plan);
+    c.wait_held(1, &[0, 1]);
+    c.vanish(&[0]);
+    c.wait_held_at(1, &[0, 1], 44);
+    lose(&mut c);
+    let outs = c.ends(&[1, 2, 4]);
+    let successor = stderr(&outs, 1);
+    assert!(
+        successor.contains("taking over as the job's controller")
+            && successor.matches("ranks=[0, 1] s_star=").count() == 2,
+        "node 1 took over and recovered ranks 0 and 1 twice:\n{}",
+        logs(&outs)
+    );
+    assert_filled(&stderr(&outs, 4), &[0, 1]);
+    assert_recovered(&c, &outs, &reference);
+}
+
+/// [`a_standby_lost_in_turn`], host 3 SIGKILLed with its shared memory.
+#[test]
+fn a_standby_that_took_over_and_vanishes_is_replaced_by_the_next_standby() {
+    a_standby_lost_in_turn("standby-gone", |c| c.vanish(&[3]));
+}
+
+/// [`a_standby_lost_in_turn`], host 3 frozen (SIGSTOP of its agent and
+/// workers) past the host timeout, and thawed once standby 4 runs its
+/// ranks: it leaves the job, and leaves nothing in its root.
+#[test]
+fn a_standby_that_took_over_and_freezes_is_replaced_by_the_next_standby() {
+    a_standby_lost_in_turn("standby-frozen", |c| {
+        c.freeze(3);
+        let replaced = poll_agentctl(&c.socket(1), "status", Duration::from_secs(120), |v| {
+            let recovered = v["status"]["faults"]
+                .as_array()?
+                .iter()
+                .filter(|f| f["kind"] == "host_lost" && f["recovery_s"].is_number())
+                .count();
+            (recovered >= 2).then_some(())
+        });
+        c.thaw(3);
+        if replaced.is_none() {
+            panic!(
+                "the frozen standby's ranks never recovered:\n{}",
+                c.kill_all()
+            );
+        }
+        let frozen = c.ends(&[3]);
+        assert!(
+            !frozen[0].1.status.success(),
+            "the host that froze leaves the job:\n{}",
+            logs(&frozen)
+        );
+        assert_nothing_left(&c.shm[3]);
+    });
 }
 
 /// Host 0 runs the controller, and vanishes. The survivors agree on a

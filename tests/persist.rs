@@ -357,3 +357,130 @@ fn saves_said(logs: &[String]) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// Python processes that each open `n` connections to `socket` and hold
+/// them until killed (what they could not open, they leave).
+fn hold_connections(socket: &Path, n: usize) -> std::process::Child {
+    let script = r#"
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sys.argv[1])
+        held.append(s)
+    except OSError:
+        s.close()
+print(len(held), flush=True)
+time.sleep(600)
+"#;
+    Command::new("python3")
+        .args(["-c", script])
+        .arg(socket)
+        .arg(n.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 starts")
+}
+
+/// CPU seconds (user and system) process `pid` has used.
+fn cpu_seconds(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split(' ').collect();
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / ticks
+}
+
+/// Clients of the agent's own user hold more connections to its control
+/// socket than its descriptor limit (four processes of 150, against a hard
+/// limit of 256) while the job saves every 10 steps: every checkpoint is
+/// written, the agent spends little CPU meanwhile (no accept loop spinning
+/// on EMFILE), and once they close, `status` is answered.
+#[test]
+fn held_control_connections_past_the_descriptor_limit_lose_no_checkpoint() {
+    use std::os::unix::process::CommandExt;
+    let d = tempfile::tempdir().unwrap();
+    let (log, ckpt, shm) = (
+        d.path().join("run.jsonl"),
+        d.path().join("ckpt"),
+        d.path().join("shm"),
+    );
+    let interval = INTERVAL.to_string();
+    let args = train(
+        &log,
+        &[
+            "--save",
+            ckpt.to_str().unwrap(),
+            "--save-interval",
+            &interval,
+        ],
+    );
+    let job = job_id("fdhold");
+    let shm_root = shm.display().to_string();
+    // Rank 0 naps in steps 12 and 25, so that the job lasts while the
+    // clients hold their connections.
+    let mut cmd = launch(
+        &job,
+        &[
+            "--enable-high-availability",
+            "--enable-worker-reboot",
+            "--shm-root",
+            &shm_root,
+        ],
+        &args,
+        Some("0:12:forward:sleep3000;0:25:forward:sleep3000"),
+    );
+    // SAFETY: setrlimit(2) only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, 256, 256)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut agent = Job::spawn(cmd, &job);
+    let socket = shm.join(&job).join("agent.sock");
+    assert!(
+        wait_until(Duration::from_secs(60), || socket.exists()),
+        "the agent's socket appears"
+    );
+    let mut holders: Vec<std::process::Child> =
+        (0..4).map(|_| hold_connections(&socket, 150)).collect();
+    for h in &mut holders {
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(h.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+    }
+    let before = cpu_seconds(agent.pid());
+    std::thread::sleep(Duration::from_secs(3));
+    let used = cpu_seconds(agent.pid()) - before;
+    for h in &mut holders {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+    let answered = poll_agentctl(&socket, "status", Duration::from_secs(30), |_| Some(()));
+    let out = agent.wait_output(Duration::from_secs(300));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_success(&out, "the job whose socket was crowded");
+    assert!(
+        used < 1.5,
+        "the agent used {used:.2} s of CPU in 3 s while clients held its socket:\n{err}"
+    );
+    assert!(
+        answered.is_some(),
+        "status is answered once the clients close"
+    );
+    assert!(!err.contains("os error 24"), "out of descriptors:\n{err}");
+    let written = iterations(&ckpt);
+    for it in (INTERVAL..=ITERS).step_by(INTERVAL as usize) {
+        assert!(
+            written.contains(&it) || err.contains("skipping to the newest held step"),
+            "iteration {it} neither written nor said skipped: {written:?}\n{err}"
+        );
+    }
+    assert!(written.contains(&ITERS), "{written:?}\n{err}");
+    assert!(job_pids(&job).is_empty(), "processes left behind");
+}

@@ -151,15 +151,29 @@ fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
     assert_success(&out, "the mpirun job with a killed rank");
     let text =
         String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(
-        !text.contains("non-zero") && !text.contains("aborted"),
-        "mpirun noticed: {text}"
-    );
+    // mpirun's own words, not its ranks': a rank may print that its
+    // communicator was aborted, depending on which one saw the fault first.
+    assert!(!mpirun_complained(&text), "mpirun noticed: {text}");
     let (a, b) = (read_log(&ref_log), read_log(&log));
     assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
     assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");
     assert!(job_pids(&job).is_empty(), "no worker outlives its job");
     stop_clean(serve);
+}
+
+/// Whether OpenMPI's mpirun itself reported a failed or aborted rank: its
+/// own banners, never a rank's words (a rank may print that its
+/// communicator aborted while the agent repairs the job).
+fn mpirun_complained(text: &str) -> bool {
+    const MPIRUN_SAYS: [&str; 5] = [
+        "mpirun noticed that",
+        "mpirun detected that one or more processes exited with non-zero status",
+        "Primary job  terminated normally, but",
+        "MPI_ABORT was invoked",
+        "mpirun has exited due to process rank",
+    ];
+    text.lines()
+        .any(|line| MPIRUN_SAYS.iter().any(|said| line.contains(said)))
 }
 
 /// Reads the datagrams systemd would get until `pick` finds one.
@@ -397,7 +411,7 @@ fn an_agent_restart_never_stops_training() {
     assert_success(&out, "the mpirun job through three agent restarts");
     let text =
         String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(!text.contains("non-zero"), "mpirun noticed: {text}");
+    assert!(!mpirun_complained(&text), "mpirun noticed: {text}");
     let (a, b) = (read_log(&ref_log), read_log(&log));
     assert_eq!(final_losses(&a), final_losses(&b), "every step's loss");
     assert_eq!(final_checksum(&a), final_checksum(&b), "final weights");

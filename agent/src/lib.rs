@@ -26,6 +26,7 @@ pub mod faults;
 pub mod job;
 pub mod jobdir;
 pub mod launch;
+pub mod limits;
 pub mod metrics;
 pub mod notify;
 pub mod oom;

@@ -41,6 +41,15 @@ fn main() -> ExitCode {
 }
 
 fn run(command: Command) -> Result<ExitCode> {
+    // Descriptors for every control connection, worker pipe, store and
+    // checkpoint file; the workers get the limit the agent started with.
+    match hatrain_agent::limits::raise_nofile() {
+        Ok((soft, hard)) if soft < hard => {
+            tracing::debug!(soft, hard, "descriptor limit raised to the hard limit")
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read or raise the descriptor limit"),
+    }
     // One thread: workers are forked from it, and PR_SET_PDEATHSIG fires when
     // the *thread* that forked a child exits, so that thread must live as
     // long as the agent.

@@ -67,6 +67,9 @@ pub enum SupervisorError {
         #[source]
         source: io::Error,
     },
+    /// A restart of a rank this host was never given (no spec of it).
+    #[error("rank {rank} cannot be restarted here: this host does not run it")]
+    NotHere { rank: usize },
 }
 
 /// How long the fork server may take over its imports before the workers
@@ -266,7 +269,7 @@ impl Supervisor {
         restarts: u32,
         place: Option<(u64, u64)>,
     ) -> Result<i32, SupervisorError> {
-        let idx = self.index(rank).expect("respawn of a rank of this host");
+        let idx = self.index(rank).ok_or(SupervisorError::NotHere { rank })?;
         debug_assert!(matches!(self.states[idx], WorkerState::Exited(_)));
         let mut spec = self.specs[idx].clone();
         for (k, v) in spec.env.iter_mut() {
@@ -465,8 +468,8 @@ impl Supervisor {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // SAFETY: the closure runs in the child between fork and exec and
-        // only calls setpgid(2), prctl(2), open(2), write(2) and close(2),
-        // which are async-signal-safe.
+        // only calls setpgid(2), prctl(2), open(2), write(2), close(2),
+        // getrlimit(2) and setrlimit(2), which are async-signal-safe.
         unsafe {
             cmd.pre_exec(|| {
                 // Its own process group, so that stopping the worker also
@@ -474,6 +477,7 @@ impl Supervisor {
                 nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 crate::oom::prefer_as_oom_victim();
+                crate::limits::restore_nofile_in_child();
                 Ok(())
             });
         }

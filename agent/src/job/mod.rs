@@ -107,6 +107,13 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// The job's clock for an agent `uptime` into its life, which began at
+/// `agent_started_unix_s`, in a job that began at `job_started_unix_s`.
+fn job_clock(uptime: Duration, agent_started_unix_s: f64, job_started_unix_s: f64) -> Duration {
+    let ahead = agent_started_unix_s - job_started_unix_s;
+    Duration::try_from_secs_f64((uptime.as_secs_f64() + ahead).max(0.0)).unwrap_or(uptime)
+}
+
 /// Runs one host's part of the job until it ends or `shutdown` fires.
 pub async fn run(
     cfg: &LaunchConfig,
@@ -173,7 +180,9 @@ struct Collected {
 struct Driver<'a> {
     cfg: &'a LaunchConfig,
     dir: &'a mut JobDir,
+    /// When this agent started, on the monotonic clock and the wall clock.
     started: Instant,
+    started_unix_s: f64,
     decider: Decider,
     stores: HashMap<usize, Arc<Store>>,
     maps: HashMap<usize, Arc<StateMap>>,
@@ -206,8 +215,9 @@ struct Driver<'a> {
     parked: std::collections::VecDeque<(u32, oneshot::Sender<Response>)>,
     /// The device fault sources' reports and decisions, newest last.
     device_faults: std::collections::VecDeque<hatrain_shared::control::DeviceFaultRecord>,
-    /// The worker specs of a node's ranks (a standby takes a lost host's).
-    specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec> + 'a>,
+    /// The worker specs of the ranks named (a standby takes a lost
+    /// host's, wherever they ran last).
+    specs_for: Box<dyn Fn(&[usize]) -> Vec<WorkerSpec> + 'a>,
     /// Ranks of a lost host this standby took, and those whose stores were
     /// filled from their replicas.
     adopted: BTreeSet<usize>,
@@ -304,23 +314,34 @@ async fn run_with(
         Some(s) => Spawner::Shims(Arc::clone(&s.shims)),
         None => Spawner::Own(Reaper::start(reaper_stop.clone())?),
     };
-    let specs_for: Box<dyn Fn(usize) -> Vec<WorkerSpec>> = {
+    // A rank's spec is the one its original node gives it: a rank keeps
+    // its number, its local rank and its environment on whichever host
+    // plays it (a standby that took it, or the standby after that).
+    let specs_for: Box<dyn Fn(&[usize]) -> Vec<WorkerSpec>> = {
         let (socket, secret_file, control) = (
             socket.display().to_string(),
             secret_file.display().to_string(),
             hatrain_shared::control::ENV_WORKER_DIR,
         );
         let run_dir = run_dir.to_path_buf();
-        Box::new(move |node| {
-            let mut of = cfg.clone();
-            of.node_rank = node;
-            let mut specs = of.worker_specs(
-                &cfg.master_addr,
-                master_port,
-                workers_store,
-                &run_dir,
-                |k| cfg.env_var(k),
-            );
+        Box::new(move |ranks| {
+            let per_node = cfg.nproc_per_node.max(1);
+            let nodes: BTreeSet<usize> = ranks.iter().map(|r| r / per_node).collect();
+            let mut specs: Vec<WorkerSpec> = nodes
+                .into_iter()
+                .flat_map(|node| {
+                    let mut of = cfg.clone();
+                    of.node_rank = node;
+                    of.worker_specs(
+                        &cfg.master_addr,
+                        master_port,
+                        workers_store,
+                        &run_dir,
+                        |k| cfg.env_var(k),
+                    )
+                })
+                .filter(|s| ranks.contains(&s.rank))
+                .collect();
             for s in &mut specs {
                 s.env.push((control.into(), scratch.clone()));
                 s.env
@@ -337,7 +358,8 @@ async fn run_with(
     let specs = if cfg.ha.standby {
         Vec::new()
     } else {
-        specs_for(cfg.node_rank)
+        let first = cfg.node_rank * cfg.nproc_per_node;
+        specs_for(&(first..first + cfg.nproc_per_node).collect::<Vec<_>>())
     };
     if cfg.env_var("OMP_NUM_THREADS").is_none() && cfg.nproc_per_node > 1 {
         tracing::warn!(
@@ -413,6 +435,7 @@ async fn run_with(
         cfg,
         dir,
         started: Instant::now(),
+        started_unix_s: unix_now(),
         decider,
         stores: HashMap::new(),
         maps: HashMap::new(),
@@ -587,8 +610,18 @@ fn machine_config(cfg: &LaunchConfig) -> MachineConfig {
 }
 
 impl Driver<'_> {
+    /// The machine's clock: the time since the job started. This agent
+    /// may have started later than the job (a successor, or the next agent
+    /// of a served job), so its own uptime is moved by the difference of
+    /// the two starts; the wall clock is read once, at this agent's start.
     fn now(&self) -> Duration {
-        self.started.elapsed()
+        let uptime = self.started.elapsed();
+        match &self.decider {
+            Decider::Controller(c) => {
+                job_clock(uptime, self.started_unix_s, c.machine.started_unix_s())
+            }
+            Decider::Follower(_) => uptime,
+        }
     }
 
     /// A rank's store and map, for the persister (when it has a layout).
@@ -721,7 +754,8 @@ impl Driver<'_> {
             Err(e) => {
                 let rank = match &e {
                     crate::supervisor::SupervisorError::Spawn { rank, .. }
-                    | crate::supervisor::SupervisorError::Output { rank, .. } => *rank,
+                    | crate::supervisor::SupervisorError::Output { rank, .. }
+                    | crate::supervisor::SupervisorError::NotHere { rank } => *rank,
                 };
                 let error = crate::error_chain(&e);
                 self.feed(sup, Event::SpawnFailed { rank, error });
@@ -796,5 +830,22 @@ impl Driver<'_> {
         self.fill_adopted(sup);
         self.tick_views(sup);
         self.keep();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_job_clock_counts_from_the_jobs_start_whichever_agent_reads_it() {
+        let s = Duration::from_secs;
+        // The agent that started the job.
+        assert_eq!(job_clock(s(5), 1_000.0, 1_000.0), s(5));
+        // The next agent of a served job, an hour in.
+        assert_eq!(job_clock(s(5), 4_600.0, 1_000.0), s(3_605));
+        // A successor whose agent started just before the job did.
+        assert_eq!(job_clock(s(5), 999.0, 1_000.0), s(4));
+        assert_eq!(job_clock(s(0), 999.0, 1_000.0), Duration::ZERO);
     }
 }

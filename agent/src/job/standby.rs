@@ -73,11 +73,9 @@ impl Driver<'_> {
     /// their registrations go on.
     pub(super) fn adopt(&mut self, sup: &mut Supervisor, a: Adopt) {
         tracing::warn!(node = a.node, ranks = ?a.ranks, "taking the ranks of a lost host");
-        let specs = (self.specs_for)(a.node as usize)
-            .into_iter()
-            .filter(|s| a.ranks.contains(&s.rank))
-            .collect();
-        sup.adopt(specs);
+        // The ranks' own specs: the lost host may itself have been a
+        // standby playing another node's ranks.
+        sup.adopt((self.specs_for)(&a.ranks));
         if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
             for &rank in &a.ranks {
                 r.adopt_rank(rank as u64);

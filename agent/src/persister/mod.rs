@@ -23,9 +23,42 @@ use hatrain_shared::shm::Hold;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::recovery::Written;
+
+/// Pauses between the tries of a write that failed for a transient
+/// reason ([`PersistError::is_transient`]): about 6 s in all, while the
+/// claimed snapshot stays put.
+const RETRY_PAUSES: [Duration; 6] = [
+    Duration::from_millis(100),
+    Duration::from_millis(200),
+    Duration::from_millis(400),
+    Duration::from_millis(800),
+    Duration::from_millis(1600),
+    Duration::from_millis(3200),
+];
+
+/// Runs `write`, and again after each of [`RETRY_PAUSES`] while it fails
+/// for a transient reason.
+fn with_retries<T>(
+    step: u64,
+    mut write: impl FnMut() -> Result<T, PersistError>,
+) -> Result<T, PersistError> {
+    let mut pauses = RETRY_PAUSES.iter();
+    loop {
+        match write() {
+            Err(e) if e.is_transient() => match pauses.next() {
+                Some(p) => {
+                    tracing::warn!(step, error = %crate::error_chain(&e), retry_in_ms = p.as_millis() as u64, "a checkpoint write failed for a reason that may pass: trying again");
+                    std::thread::sleep(*p);
+                }
+                None => return Err(e),
+            },
+            r => return r,
+        }
+    }
+}
 
 /// The agent-side periodic save: writes the snapshots the ranks hold for
 /// it (see "Persist holds" in `hatrain_shared::shm`) into the trainer's
@@ -254,7 +287,7 @@ impl Persister {
             .spawn(move || {
                 let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
                 match share {
-                    Share::Whole => write(&borrowed, step, &dir),
+                    Share::Whole => with_retries(step, || write(&borrowed, step, &dir)),
                     Share::Part(ranks) => {
                         let tmp = checkpoint::tmp_iter_dir(&dir, step);
                         write_ranks(&borrowed, &ranks, step, &tmp).map(|()| tmp)
@@ -322,11 +355,13 @@ impl Persister {
             .name("hatrain-persist".into())
             .spawn(move || {
                 let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
-                let result = if part {
-                    write_share(&borrowed, step, &dir)
-                } else {
-                    write(&borrowed, step, &dir)
-                };
+                let result = with_retries(step, || {
+                    if part {
+                        write_share(&borrowed, step, &dir)
+                    } else {
+                        write(&borrowed, step, &dir)
+                    }
+                });
                 // The slots are free for the workers again at once.
                 for (store, h) in &claimed {
                     store.page().release_hold(*h);
@@ -402,7 +437,7 @@ impl Persister {
         }
         let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
         let t0 = Instant::now();
-        match write_share(&borrowed, last, &self.dir) {
+        match with_retries(last, || write_share(&borrowed, last, &self.dir)) {
             Ok(path) => {
                 self.saved(last, &path, checkpoint_bytes(&borrowed), t0, true);
                 Ok(last)
@@ -473,7 +508,7 @@ impl Persister {
             self.last_started = Some(step);
             let borrowed: Vec<RankSource<'_>> = sources.iter().map(|s| s.borrow()).collect();
             let t0 = Instant::now();
-            match (self.write)(&borrowed, step, &self.dir) {
+            match with_retries(step, || (self.write)(&borrowed, step, &self.dir)) {
                 Ok(path) => {
                     self.saved(step, &path, checkpoint_bytes(&borrowed), t0, true);
                 }

@@ -286,3 +286,35 @@ fn finish_writes_the_final_step_once_and_says_when_it_cannot() {
     assert_eq!(checkpoint::read_tracker(out.path()).unwrap(), 7);
     assert_eq!(p.report().last_error.as_deref(), Some(e.as_str()));
 }
+
+fn io_failure(errno: i32) -> PersistError {
+    PersistError::Checkpoint(hatrain_shared::checkpoint::CheckpointError::Io {
+        path: "iter_0000010_tmp/model.safetensors".into(),
+        source: std::io::Error::from_raw_os_error(errno),
+    })
+}
+
+#[test]
+fn a_write_out_of_descriptors_is_tried_again_and_a_full_disk_is_not() {
+    assert!(io_failure(libc::EMFILE).is_transient());
+    assert!(io_failure(libc::EINTR).is_transient());
+    assert!(!io_failure(libc::ENOSPC).is_transient());
+    assert!(!PersistError::NoSnapshot { rank: 0, step: 3 }.is_transient());
+    let mut tries = 0;
+    let r = with_retries(10, || {
+        tries += 1;
+        if tries < 3 {
+            Err(io_failure(libc::EMFILE))
+        } else {
+            Ok(tries)
+        }
+    });
+    assert_eq!(r.unwrap(), 3);
+    let mut tries = 0;
+    let r: Result<(), _> = with_retries(10, || {
+        tries += 1;
+        Err(io_failure(libc::ENOSPC))
+    });
+    assert!(r.is_err());
+    assert_eq!(tries, 1, "a full disk is reported at once");
+}

@@ -151,6 +151,26 @@ pub enum PersistError {
     Checkpoint(#[from] CheckpointError),
 }
 
+impl PersistError {
+    /// Whether the write failed for a reason that passes by itself: out
+    /// of file descriptors (this process's or the system's), or a call
+    /// interrupted or refused for the moment. Such a write is tried again;
+    /// a full disk or a bad snapshot is not.
+    pub fn is_transient(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cause {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                return matches!(
+                    io.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::EINTR | libc::EAGAIN)
+                );
+            }
+            cause = e.source();
+        }
+        false
+    }
+}
+
 /// Bytes a checkpoint of these sources holds (every tensor of every file).
 pub fn checkpoint_bytes(sources: &[RankSource<'_>]) -> u64 {
     sources

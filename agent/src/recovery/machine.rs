@@ -226,7 +226,14 @@ impl Machine {
     pub fn take_over(cfg: MachineConfig, ranks: Vec<usize>, from: Inherited) -> Self {
         let mut m = Self::new(cfg, ranks, from.started_unix_s);
         m.epoch = from.epoch + 1;
-        m.detected = vec![Duration::ZERO; from.faults.len()];
+        // Each fault's detection on the job's clock (which starts at
+        // `started_unix_s`, whichever agent reads it): a recovery the old
+        // controller left unfinished is timed from its detection.
+        m.detected = from
+            .faults
+            .iter()
+            .map(|f| Duration::from_secs_f64((f.detected_unix_s - from.started_unix_s).max(0.0)))
+            .collect();
         m.faults = from.faults;
         for (rank, restarts) in from.restarts {
             m.history.entry(rank).or_default().restarts = restarts;
@@ -262,6 +269,8 @@ impl Machine {
     }
 
     /// Advances the machine by one event; returns what to do and why.
+    /// `now` is the job's clock: the time since [`Machine::started_unix_s`],
+    /// also on an agent that took the job over.
     pub fn step(&mut self, now: Duration, event: Event) -> Step {
         match event {
             Event::Tick(views) => self.tick(now, views),

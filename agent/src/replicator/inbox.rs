@@ -23,7 +23,7 @@
 //!   checkpoint written from the replica once the rank's host is gone.
 
 use hatrain_shared::auth::{NONCE_LEN, Secret};
-use hatrain_shared::peer::{self, ChunkHeader, Kind, PeerError, Rejection, Session};
+use hatrain_shared::peer::{self, ChunkHeader, DropCode, Kind, PeerError, Rejection, Session};
 use hatrain_shared::shm::{Geometry, Receiving, Store};
 use hatrain_shared::statemap::StateMap;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -32,6 +32,19 @@ use std::sync::Arc;
 
 /// Sessions kept at most; the oldest goes when one more opens.
 pub const MAX_SESSIONS: usize = 64;
+
+/// What a holder says of one snapshot: rank, step, and `None` when it was
+/// stored, or why it was dropped.
+type Receipt = (u64, u64, Option<(DropCode, String)>);
+
+/// Whether a state map was taken.
+enum MapTaken {
+    Yes,
+    /// Of a rank this host holds no replica of from that sender.
+    NotHolder {
+        rank: u64,
+    },
+}
 
 /// Refused frames, by class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -168,15 +181,32 @@ impl Inbox {
                 let receipt = self.chunk(from, f.payload);
                 let session = self.sessions.get_mut(peer).expect("looked up above");
                 let mut out = vec![session.seal(Kind::Credit, &[&1u32.to_le_bytes()])];
-                if let Some((kind, rank, step, reason)) = receipt {
-                    out.push(session.seal(kind, &[&peer::receipt(rank, step), reason.as_bytes()]));
+                match receipt {
+                    Some((rank, step, None)) => {
+                        out.push(session.seal(Kind::Stored, &[&peer::receipt(rank, step)]));
+                    }
+                    Some((rank, step, Some((code, why)))) => {
+                        out.push(
+                            session.seal(Kind::Dropped, &[&peer::dropped(rank, step, code, &why)]),
+                        );
+                    }
+                    None => {}
                 }
                 out
             }
             Kind::Map => {
-                if let Err(e) = self.map(from, f.payload) {
-                    tracing::warn!(node = from, error = %e, "a state map refused");
-                    self.rejected.count(&e);
+                match self.map(from, f.payload) {
+                    Ok(MapTaken::Yes) => {}
+                    // A rank not this host's to hold: its chunks' drop
+                    // receipts tell the sender; a well-formed frame, not
+                    // counted as a bad one.
+                    Ok(MapTaken::NotHolder { rank }) => {
+                        tracing::debug!(node = from, rank, "a state map of a rank not held here")
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = from, error = %e, "a state map refused");
+                        self.rejected.count(&e);
+                    }
                 }
                 Vec::new()
             }
@@ -233,29 +263,26 @@ impl Inbox {
 
     /// Takes a rank's state map from node `from`: checked like the map of a
     /// local registration, and only for a rank it sends.
-    fn map(&mut self, from: u64, payload: &[u8]) -> Result<(), PeerError> {
+    fn map(&mut self, from: u64, payload: &[u8]) -> Result<MapTaken, PeerError> {
         let bad = |detail: String| PeerError::Payload {
             kind: Kind::Map,
             detail,
         };
         let (rank, json) = peer::parse_map(payload)?;
         if !(self.allowed)(from, rank) {
-            return Err(bad(format!(
-                "node {} holds no replica of rank {rank} from node {from}",
-                self.host
-            )));
+            return Ok(MapTaken::NotHolder { rank });
         }
         let map: StateMap = serde_json::from_slice(json)
             .map_err(|e| bad(format!("rank {rank}'s state map: {e}")))?;
         map.validate()
             .map_err(|e| bad(format!("rank {rank}'s state map: {e}")))?;
         self.maps.insert(rank, Arc::new(map));
-        Ok(())
+        Ok(MapTaken::Yes)
     }
 
     /// Takes one chunk from node `from`; a receipt when a snapshot was
     /// stored or dropped.
-    fn chunk(&mut self, from: u64, payload: &[u8]) -> Option<(Kind, u64, u64, String)> {
+    fn chunk(&mut self, from: u64, payload: &[u8]) -> Option<Receipt> {
         let (h, data) = match ChunkHeader::parse(payload) {
             Ok(x) => x,
             Err(e) => {
@@ -263,12 +290,17 @@ impl Inbox {
                 return None;
             }
         };
-        let drop = |why: String| Some((Kind::Dropped, h.rank, h.step, why));
+        let drop = |why: String| Some((h.rank, h.step, Some((DropCode::Failed, why))));
         if !(self.allowed)(from, h.rank) {
-            return drop(format!(
+            // Once per snapshot, not per chunk.
+            if h.offset != 0 {
+                return None;
+            }
+            let why = format!(
                 "node {} holds no replica of rank {} from node {from}",
                 self.host, h.rank
-            ));
+            );
+            return Some((h.rank, h.step, Some((DropCode::NotHolder, why))));
         }
         if h.offset == 0
             && let Err(e) = self.begin(from, &h)
@@ -304,7 +336,7 @@ impl Inbox {
         ) {
             Ok(_) => {
                 holding.stored += 1;
-                Some((Kind::Stored, cur.rank, cur.step, String::new()))
+                Some((cur.rank, cur.step, None))
             }
             Err(e) => {
                 holding.dropped += 1;
@@ -511,8 +543,8 @@ mod tests {
     }
 
     /// A rank's state map is kept beside its replica; one of a rank the
-    /// sender does not send, or that does not parse or validate, is
-    /// refused and counted.
+    /// sender does not send is passed over, and one that does not parse or
+    /// validate is refused and counted.
     #[test]
     fn a_ranks_state_map_is_kept_beside_its_replica_and_a_bad_one_is_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -541,7 +573,9 @@ mod tests {
         for f in [&good, &stranger, &garbage, &invalid] {
             assert!(inbox.handle(b"a", f, || unreachable!()).is_empty());
         }
-        assert_eq!(inbox.rejected.malformed, 3, "{:?}", inbox.rejected);
+        // The stranger's is passed over (its chunks' drop receipts tell
+        // the sender), not counted as a bad frame.
+        assert_eq!(inbox.rejected.malformed, 2, "{:?}", inbox.rejected);
         for c in chunks(&src, 9, 4096) {
             let f = s.seal(Kind::Chunk, &[&c]);
             inbox.handle(b"a", &f, || unreachable!());
@@ -589,7 +623,14 @@ mod tests {
             }
         }
         assert_eq!(credits, 3);
-        assert_eq!(receipts, vec![(0, 9, String::new())]);
+        assert_eq!(
+            receipts,
+            vec![peer::Receipt {
+                rank: 0,
+                step: 9,
+                dropped: None
+            }]
+        );
         assert_eq!(
             inbox.rejected,
             Rejected {
@@ -622,7 +663,7 @@ mod tests {
         let mut s = open(&mut inbox, b"a", 0, 1);
         let old = source(0, 3, 9000);
         let new = source(0, 4, 9000);
-        let send = |inbox: &mut Inbox, s: &mut Session, c: &[u8]| -> Vec<(u64, u64, String)> {
+        let send = |inbox: &mut Inbox, s: &mut Session, c: &[u8]| -> Vec<peer::Receipt> {
             let f = s.seal(Kind::Chunk, &[c]);
             inbox
                 .handle(b"a", &f, || unreachable!())
@@ -643,14 +684,32 @@ mod tests {
         assert!(send(&mut inbox, &mut s, &nc[1]).is_empty());
         assert_eq!(
             send(&mut inbox, &mut s, &nc[2]),
-            vec![(0, 4, String::new())]
+            vec![peer::Receipt {
+                rank: 0,
+                step: 4,
+                dropped: None
+            }]
         );
         assert_eq!(inbox.held()[0].steps, vec![4]);
-        // Rank 1 is not this agent's to hold.
-        let other = source(1, 4, 100);
-        let r = send(&mut inbox, &mut s, &chunks(&other, 4, 4096)[0]);
-        assert_eq!(r.len(), 1);
-        assert!(r[0].2.contains("holds no replica of rank 1"), "{r:?}");
+        // Rank 1 is not this agent's to hold: its map is let pass, and its
+        // snapshot dropped once, as not held here; no frame of it counts
+        // as a bad one.
+        let other = source(1, 4, 9000);
+        let map = s.seal(Kind::Map, &[&1u64.to_le_bytes(), b"{}"]);
+        assert!(inbox.handle(b"a", &map, || unreachable!()).is_empty());
+        let oc = chunks(&other, 4, 4096);
+        let r = send(&mut inbox, &mut s, &oc[0]);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!((r[0].rank, r[0].step), (1, 4));
+        assert!(
+            matches!(&r[0].dropped, Some((DropCode::NotHolder, why)) if why.contains("holds no replica of rank 1")),
+            "{r:?}"
+        );
+        assert!(
+            send(&mut inbox, &mut s, &oc[1]).is_empty(),
+            "one receipt a snapshot"
+        );
+        assert_eq!(inbox.rejected, Rejected::default());
     }
 }
 

@@ -296,7 +296,7 @@ impl Replicator {
             let _ = tx.send(r.clone());
         }
         self.feeds.lock().expect("not poisoned").push(tx);
-        self.open_stream(node, endpoint, rx);
+        self.open_stream(node, endpoint, rx, stream::Carries::Own);
     }
 
     /// Streams `stores` (replicas this agent holds of a lost host's ranks)
@@ -307,10 +307,18 @@ impl Replicator {
         for s in stores {
             let _ = tx.send(s);
         }
-        self.open_stream(node, endpoint, rx);
+        // The sender is dropped here: the stream ends once the standby
+        // holds every rank it was given.
+        self.open_stream(node, endpoint, rx, stream::Carries::HandOver);
     }
 
-    fn open_stream(&self, node: u64, endpoint: String, rx: mpsc::Receiver<RankStore>) {
+    fn open_stream(
+        &self,
+        node: u64,
+        endpoint: String,
+        rx: mpsc::Receiver<RankStore>,
+        carries: stream::Carries,
+    ) {
         let index = {
             let mut sh = self.shared.lock().expect("not poisoned");
             sh.streams.push(StreamState {
@@ -333,7 +341,9 @@ impl Replicator {
             .name(format!("replica-out-{node}"))
             .spawn(move || {
                 lower_priority();
-                if let Err(e) = stream::send(&cfg, sock, &endpoint, rx, &stop, &shared, index) {
+                if let Err(e) =
+                    stream::send(&cfg, sock, &endpoint, rx, carries, &stop, &shared, index)
+                {
                     tracing::error!(node, endpoint = %endpoint, error = %e, "replica stream stopped");
                 }
             })

@@ -171,6 +171,15 @@ impl Outbox {
         }
     }
 
+    /// `rank` is sent no more (its holder will not take it): whatever of
+    /// it waits or is under way is dropped, and its figures with it.
+    pub fn forget(&mut self, rank: u64) {
+        self.waiting.remove(&rank);
+        self.sending.remove(&rank);
+        self.progress.remove(&rank);
+        self.peer_steps.remove(&rank);
+    }
+
     /// The slot of `rank`'s transfer was rewritten while it was read: the
     /// transfer ends, and the newest snapshot goes next.
     pub fn torn(&mut self, rank: u64) {
@@ -299,6 +308,24 @@ mod tests {
         std::iter::from_fn(|| o.next_chunk())
             .map(|c| (c.offer.rank, c.offer.step, c.offset))
             .collect()
+    }
+
+    #[test]
+    fn a_forgotten_rank_goes_no_more_and_the_others_go_on() {
+        let mut o = Outbox::new(10);
+        o.offer(offer(0, 1, 30));
+        o.offer(offer(1, 1, 20));
+        o.credit(2);
+        assert_eq!(drain(&mut o), vec![(0, 1, 0), (1, 1, 0)]);
+        o.stored(0, 0);
+        o.forget(0);
+        o.credit(10);
+        assert_eq!(drain(&mut o), vec![(1, 1, 10)]);
+        assert!(o.peer_steps(0, 4).is_empty());
+        assert_eq!(o.progress().keys().copied().collect::<Vec<_>>(), vec![1]);
+        // Offered again (the rank is fed to the stream anew), it goes.
+        o.offer(offer(0, 2, 10));
+        assert_eq!(drain(&mut o), vec![(0, 2, 0)]);
     }
 
     #[test]

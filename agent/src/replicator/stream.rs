@@ -6,7 +6,7 @@
 
 use super::outbox::{Offer, Outbox, at_risk};
 use super::{HELLO_AGAIN, POLL, RankStore, ReplicatorConfig, SCAN, SILENCE, Shared, nonce, poll};
-use hatrain_shared::peer::{self, ChunkHeader, Kind, Pending, Session};
+use hatrain_shared::peer::{self, ChunkHeader, DropCode, Kind, Pending, Receipt, Session};
 use hatrain_shared::shm::Store;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,14 +30,116 @@ fn send_until(sock: &zmq::Socket, frame: Vec<u8>, stop: &AtomicBool) -> Result<b
     }
 }
 
-/// One outgoing stream: connect, say hello, then send what the outbox
-/// says while the peer grants credit.
 /// A snapshot the peer refused as not its to hold goes again after this
 /// long (its orders may come after the stream: a standby told to take a
 /// lost host's ranks while their holder already hands them over)...
 const REFUSED_AGAIN: Duration = Duration::from_millis(100);
 /// ...for this long after the first refusal.
 const REFUSED_FOR: Duration = Duration::from_secs(10);
+/// After that, or once a holder that took the rank's snapshots refuses
+/// it (it holds the rank itself now), an own stream offers the rank once
+/// in this long (the placement may turn back to the holder); a hand-over
+/// offers it no more.
+const DECLINED_AGAIN: Duration = Duration::from_secs(30);
+
+/// What a stream carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Carries {
+    /// This host's own ranks, to a holder of their replicas.
+    Own,
+    /// Replicas this host holds of a lost host's ranks, to the standby
+    /// that takes them: done once the standby holds each rank itself.
+    HandOver,
+}
+
+/// What a stream does next with a rank its holder refused as not its to
+/// hold ([`DropCode::NotHolder`](hatrain_shared::peer::DropCode)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Offer it again at this instant.
+    Again(Instant),
+    /// Offer it no more.
+    Declined,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Refusal {
+    first: Instant,
+    /// When the rank goes again; `None` while it is not held back.
+    again: Option<Instant>,
+}
+
+/// The refusals of one stream's holder, by rank, without I/O: the instant
+/// comes in.
+#[derive(Debug)]
+struct Refusals {
+    carries: Carries,
+    ranks: BTreeMap<u64, Refusal>,
+    /// Ranks the holder stored a snapshot of on this stream.
+    taken: std::collections::BTreeSet<u64>,
+}
+
+impl Refusals {
+    fn new(carries: Carries) -> Self {
+        Self {
+            carries,
+            ranks: BTreeMap::new(),
+            taken: Default::default(),
+        }
+    }
+
+    /// The holder stored a snapshot of `rank`: its refusals are over.
+    fn stored(&mut self, rank: u64) {
+        self.taken.insert(rank);
+        self.ranks.remove(&rank);
+    }
+
+    /// The holder refused `rank` at `now` as not its to hold.
+    fn refused(&mut self, rank: u64, now: Instant) -> Verdict {
+        let r = self.ranks.entry(rank).or_insert(Refusal {
+            first: now,
+            again: None,
+        });
+        let settled =
+            self.taken.contains(&rank) || now.saturating_duration_since(r.first) >= REFUSED_FOR;
+        if !settled {
+            r.again = Some(now + REFUSED_AGAIN);
+        } else if self.carries == Carries::HandOver {
+            self.ranks.remove(&rank);
+            self.taken.remove(&rank);
+            return Verdict::Declined;
+        } else {
+            r.again = Some(now + DECLINED_AGAIN);
+        }
+        Verdict::Again(r.again.expect("set above"))
+    }
+
+    /// Whether `rank` is held back at `now` (no new snapshot of it is
+    /// offered): refused, and its next try not due.
+    fn holds_back(&self, rank: u64, now: Instant) -> bool {
+        self.ranks
+            .get(&rank)
+            .and_then(|r| r.again)
+            .is_some_and(|at| now < at)
+    }
+
+    /// The ranks whose next try is due at `now` (each returned once).
+    fn due(&mut self, now: Instant) -> Vec<u64> {
+        let mut out = Vec::new();
+        for (rank, r) in &mut self.ranks {
+            if r.again.is_some_and(|at| now >= at) {
+                r.again = None;
+                out.push(*rank);
+            }
+        }
+        out
+    }
+
+    /// `rank` is fed to the stream anew (registered again): a fresh start.
+    fn fed(&mut self, rank: u64) {
+        self.ranks.remove(&rank);
+    }
+}
 
 /// How often the stream checks whether a rank's replica is still safe
 /// ([`at_risk`])...
@@ -93,11 +195,16 @@ impl LagWatch {
     }
 }
 
+/// One outgoing stream: connect, say hello, then send what the outbox
+/// says while the peer grants credit. A hand-over ends once the standby
+/// holds each of its ranks itself.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn send(
     cfg: &ReplicatorConfig,
     sock: zmq::Socket,
     endpoint: &str,
     feed: mpsc::Receiver<RankStore>,
+    carries: Carries,
     stop: &AtomicBool,
     shared: &Mutex<Shared>,
     index: usize,
@@ -113,24 +220,44 @@ pub(super) fn send(
     let mut session: Option<Session> = None;
     let mut pending: Option<(Pending, Instant)> = None;
     let mut heard = Instant::now();
-    // Ranks the peer refused as not its to hold (yet): first and last
-    // refusal, and whether a try waits. Their newest snapshot goes again
-    // after a pause.
-    let mut refused: BTreeMap<u64, (Instant, Instant, bool)> = BTreeMap::new();
+    // Ranks the peer refused as not its to hold: held back, then their
+    // newest snapshot goes again, or (a hand-over done) no more.
+    let mut refusals = Refusals::new(carries);
+    let mut fed_all = false;
     let mut watch = LagWatch::default();
     let mut checked = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        for (rank, (_, last, waits)) in &mut refused {
-            if *waits && last.elapsed() >= REFUSED_AGAIN {
-                outbox.again(*rank);
-                *waits = false;
+        for rank in refusals.due(Instant::now()) {
+            outbox.again(rank);
+        }
+        loop {
+            match feed.try_recv() {
+                Ok((rank, store, map)) => {
+                    refusals.fed(rank);
+                    stores.insert(rank, store);
+                    if let Some(m) = map {
+                        maps.insert(rank, m);
+                    }
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    fed_all = true;
+                    break;
+                }
             }
         }
-        while let Ok((rank, store, map)) = feed.try_recv() {
-            stores.insert(rank, store);
-            if let Some(m) = map {
-                maps.insert(rank, m);
+        if carries == Carries::HandOver && fed_all && stores.is_empty() {
+            tracing::info!(
+                endpoint,
+                "hand-over done: the standby holds every rank itself"
+            );
+            if let Ok(mut sh) = shared.lock()
+                && let Some(st) = sh.streams.get_mut(index)
+            {
+                st.connected = false;
+                st.ranks.clear();
             }
+            return Ok(());
         }
         if session.is_none()
             && pending
@@ -146,7 +273,11 @@ pub(super) fn send(
         }
         let mut lost = false;
         if let Some(s) = session.as_mut() {
+            let now = Instant::now();
             for (rank, store) in &stores {
+                if refusals.holds_back(*rank, now) {
+                    continue;
+                }
                 if let Some(newest) = store.sealed().into_iter().next() {
                     outbox.offer(Offer {
                         rank: *rank,
@@ -263,19 +394,43 @@ pub(super) fn send(
                         },
                         Kind::Stored | Kind::Dropped => {
                             match peer::parse_receipt(f.kind, f.payload) {
-                                Ok((rank, step, _)) if f.kind == Kind::Stored => {
-                                    outbox.stored(rank, step)
+                                Ok(Receipt {
+                                    rank,
+                                    step,
+                                    dropped: None,
+                                }) => {
+                                    refusals.stored(rank);
+                                    outbox.stored(rank, step);
                                 }
-                                Ok((rank, step, why)) => {
-                                    tracing::warn!(rank, step, reason = %why, "the peer dropped a replica");
+                                Ok(Receipt {
+                                    rank,
+                                    step,
+                                    dropped: Some((DropCode::NotHolder, why)),
+                                }) => {
                                     outbox.dropped(rank, step);
-                                    if why.contains("holds no replica of rank") {
-                                        let now = Instant::now();
-                                        let r = refused.entry(rank).or_insert((now, now, false));
-                                        if r.0.elapsed() < REFUSED_FOR {
-                                            (r.1, r.2) = (now, true);
+                                    match refusals.refused(rank, Instant::now()) {
+                                        Verdict::Again(_) => {
+                                            tracing::debug!(rank, step, reason = %why, "the peer does not hold this rank (yet)")
+                                        }
+                                        Verdict::Declined => {
+                                            tracing::info!(
+                                                rank,
+                                                endpoint,
+                                                "the standby holds the rank itself: its replica goes there no more"
+                                            );
+                                            stores.remove(&rank);
+                                            maps.remove(&rank);
+                                            outbox.forget(rank);
                                         }
                                     }
+                                }
+                                Ok(Receipt {
+                                    rank,
+                                    step,
+                                    dropped: Some((DropCode::Failed, why)),
+                                }) => {
+                                    tracing::warn!(rank, step, reason = %why, "the peer dropped a replica");
+                                    outbox.dropped(rank, step);
                                 }
                                 Err(e) => tracing::warn!(error = %e, "receipt refused"),
                             }
@@ -310,4 +465,55 @@ pub(super) fn send(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_refused_before_the_holders_orders_goes_again_soon_then_rarely() {
+        let t0 = Instant::now();
+        let mut r = Refusals::new(Carries::Own);
+        assert_eq!(r.refused(3, t0), Verdict::Again(t0 + REFUSED_AGAIN));
+        assert!(r.holds_back(3, t0));
+        assert!(!r.holds_back(4, t0), "other ranks go on");
+        assert!(r.due(t0).is_empty());
+        assert_eq!(r.due(t0 + REFUSED_AGAIN), vec![3]);
+        assert!(!r.holds_back(3, t0 + REFUSED_AGAIN));
+        // Still refused past the window: tried once in a long while.
+        let late = t0 + REFUSED_FOR;
+        assert_eq!(r.refused(3, late), Verdict::Again(late + DECLINED_AGAIN));
+        assert!(r.holds_back(3, late + REFUSED_FOR));
+        // Taken at last: its refusals are over.
+        r.stored(3);
+        assert!(!r.holds_back(3, late));
+        assert!(r.due(late + DECLINED_AGAIN).is_empty());
+    }
+
+    #[test]
+    fn a_hand_over_ends_a_rank_once_the_standby_that_took_its_snapshots_refuses_it() {
+        let t0 = Instant::now();
+        let mut r = Refusals::new(Carries::HandOver);
+        // Orders late: refused at first, then taken.
+        assert_eq!(r.refused(0, t0), Verdict::Again(t0 + REFUSED_AGAIN));
+        r.stored(0);
+        // The standby filled the rank's store and holds it itself.
+        assert_eq!(r.refused(0, t0), Verdict::Declined);
+        assert!(!r.holds_back(0, t0));
+        // A rank never taken is given up after the window.
+        assert!(matches!(r.refused(1, t0), Verdict::Again(_)));
+        assert_eq!(r.refused(1, t0 + REFUSED_FOR), Verdict::Declined);
+    }
+
+    #[test]
+    fn an_own_rank_taken_then_refused_is_held_back_not_dropped_and_a_new_feed_starts_afresh() {
+        let t0 = Instant::now();
+        let mut r = Refusals::new(Carries::Own);
+        r.stored(2);
+        assert_eq!(r.refused(2, t0), Verdict::Again(t0 + DECLINED_AGAIN));
+        assert!(r.holds_back(2, t0 + REFUSED_FOR));
+        r.fed(2);
+        assert!(!r.holds_back(2, t0));
+    }
 }

@@ -283,7 +283,8 @@ impl ForkServer {
             .stderr(Stdio::inherit());
         let raw = theirs.as_raw_fd();
         // SAFETY: between fork and exec only fcntl(2), dup2(2), setpgid(2),
-        // prctl(2), open(2), write(2) and close(2): async-signal-safe.
+        // prctl(2), open(2), write(2), close(2), getrlimit(2) and
+        // setrlimit(2): async-signal-safe.
         unsafe {
             cmd.pre_exec(move || {
                 // dup2 clears close-on-exec on the copy; a socket that is
@@ -299,6 +300,7 @@ impl ForkServer {
                 nix::unistd::setpgid(nix::unistd::Pid::from_raw(0), nix::unistd::Pid::from_raw(0))?;
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
                 crate::oom::prefer_as_oom_victim();
+                crate::limits::restore_nofile_in_child();
                 Ok(())
             });
         }

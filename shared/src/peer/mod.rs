@@ -41,7 +41,8 @@
 use crate::auth::{KEY_LEN, NONCE_LEN, Secret, TAG_LEN};
 
 pub const MAGIC: [u8; 4] = *b"HTPR";
-pub const VERSION: (u16, u16) = (1, 0);
+/// 1.1: a drop receipt carries a [`DropCode`] before its text.
+pub const VERSION: (u16, u16) = (1, 1);
 /// Bytes of the fixed header.
 pub const HEADER_LEN: usize = 48;
 /// Bytes of a chunk's own header, before its data.
@@ -71,7 +72,7 @@ pub enum Kind {
     /// (rank u64, step u64).
     Stored = 5,
     /// Acceptor → initiator: a snapshot was dropped (rank u64, step u64,
-    /// then a UTF-8 reason).
+    /// a [`DropCode`] u8, then a UTF-8 reason; since version 1.1).
     Dropped = 6,
     /// Initiator → acceptor: membership ([`Beat`]).
     Heartbeat = 7,
@@ -656,7 +657,7 @@ impl Beat {
     }
 }
 
-/// A receipt's payload: rank and step (and, for a drop, the reason).
+/// A [`Kind::Stored`] receipt's payload: rank and step.
 pub fn receipt(rank: u64, step: u64) -> [u8; 16] {
     let mut b = [0u8; 16];
     b[..8].copy_from_slice(&rank.to_le_bytes());
@@ -664,17 +665,75 @@ pub fn receipt(rank: u64, step: u64) -> [u8; 16] {
     b
 }
 
-/// Parses a [`Kind::Stored`] or [`Kind::Dropped`] payload: rank, step and
-/// the reason (empty for a store).
-pub fn parse_receipt(kind: Kind, payload: &[u8]) -> Result<(u64, u64, String), PeerError> {
-    if payload.len() < 16 || (kind == Kind::Stored && payload.len() != 16) {
-        return Err(PeerError::Payload {
-            kind,
-            detail: format!("{} bytes for a receipt", payload.len()),
-        });
+/// Why a holder dropped a snapshot: the byte after a [`Kind::Dropped`]
+/// receipt's rank and step. The sender branches on it, never on the text
+/// that follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DropCode {
+    /// The holder takes no replica of this rank from this sender: not its
+    /// to hold (yet: its orders may come after the stream), or no longer
+    /// (a standby that filled the rank's store holds the rank itself).
+    NotHolder = 1,
+    /// The snapshot could not be stored (no room, a torn or unverifiable
+    /// transfer, a bad layout): the text says why.
+    Failed = 2,
+}
+
+impl DropCode {
+    fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            1 => Some(Self::NotHolder),
+            2 => Some(Self::Failed),
+            _ => None,
+        }
     }
-    let reason = String::from_utf8_lossy(&payload[16..]).into_owned();
-    Ok((u64_at(payload, 0), u64_at(payload, 8), reason))
+}
+
+/// A [`Kind::Dropped`] receipt's payload: rank, step, why (the code, then
+/// a UTF-8 text for the log).
+pub fn dropped(rank: u64, step: u64, code: DropCode, text: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(17 + text.len());
+    b.extend_from_slice(&receipt(rank, step));
+    b.push(code as u8);
+    b.extend_from_slice(text.as_bytes());
+    b
+}
+
+/// A holder's receipt for one snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    pub rank: u64,
+    pub step: u64,
+    /// `None`: stored; else dropped, with why.
+    pub dropped: Option<(DropCode, String)>,
+}
+
+/// Parses a [`Kind::Stored`] or [`Kind::Dropped`] payload.
+pub fn parse_receipt(kind: Kind, payload: &[u8]) -> Result<Receipt, PeerError> {
+    let bad = |detail: String| PeerError::Payload { kind, detail };
+    let (rank, step) = match payload.get(..16) {
+        Some(_) => (u64_at(payload, 0), u64_at(payload, 8)),
+        None => return Err(bad(format!("{} bytes for a receipt", payload.len()))),
+    };
+    let dropped = match kind {
+        Kind::Stored if payload.len() == 16 => None,
+        Kind::Stored => return Err(bad(format!("{} bytes for a receipt", payload.len()))),
+        Kind::Dropped => {
+            let byte = *payload
+                .get(16)
+                .ok_or_else(|| bad("a drop receipt without its reason code".into()))?;
+            let code = DropCode::from_byte(byte)
+                .ok_or_else(|| bad(format!("unknown drop reason code {byte}")))?;
+            Some((code, String::from_utf8_lossy(&payload[17..]).into_owned()))
+        }
+        other => return Err(bad(format!("a {other:?} frame is not a receipt"))),
+    };
+    Ok(Receipt {
+        rank,
+        step,
+        dropped,
+    })
 }
 
 /// The largest state map a [`Kind::Map`] frame carries.

@@ -48,8 +48,37 @@ fn a_chunk_goes_through_and_its_receipt_comes_back() {
     let f = ini.open(&back).unwrap();
     assert_eq!(
         parse_receipt(f.kind, f.payload).unwrap(),
-        (3, 40, String::new())
+        Receipt {
+            rank: 3,
+            step: 40,
+            dropped: None
+        }
     );
+    let back = acc.seal(
+        Kind::Dropped,
+        &[&dropped(3, 41, DropCode::NotHolder, "not mine")],
+    );
+    let f = ini.open(&back).unwrap();
+    assert_eq!(
+        parse_receipt(f.kind, f.payload).unwrap(),
+        Receipt {
+            rank: 3,
+            step: 41,
+            dropped: Some((DropCode::NotHolder, "not mine".into()))
+        }
+    );
+}
+
+#[test]
+fn a_receipt_is_refused_without_its_code_with_an_unknown_one_or_of_another_kind() {
+    let mut no_code = receipt(1, 2).to_vec();
+    assert!(parse_receipt(Kind::Dropped, &no_code).is_err());
+    no_code.push(9);
+    let e = parse_receipt(Kind::Dropped, &no_code).unwrap_err();
+    assert!(e.to_string().contains("unknown drop reason code 9"), "{e}");
+    assert!(parse_receipt(Kind::Stored, &dropped(1, 2, DropCode::Failed, "")).is_err());
+    assert!(parse_receipt(Kind::Credit, &receipt(1, 2)).is_err());
+    assert!(parse_receipt(Kind::Dropped, &receipt(1, 2)[..15]).is_err());
 }
 
 #[test]

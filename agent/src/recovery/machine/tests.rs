@@ -361,6 +361,52 @@ fn a_crash_is_restarted_and_every_rank_returns_to_s_star() {
     assert_eq!(sim.m.start_mode(), StartMode::Fresh { epoch: 1 });
 }
 
+/// A machine that took the job over (a successor, or the next agent of a
+/// served job) is driven on the job's clock, so a fault it records is
+/// dated when it was seen, and one the old controller left unfinished is
+/// timed from its own detection.
+#[test]
+fn a_successor_dates_and_times_faults_on_the_jobs_clock() {
+    let mut sim = Sim::new(3);
+    sim.now = Duration::from_secs(500);
+    sim.run(10);
+    sim.crash(1);
+    let mirror = Inherited {
+        started_unix_s: 1_000.0,
+        epoch: sim.m.epoch(),
+        faults: sim.m.faults().to_vec(),
+        protected: (0..3).collect(),
+        ..Inherited::default()
+    };
+    let detected = mirror.faults[0].detected_unix_s;
+    assert!(
+        (detected - 1_500.1).abs() < 1e-6,
+        "seen 500 s and 10 ticks into the job: {detected}"
+    );
+    let mut next = Sim::new(3);
+    next.m = Machine::take_over(config(), (0..3).collect(), mirror);
+    next.now = Duration::from_secs(700);
+    // The old controller's agent died during the recovery: its successor
+    // starts it again.
+    next.feed(Event::Interrupted);
+    next.run_until("the recovery", 400, |s| {
+        s.m.faults().first().is_some_and(|f| f.recovery_s.is_some())
+    });
+    let first = &next.m.faults()[0];
+    let timed = first.recovery_s.unwrap();
+    assert!(
+        (199.9..201.0).contains(&timed),
+        "timed from its detection, not the job's start: {timed}"
+    );
+    next.crash(2);
+    let second = next.m.faults().last().unwrap();
+    assert!(
+        second.detected_unix_s >= 1_700.0 && second.detected_unix_s < 1_710.0,
+        "dated on the job's clock: {}",
+        second.detected_unix_s
+    );
+}
+
 #[test]
 fn a_second_fault_mid_recovery_opens_another_epoch() {
     let mut sim = Sim::new(4);
