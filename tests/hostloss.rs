@@ -56,14 +56,48 @@ fn host1_recovered_on_the_standby(
 
 /// Host 1 vanishes; the controller gives its ranks to the standby, whose
 /// stores are filled from their replicas on host 2 ((1 + 1) mod 3); every
-/// rank resumes from s\*.
+/// rank resumes from s\*. Once the standby holds ranks 2 and 3 itself,
+/// host 2's hand-over to it ends (it offered every new step before, each
+/// refused), and the standby counted no frame as malformed: checked while
+/// rank 0 naps again in step 50.
 #[test]
 fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
     let tmp = tempfile::tempdir().unwrap();
     let (train, reference) = six_ranks_reference(tmp.path());
-    let mut c = Cluster::start(tmp, "standby", 1, &[], &train);
+    let plan = format!("{NAP};0:50:forward:sleep6000");
+    let mut c = Cluster::start_with_plan(tmp, "standby", 1, &[], &train, &plan);
     c.wait_held(2, &[2, 3]);
     c.vanish(&[1]);
+    // Host 2 streams its own ranks past step 45 (so the job is well past
+    // the recovery), while nothing goes to the standby any more.
+    let settled = poll_agentctl(&c.socket(2), "status", Duration::from_secs(120), |v| {
+        let streams = v["status"]["replicas"]["streams"].as_array()?;
+        let own_past_45 = streams.iter().any(|s| {
+            s["node"] == 0
+                && s["ranks"]
+                    .as_array()
+                    .is_some_and(|r| r.iter().any(|r| r["local_step"].as_u64() >= Some(45)))
+        });
+        let handover_done = streams
+            .iter()
+            .filter(|s| s["node"] == 3)
+            .all(|s| s["connected"] == false && s["ranks"].as_array().is_some_and(Vec::is_empty));
+        (own_past_45 && handover_done).then(|| streams.clone())
+    });
+    let standby = poll_agentctl(&c.socket(3), "status", Duration::from_secs(30), |v| {
+        Some(v["status"]["replicas"].clone())
+    });
+    if settled.is_none() || standby.is_none() {
+        panic!(
+            "host 2's hand-over to the standby never ended ({settled:?}), or the standby did not answer:\n{}",
+            c.kill_all()
+        );
+    }
+    let standby = standby.unwrap();
+    assert_eq!(
+        standby["rejected_malformed"], 0,
+        "the standby counted no frame as malformed: {standby}"
+    );
     let outs = c.ends(&[0, 2, 3]);
     host1_recovered_on_the_standby(&c, &outs, &reference);
 }
