@@ -388,6 +388,7 @@ fn cpu_seconds(pid: i32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     let after = &stat[stat.rfind(')').unwrap() + 2..];
     let f: Vec<&str> = after.split(' ').collect();
+    // SAFETY: sysconf(3) reads a constant of the system; no memory.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / ticks
 }

@@ -176,6 +176,9 @@ struct Collected {
     rejected: Vec<(usize, String)>,
 }
 
+/// The worker specs of the ranks named.
+type SpecsFor<'a> = Box<dyn Fn(&[usize]) -> Vec<WorkerSpec> + 'a>;
+
 /// The loop's state: what it owns and what it has been asked.
 struct Driver<'a> {
     cfg: &'a LaunchConfig,
@@ -217,7 +220,7 @@ struct Driver<'a> {
     device_faults: std::collections::VecDeque<hatrain_shared::control::DeviceFaultRecord>,
     /// The worker specs of the ranks named (a standby takes a lost
     /// host's, wherever they ran last).
-    specs_for: Box<dyn Fn(&[usize]) -> Vec<WorkerSpec> + 'a>,
+    specs_for: SpecsFor<'a>,
     /// Ranks of a lost host this standby took, and those whose stores were
     /// filled from their replicas.
     adopted: BTreeSet<usize>,
@@ -317,7 +320,7 @@ async fn run_with(
     // A rank's spec is the one its original node gives it: a rank keeps
     // its number, its local rank and its environment on whichever host
     // plays it (a standby that took it, or the standby after that).
-    let specs_for: Box<dyn Fn(&[usize]) -> Vec<WorkerSpec>> = {
+    let specs_for: SpecsFor<'_> = {
         let (socket, secret_file, control) = (
             socket.display().to_string(),
             secret_file.display().to_string(),
