@@ -1,6 +1,7 @@
 //! How long the controller takes to decide at scale: the recovery machine
-//! (the code a controller runs) fed with the reports of 4,096 simulated
-//! agents of 8 ranks each (32,768 ranks), in-process, no processes.
+//! (the code a controller runs) fed with the reports of 4,096 and of
+//! 16,384 simulated agents of 8 ranks each (32,768 and 131,072 ranks),
+//! in-process, no processes.
 //!
 //! One rank dies; every rank pauses; then:
 //! - `pause report -> collect`: the tick that brings the last rank's
@@ -9,7 +10,8 @@
 //!   steps (the last report of a recovery), until s\* is chosen and every
 //!   rank has its `Resume` directive: the decision.
 //!
-//! Medians of `ROUNDS` recoveries (`HATRAIN_BENCH_AGENTS` sets the agents).
+//! Medians of `ROUNDS` recoveries (`HATRAIN_BENCH_AGENTS` sets one size
+//! of its own).
 
 mod common;
 use common::median;
@@ -122,10 +124,19 @@ fn recovery(m: &mut Machine, n: usize, now: &mut Duration, step: u64) -> (f64, f
 }
 
 fn main() {
-    let agents: usize = std::env::var("HATRAIN_BENCH_AGENTS")
+    let sizes: Vec<usize> = match std::env::var("HATRAIN_BENCH_AGENTS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(4096);
+    {
+        Some(agents) => vec![agents],
+        None => vec![4096, 16384],
+    };
+    for agents in sizes {
+        run(agents);
+    }
+}
+
+fn run(agents: usize) {
     let n = agents * RANKS_PER_AGENT;
     let cfg = MachineConfig {
         modes: HaModes {

@@ -61,25 +61,6 @@ struct HostLabels {
 
 type GaugeF = Gauge<f64, AtomicU64>;
 
-/// The fixed set a fault's action falls in (its record says it in words).
-pub fn action_class(action: &str) -> &'static str {
-    if action.starts_with("stop the job") {
-        "stop"
-    } else if action.starts_with("restart ranks") && action.contains("standby") {
-        "standby"
-    } else if action.starts_with("restart rank") {
-        "reboot"
-    } else if action.starts_with("restart the whole group") {
-        "group_restart"
-    } else if action.starts_with("shrinking") {
-        "shrink"
-    } else if action.contains("recompute") || action.contains("repair") {
-        "repair"
-    } else {
-        "other"
-    }
-}
-
 fn kind_name(kind: FaultKind) -> String {
     serde_json::to_value(kind)
         .ok()
@@ -139,7 +120,7 @@ pub fn render(reports: &[StatusReport]) -> String {
             let l = FaultLabels {
                 job: r.job.clone(),
                 kind: kind_name(f.kind),
-                action: action_class(&f.action).into(),
+                action: f.class.name().into(),
             };
             faults.get_or_create(&l).inc();
             if let Some(s) = f.recovery_s {
@@ -444,27 +425,6 @@ mod tests {
     use hatrain_shared::control::FaultRecord;
 
     #[test]
-    fn actions_fall_in_a_fixed_set() {
-        for (action, class) in [
-            ("restart rank 1 in place (restart 1)", "reboot"),
-            ("restart ranks [4, 5] on standby host 3", "standby"),
-            ("restart the whole group (restart 1 of 3)", "group_restart"),
-            (
-                "shrinking the data-parallel group from 6 to 4 ranks",
-                "shrink",
-            ),
-            ("stop the job: the pause timed out", "stop"),
-            (
-                "rank 0: uncorrectable memory error in params: every rank returns to s* and recomputes (no restart)",
-                "repair",
-            ),
-            ("something new", "other"),
-        ] {
-            assert_eq!(action_class(action), class, "{action}");
-        }
-    }
-
-    #[test]
     fn the_classic_format_names_counters_by_their_samples() {
         let r = StatusReport {
             job: "j".into(),
@@ -486,6 +446,7 @@ mod tests {
                 detected_unix_s: 0.0,
                 s_star: Some(3),
                 action: "rank 1: uncorrectable memory error in params: every rank returns to s* and recomputes (no restart)".into(),
+                class: hatrain_shared::control::FaultAction::Repair,
                 recovery_s: Some(0.5),
                 steps_lost: Some(1),
                 reason: String::new(),

@@ -18,7 +18,8 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    minor: 6,
+    // 1.7: a fault record's `class`.
+    minor: 7,
     max_payload: 1 << 20,
 };
 
@@ -228,6 +229,45 @@ pub struct WorkerReport {
     pub protected: bool,
 }
 
+/// What was done about a fault.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultAction {
+    /// Its state restored from s\* and the step recomputed, in place.
+    Repair,
+    /// The rank restarted in place (a fresh process or a warm standby).
+    Reboot,
+    /// The whole group restarted, as torchrun would.
+    GroupRestart,
+    /// Its ranks restarted on a standby host.
+    Standby,
+    /// The data-parallel group went on without its ranks.
+    Shrink,
+    /// The last-words checkpoint written, then the job stopped.
+    LastWords,
+    /// The job stopped.
+    Stop,
+    /// Nothing: the job was stopping already.
+    #[default]
+    None,
+}
+
+impl FaultAction {
+    /// Its name, as the metrics label it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Repair => "repair",
+            Self::Reboot => "reboot",
+            Self::GroupRestart => "group_restart",
+            Self::Standby => "standby",
+            Self::Shrink => "shrink",
+            Self::LastWords => "last_words",
+            Self::Stop => "stop",
+            Self::None => "none",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultRecord {
@@ -242,6 +282,10 @@ pub struct FaultRecord {
     pub s_star: Option<u64>,
     /// What was done about it, and how it went.
     pub action: String,
+    /// What was done, as a type: what code branches on (and the metrics'
+    /// label), never the words of `action`.
+    #[serde(default)]
+    pub class: FaultAction,
     /// Detection to the first step completed after recovery.
     pub recovery_s: Option<f64>,
     /// Steps that had to be computed again.

@@ -186,8 +186,8 @@ impl Controller {
         machine: Machine,
         (nodes, per_node): (usize, usize),
         node: u64,
-        from: &Mirror,
-        gone: &[u64],
+        (from, gone): (&Mirror, &[u64]),
+        now: Instant,
     ) -> Self {
         let mut c = Self::new(machine, nodes, node as usize, per_node, 0);
         if !from.members.is_empty() {
@@ -199,23 +199,24 @@ impl Controller {
         c.filling.clone_from(&from.filling);
         let waiting = c.everyone().filter(|n| !gone.contains(n)).collect();
         c.settling = Some(Settling {
-            until: Instant::now() + SETTLE,
+            until: now + SETTLE,
             waiting,
             losses: Vec::new(),
         });
         c
     }
 
-    /// Host `node` reported; the losses that waited for the take-over to
-    /// settle, once it has (every live host heard, or the deadline passed).
-    pub fn settle(&mut self, node: Option<u64>) -> Vec<HostLoss> {
+    /// Host `node` reported (at `now`); the losses that waited for the
+    /// take-over to settle, once it has (every live host heard, or the
+    /// deadline passed).
+    pub fn settle(&mut self, node: Option<u64>, now: Instant) -> Vec<HostLoss> {
         let Some(s) = &mut self.settling else {
             return Vec::new();
         };
         if let Some(n) = node {
             s.waiting.remove(&n);
         }
-        if !s.waiting.is_empty() && Instant::now() < s.until {
+        if !s.waiting.is_empty() && now < s.until {
             return Vec::new();
         }
         self.settling.take().map(|s| s.losses).unwrap_or_default()

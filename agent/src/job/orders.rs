@@ -253,7 +253,7 @@ impl Driver<'_> {
                 held,
             } => {
                 c.note_held(from, held);
-                let settled = c.settle(Some(from));
+                let settled = c.settle(Some(from), Instant::now());
                 if let Some(v) = views.iter().find(|v| !c.holds(from, v.rank)) {
                     tracing::warn!(
                         node = from,

@@ -15,7 +15,7 @@ use super::{Driver, machine_config};
 use crate::launch::CoordinatorChoice;
 use crate::recovery::{Event, Machine, Outcome};
 use crate::supervisor::Supervisor;
-use hatrain_shared::control::{FaultKind, FaultRecord};
+use hatrain_shared::control::{FaultAction, FaultKind, FaultRecord};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -57,7 +57,7 @@ impl Driver<'_> {
         let me = self.cfg.node_rank as u64;
         match &mut self.decider {
             Decider::Controller(c) => {
-                let settled = c.settle(None);
+                let settled = c.settle(None, Instant::now());
                 self.on_hosts_lost(sup, settled);
                 self.mend_or_stop(sup);
                 self.stop_if_replaced(&view);
@@ -142,8 +142,8 @@ impl Driver<'_> {
             machine,
             (cfg.nnodes, cfg.nproc_per_node),
             cfg.node_rank as u64,
-            &f.mirror,
-            &self.lost,
+            (&f.mirror, &self.lost),
+            Instant::now(),
         );
         if let Some(s) = &mut c.settling {
             s.losses = std::mem::take(&mut f.losses);
@@ -188,6 +188,7 @@ impl Driver<'_> {
             detected_unix_s: detected,
             s_star: None,
             action: "stop the job".into(),
+            class: FaultAction::Stop,
             recovery_s: None,
             steps_lost: None,
             reason: format!(

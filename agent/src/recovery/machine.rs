@@ -37,7 +37,9 @@ use super::policy::{
 use super::watchdog::{HangPolicy, Watch};
 use super::{Command, Event, ExitCause, HostLoss, Level, Note, Outcome, RankView, Written};
 use crate::reaper::ExitStatus;
-use hatrain_shared::control::{FaultKind, FaultRecord, ResizeRecord as Resize, StartMode};
+use hatrain_shared::control::{
+    FaultAction, FaultKind, FaultRecord, ResizeRecord as Resize, StartMode,
+};
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::shm::{Directive, Phase};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -300,7 +302,7 @@ impl Machine {
                 let open: Vec<usize> = (0..self.faults.len())
                     .filter(|&i| {
                         self.faults[i].recovery_s.is_none()
-                            && !self.faults[i].action.starts_with("stop the job")
+                            && self.faults[i].class != FaultAction::Stop
                     })
                     .collect();
                 self.note(
@@ -474,7 +476,7 @@ impl Machine {
         rank: usize,
         kind: FaultKind,
         detail: String,
-        action: String,
+        (class, action): (FaultAction, String),
         reason: String,
     ) -> usize {
         self.faults.push(FaultRecord {
@@ -485,6 +487,7 @@ impl Machine {
             detected_unix_s: self.started_unix_s + now.as_secs_f64(),
             s_star: None,
             action,
+            class,
             recovery_s: None,
             steps_lost: None,
             reason,

@@ -347,3 +347,56 @@ fn orders_of_a_replaced_controller_are_refused_before_its_successors_come() {
     assert_eq!(admit(0, 0, (0, 0), 0), Admit::Take);
     assert_eq!(admit(0, 0, (0, 0), 1), Admit::Take);
 }
+
+/// The placement half of a standby lost in turn: host 0's ranks go to
+/// standby 3, and when standby 3 is lost they go on to standby 4 (the
+/// ranks a host holds are the placement's, not its node's number).
+#[test]
+fn a_standby_that_took_a_hosts_ranks_and_is_lost_passes_them_to_the_next_standby() {
+    let mut c = Controller::new(controller(3, 2).machine, 3, 1, 2, 2);
+    c.heard = (0..5).collect();
+    c.note_held(1, [0, 1]);
+    c.note_held(2, [2, 3]);
+    c.note_held(0, [4, 5]);
+    assert_eq!(
+        c.host_lost(0, true, &[0]),
+        placed(vec![0, 1], Some(3), vec![])
+    );
+    c.registered(3, 0);
+    c.registered(3, 1);
+    // Host 3 streams ranks 0 and 1 to host 1, as host 0 did.
+    c.note_held(1, [0, 1]);
+    assert_eq!(
+        c.host_lost(3, true, &[0, 3]),
+        placed(vec![0, 1], Some(4), vec![])
+    );
+    assert_eq!(c.ranks_on(4), vec![0, 1]);
+    assert_eq!(c.node_of(0), 4);
+}
+
+/// A successor's take-over settles once every live host reported, or when
+/// its deadline passes: the instant comes in, no clock is read.
+#[test]
+fn a_take_over_settles_when_every_host_reported_or_at_its_deadline() {
+    let t0 = Instant::now();
+    let mirror = Mirror::default();
+    let mut c = Controller::take_over(controller(3, 2).machine, (3, 2), 1, (&mirror, &[0]), t0);
+    let loss = HostLoss {
+        node: 0,
+        ranks: vec![0, 1],
+        detail: String::new(),
+        spare: None,
+        state_lost: Vec::new(),
+        on_disk: None,
+        hosts_left: 0,
+    };
+    c.settling.as_mut().unwrap().losses.push(loss.clone());
+    assert!(c.settle(Some(1), t0).is_empty(), "host 2 not heard yet");
+    assert_eq!(c.settle(Some(2), t0), vec![loss.clone()]);
+    assert!(c.settling.is_none());
+
+    let mut late = Controller::take_over(controller(3, 2).machine, (3, 2), 1, (&mirror, &[0]), t0);
+    late.settling.as_mut().unwrap().losses.push(loss.clone());
+    assert!(late.settle(None, t0 + SETTLE / 2).is_empty());
+    assert_eq!(late.settle(None, t0 + SETTLE), vec![loss]);
+}

@@ -165,7 +165,7 @@ impl Machine {
                 rank,
                 kind,
                 detail,
-                "none: the job is stopping".into(),
+                (FaultAction::None, "none: the job is stopping".into()),
                 reason,
             );
             return;
@@ -214,7 +214,10 @@ impl Machine {
                     rank,
                     kind,
                     detail,
-                    format!("restart rank {rank} in place (restart {restarts})"),
+                    (
+                        FaultAction::Reboot,
+                        format!("restart rank {rank} in place (restart {restarts})"),
+                    ),
                     reason,
                 );
                 self.recover(now, f);
@@ -237,7 +240,14 @@ impl Machine {
         status: Option<ExitStatus>,
     ) {
         self.fault_note(Level::Error, rank, "worker failed", &detail, &reason);
-        self.record_fault(now, rank, kind, detail, "stop the job".into(), reason);
+        self.record_fault(
+            now,
+            rank,
+            kind,
+            detail,
+            (FaultAction::Stop, "stop the job".into()),
+            reason,
+        );
         let outcome = match status {
             Some(status) => Outcome::WorkerFailed { rank, status },
             None => Outcome::RecoveryFailed,
@@ -271,7 +281,10 @@ impl Machine {
                     rank,
                     FaultKind::Uce,
                     detail,
-                    "restore s* and recompute the step".into(),
+                    (
+                        FaultAction::Repair,
+                        "restore s* and recompute the step".into(),
+                    ),
                     reason,
                 );
                 self.recover(now, f);
@@ -294,7 +307,7 @@ impl Machine {
                     rank,
                     FaultKind::Uce,
                     detail,
-                    "stop the job".into(),
+                    (FaultAction::Stop, "stop the job".into()),
                     reason,
                 );
                 self.stop_with(now, Outcome::RecoveryFailed);
@@ -365,7 +378,10 @@ impl Machine {
             rank,
             kind,
             detail,
-            format!("restart the whole group (restart {restart} of {limit})"),
+            (
+                FaultAction::GroupRestart,
+                format!("restart the whole group (restart {restart} of {limit})"),
+            ),
             reason,
         );
         // The group starts from nothing the machine knew: every rank is a
@@ -432,7 +448,7 @@ impl Machine {
                 rank,
                 kind,
                 detail,
-                "stop the job".into(),
+                (FaultAction::Stop, "stop the job".into()),
                 reason.into(),
             );
             self.stop_with(now, Outcome::RecoveryFailed);
@@ -466,7 +482,7 @@ impl Machine {
             rank,
             FaultKind::Store,
             reason,
-            "stop the job".into(),
+            (FaultAction::Stop, "stop the job".into()),
             "the rank's snapshot store cannot be made on this host".into(),
         );
         self.finish(Outcome::Unfit);
@@ -540,7 +556,7 @@ impl Machine {
             _ if !state_lost.is_empty() => (
                 Level::Error,
                 format!("host {node} lost with every replica of ranks {state_lost:?}"),
-                "stop the job".into(),
+                (FaultAction::Stop, "stop the job".into()),
                 format!(
                     "the state of ranks {state_lost:?} is lost: host {node} and every host holding their peer replicas are gone, so no checkpoint of a later step can be complete; the newest complete checkpoint on disk is {newest}"
                 ),
@@ -548,7 +564,7 @@ impl Machine {
             _ if shrink => (
                 Level::Warn,
                 format!("host {node} lost: shrinking the data-parallel group"),
-                format!("go on with {stay} ranks"),
+                (FaultAction::Shrink, format!("go on with {stay} ranks")),
                 format!(
                     "no standby host is left to take ranks {ranks:?}: with elastic training the {hosts_left} hosts left go on with {stay} ranks, their optimizer shards re-sliced from their snapshots and the lost ranks' peer replicas"
                 ),
@@ -556,7 +572,10 @@ impl Machine {
             _ if elastic && self.cfg.modes.dump => (
                 Level::Error,
                 format!("host {node} lost"),
-                "write the last-words checkpoint, then stop the job".into(),
+                (
+                    FaultAction::LastWords,
+                    "write the last-words checkpoint, then stop the job".into(),
+                ),
                 format!(
                     "host {node} holds ranks {ranks:?} and no standby host is left to take them; {hosts_left} host(s) would be left, fewer than --min-nodes {min}, so the group does not shrink: the last-words checkpoint takes their state from their peer replicas"
                 ),
@@ -564,7 +583,7 @@ impl Machine {
             _ if elastic => (
                 Level::Error,
                 format!("host {node} lost"),
-                "stop the job".into(),
+                (FaultAction::Stop, "stop the job".into()),
                 format!(
                     "host {node} holds ranks {ranks:?} and no standby host is left to take them; {hosts_left} host(s) would be left, fewer than --min-nodes {min}, so the group does not shrink"
                 ),
@@ -572,13 +591,19 @@ impl Machine {
             (Some(s), _) => (
                 Level::Warn,
                 format!("host {node} lost: recovering on a standby host"),
-                format!("restart ranks {ranks:?} on standby host {s}"),
+                (
+                    FaultAction::Standby,
+                    format!("restart ranks {ranks:?} on standby host {s}"),
+                ),
                 format!("standby host {s} takes ranks {ranks:?}, filled from their peer replicas"),
             ),
             (None, None) if self.cfg.modes.dump && unprotected.is_empty() => (
                 Level::Error,
                 format!("host {node} lost"),
-                "write the last-words checkpoint, then stop the job".into(),
+                (
+                    FaultAction::LastWords,
+                    "write the last-words checkpoint, then stop the job".into(),
+                ),
                 format!(
                     "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby, or turn on elastic training to shrink the group): the last-words checkpoint takes their state from their peer replicas"
                 ),
@@ -586,7 +611,7 @@ impl Machine {
             (None, None) => (
                 Level::Error,
                 format!("host {node} lost"),
-                "stop the job".into(),
+                (FaultAction::Stop, "stop the job".into()),
                 format!(
                     "host {node} holds ranks {ranks:?} and no standby host is left to take them (start agents with --standby, or turn on elastic training to shrink the group)"
                 ),
@@ -594,7 +619,7 @@ impl Machine {
             (None, Some(_)) if !self.cfg.modes.recover => (
                 Level::Error,
                 format!("host {node} lost"),
-                "stop the job".into(),
+                (FaultAction::Stop, "stop the job".into()),
                 format!(
                     "host {node} holds ranks {ranks:?}: a standby host takes them by worker reboot, which is not enabled"
                 ),
@@ -602,7 +627,7 @@ impl Machine {
             (None, Some(_)) => (
                 Level::Error,
                 format!("host {node} lost"),
-                "stop the job".into(),
+                (FaultAction::Stop, "stop the job".into()),
                 format!(
                     "host {node} holds ranks {ranks:?}, and {unprotected:?} never registered with the hatrain runtime: no replica to restore them from"
                 ),
@@ -678,6 +703,7 @@ impl Machine {
         self.note(Level::Error, Some(rank), why.clone());
         if let Some(f) = self.faults.iter_mut().rev().find(|f| f.ranks == [rank]) {
             f.action = format!("stop the job: {why}");
+            f.class = FaultAction::Stop;
         }
         let status = self
             .last_status
@@ -741,7 +767,7 @@ impl Machine {
             rank,
             FaultKind::Rebuild,
             detail,
-            "stop the job".into(),
+            (FaultAction::Stop, "stop the job".into()),
             reason,
         );
         self.stop_with(now, Outcome::RecoveryFailed);

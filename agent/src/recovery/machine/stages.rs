@@ -202,6 +202,7 @@ impl Machine {
                     for &f in &faults {
                         self.faults[f].action =
                             format!("{}; recovery failed: {why}", self.faults[f].action);
+                        self.faults[f].class = FaultAction::Stop;
                     }
                     // Nothing consistent exists to write either.
                     self.finish(Outcome::RecoveryFailed);

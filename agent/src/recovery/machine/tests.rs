@@ -352,6 +352,7 @@ fn a_crash_is_restarted_and_every_rank_returns_to_s_star() {
     );
     assert_eq!(f.steps_lost, Some(0));
     assert!(f.recovery_s.is_some() && f.action.contains("restart rank 1 in place"));
+    assert_eq!(f.class, FaultAction::Reboot);
     assert_eq!(
         sim.posted(|d| *d == Directive::Resume { epoch: 1, step: 10 }),
         3
@@ -759,7 +760,9 @@ fn an_oom_kill_is_restarted_once_then_the_job_writes_its_last_words_and_stops() 
     assert_eq!(sim.kinds(), vec![FaultKind::Oom, FaultKind::Oom]);
     let last = &sim.m.faults()[1];
     assert!(
-        last.reason.contains("would meet the same end") && last.action == "stop the job",
+        last.reason.contains("would meet the same end")
+            && last.action == "stop the job"
+            && last.class == FaultAction::Stop,
         "{last:?}"
     );
     assert!(
