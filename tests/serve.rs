@@ -161,6 +161,14 @@ fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
     stop_clean(serve);
 }
 
+/// Seconds since the Unix epoch now, as the agents date faults.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
 /// Whether OpenMPI's mpirun itself reported a failed or aborted rank: its
 /// own banners, never a rank's words (a rank may print that its
 /// communicator aborted while the agent repairs the job).
@@ -361,6 +369,7 @@ fn an_agent_restart_never_stops_training() {
         .into_iter()
         .find(|&p| rank_of(p) == Some(1) && proc_state(p).is_some_and(|s| s != 'Z'))
         .expect("rank 1's worker");
+    let killed_at = unix_now();
     kill(victim, libc::SIGKILL);
     std::thread::sleep(Duration::from_secs(2));
     drop(serve);
@@ -370,9 +379,16 @@ fn an_agent_restart_never_stops_training() {
         faults
             .iter()
             .find(|f| f["recovery_s"].is_number() && f["ranks"] == serde_json::json!([1]))
-            .map(|_| ())
+            .and_then(|f| f["detected_unix_s"].as_f64())
     });
-    assert!(repaired.is_some(), "rank 1 was rebooted by the next agent");
+    let seen_at = unix_now();
+    let detected = repaired.expect("rank 1 was rebooted by the next agent");
+    // The next agent dates the fault on the job's clock: after the kill,
+    // and no later than this test saw it (not the job's age earlier).
+    assert!(
+        (killed_at..=seen_at).contains(&detected),
+        "rank 1's fault is dated {detected}, killed at {killed_at}, seen at {seen_at}"
+    );
 
     // 3. SIGKILL of the agent shortly before rank 2's memory error: the
     // error is flagged while no agent runs, and the next agent repairs it
@@ -383,6 +399,7 @@ fn an_agent_restart_never_stops_training() {
         "the job reaches step {}",
         UCE_AT - 60
     );
+    let agent_gone_at = unix_now();
     kill(serve.job.pid(), libc::SIGKILL);
     assert!(
         committed(&serve.shm, &job).is_some_and(|s| s < UCE_AT),
@@ -400,11 +417,26 @@ fn an_agent_restart_never_stops_training() {
                     && f["kind"] == "uce"
                     && f["ranks"] == serde_json::json!([2])
             })
-            .map(|f| f["action"].as_str().unwrap_or("").to_string())
+            .map(|f| {
+                (
+                    f["action"].as_str().unwrap_or("").to_string(),
+                    f["detected_unix_s"].as_f64(),
+                )
+            })
     });
+    let seen_at = unix_now();
     assert!(
-        repaired.as_deref().is_some_and(|a| a.contains("recompute")),
+        repaired
+            .as_ref()
+            .is_some_and(|(a, _)| a.contains("recompute")),
         "rank 2's memory error was repaired by the next agent: {repaired:?}"
+    );
+    // Flagged while no agent ran: dated after the agent went, and no later
+    // than this test saw it.
+    let detected = repaired.and_then(|(_, at)| at).unwrap_or(f64::NAN);
+    assert!(
+        (agent_gone_at..=seen_at).contains(&detected),
+        "rank 2's fault is dated {detected}, the agent went at {agent_gone_at}, seen at {seen_at}"
     );
 
     let out = run.wait_output(Duration::from_secs(300));
