@@ -54,7 +54,7 @@ pub struct ServeArgs {
     /// re-adopt; `stop` stops them (after their last-words checkpoints
     /// when the dump mode is on).
     #[arg(long, value_enum, default_value = "keep")]
-    pub on_stop: crate::serve::OnStop,
+    pub on_stop: OnStop,
     /// Serve Prometheus metrics at http://ADDR/metrics: PORT (on
     /// 127.0.0.1) or ADDR:PORT (default: off).
     #[arg(long, value_parser = crate::metrics::parse_addr)]
@@ -316,4 +316,15 @@ pub struct HaArgs {
     /// cannot be loaded.
     #[arg(long, env = "HATRAIN_NPU_SMI", default_value = "npu-smi")]
     pub npu_smi: PathBuf,
+}
+
+/// What a SIGTERM (`systemctl stop` or `restart`) does to the jobs of
+/// `hatrain-agent serve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnStop {
+    /// The workers train on, and the next agent re-adopts them.
+    Keep,
+    /// Each job is stopped: its last-words checkpoint first when its dump
+    /// mode is on, then its workers.
+    Stop,
 }

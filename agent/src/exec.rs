@@ -23,7 +23,7 @@
 
 use crate::cli::HaArgs;
 use crate::reaper::ExitStatus;
-use crate::serve::wire::{PROTOCOL, Registration, Reply, Resume, Started, ToAgent, ToShim};
+use crate::shim::wire::{PROTOCOL, Registration, Reply, Resume, Started, ToAgent, ToShim};
 use hatrain_shared::ident::JobId;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
 use nix::unistd::Pid;

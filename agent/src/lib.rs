@@ -3,7 +3,11 @@
 //!
 //! - [`reaper`]: the one SIGCHLD reaper;
 //! - [`supervisor`]: spawns, follows, restarts and stops one host's workers;
-//! - [`launch`]: the torchrun-style launcher's configuration;
+//! - [`config`]: one host's configuration ([`config::LaunchConfig`]) and
+//!   the worker specs it gives; [`spec`]: a worker's spec and files;
+//! - [`launch`], [`serve`] and [`exec`]: the verbs, above the job;
+//! - [`shim`]: the agent's side of the exec shims of a served job;
+//! - [`layers`]: the modules' layers, which a test holds the crate to;
 //! - [`job`]: one host's job: the event loop around the recovery machine;
 //! - [`jobdir`]: the job's folder in shared memory, verified and held;
 //! - [`recovery`]: the recovery machine, a state machine without I/O, and
@@ -19,6 +23,7 @@
 //! - [`cli`] and [`exit`]: the command line and its exit codes.
 
 pub mod cli;
+pub mod config;
 pub mod control;
 pub mod coordinator;
 pub mod exec;
@@ -26,6 +31,7 @@ pub mod faults;
 pub mod job;
 pub mod jobdir;
 pub mod launch;
+pub mod layers;
 pub mod limits;
 pub mod metrics;
 pub mod notify;
@@ -37,6 +43,8 @@ pub mod recovery;
 pub mod replicator;
 pub mod serve;
 pub mod settings;
+pub mod shim;
+pub mod spec;
 pub mod supervisor;
 
 /// Eight random hex digits, to make a name unique on the host (job ids,

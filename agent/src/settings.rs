@@ -4,8 +4,9 @@
 //! ranks' environment).
 
 use crate::cli::LaunchArgs;
-use crate::launch::{self, HaSettings, JobIdSource, LaunchConfig, LaunchError, OutputPlan};
+use crate::config::{self, HaSettings, JobIdSource, LaunchConfig, LaunchError};
 use crate::recovery::{HangPolicy, RestartPolicy};
+use crate::spec::OutputPlan;
 use hatrain_shared::ha::{self, HaFlags};
 use std::time::Duration;
 
@@ -21,8 +22,8 @@ pub fn launch_config(
     a: LaunchArgs,
     get: &dyn Fn(&str) -> Option<String>,
 ) -> Result<LaunchConfig, LaunchError> {
-    let node_rank = launch::resolve_node_rank(a.node_rank, get)?;
-    let (job_id, source) = launch::resolve_job_id(a.job_id, a.nnodes, node_rank, get)?;
+    let node_rank = config::resolve_node_rank(a.node_rank, get)?;
+    let (job_id, source) = config::resolve_job_id(a.job_id, a.nnodes, node_rank, get)?;
     match source {
         JobIdSource::Given => tracing::info!(job = %job_id, "job id"),
         JobIdSource::Launcher(var) => {
@@ -106,7 +107,7 @@ pub fn launch_config(
             a.nnodes
         )));
     }
-    let command = launch::worker_command(
+    let command = config::worker_command(
         a.command,
         a.no_python,
         a.module,

@@ -23,14 +23,14 @@ mod warm;
 
 pub use forkserver::{PythonCommand, check_module};
 
-use crate::launch::{ENV_ERROR_FILE, ENV_GROUP_RESTARTS, OutputPlan, attempt_dir, error_file};
 use crate::output::Sink;
 use crate::reaper::{ExitEvent, ExitStatus, Reaper};
+pub use crate::spec::WorkerSpec;
+use crate::spec::{ENV_ERROR_FILE, ENV_GROUP_RESTARTS, OutputPlan, attempt_dir, error_file};
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use std::collections::HashMap;
-use std::ffi::OsString;
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
@@ -41,16 +41,6 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
-
-/// How to start one worker.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WorkerSpec {
-    pub rank: usize,
-    pub local_rank: usize,
-    pub program: PathBuf,
-    pub args: Vec<OsString>,
-    pub env: Vec<(String, String)>,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SupervisorError {
@@ -82,7 +72,7 @@ pub enum Spawner {
     /// The agent, through its reaper (`launch`).
     Own(Reaper),
     /// Each rank's `exec` shim (`serve`).
-    Shims(Arc<crate::serve::Shims>),
+    Shims(Arc<crate::shim::Shims>),
 }
 
 /// A worker's process state.

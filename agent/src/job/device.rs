@@ -3,8 +3,8 @@
 //! and kept for `agentctl faults`, and the action is carried out.
 
 use super::Driver;
+use crate::config::LaunchConfig;
 use crate::faults::{DeviceFault, SourceConfig, local_rank_of};
-use crate::launch::LaunchConfig;
 use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::FaultKind;

@@ -15,9 +15,9 @@
 
 use super::decider::Mirror;
 use super::{Decider, Driver};
+use crate::config::{LaunchConfig, LaunchError};
 use crate::jobdir::{self, JobDir};
-use crate::launch::{LaunchConfig, LaunchError};
-use crate::serve::Shims;
+use crate::shim::Shims;
 use crate::supervisor::Supervisor;
 use hatrain_shared::auth::Secret;
 use hatrain_shared::shm::{self, Directive, Phase, Store};

@@ -94,7 +94,7 @@ impl Driver<'_> {
             && view.follows.is_none_or(|n| n == me)
             && matches!(
                 self.cfg.ha.coordinator,
-                crate::launch::CoordinatorChoice::Etcd(_)
+                crate::config::CoordinatorChoice::Etcd(_)
             )
         {
             // With etcd, the hosts it does not hear go toward the last
@@ -109,11 +109,11 @@ impl Driver<'_> {
         let reason = match view.follows {
             Some(n) if n != me => self.replaced(&format!("node {n}"), view.term),
             _ if since.elapsed() >= wait => match self.cfg.ha.coordinator {
-                crate::launch::CoordinatorChoice::Embedded => format!(
+                crate::config::CoordinatorChoice::Embedded => format!(
                     "this host ran the job's controller and was cut off from the majority of the job's agents for {} s: a controller needs a strict majority, so it decided nothing on the hosts it does not hear ({unheard}){newest}",
                     wait.as_secs()
                 ),
-                crate::launch::CoordinatorChoice::Etcd(_) => format!(
+                crate::config::CoordinatorChoice::Etcd(_) => format!(
                     "this host ran the job's controller and could not act for {} s: {}; so it decided nothing on the hosts it does not hear ({unheard}){newest}",
                     wait.as_secs_f64(),
                     self.who_acts()
@@ -153,10 +153,10 @@ impl Driver<'_> {
     /// Why a controller that `who` replaced under `term` stops.
     fn replaced(&self, who: &str, term: u64) -> String {
         match self.cfg.ha.coordinator {
-            crate::launch::CoordinatorChoice::Embedded => format!(
+            crate::config::CoordinatorChoice::Embedded => format!(
                 "this host ran the job's controller and was cut off from the majority of the job's agents, which follow {who} now (term {term}): the job goes on without this host"
             ),
-            crate::launch::CoordinatorChoice::Etcd(_) => format!(
+            crate::config::CoordinatorChoice::Etcd(_) => format!(
                 "this host ran the job's controller and its lease in etcd ran out; {who} holds the job's leader key now (term {term}): the job goes on without this host"
             ),
         }

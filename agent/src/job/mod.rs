@@ -52,9 +52,9 @@ use decider::{Controller, Decider, Follower};
 use orders::recv;
 use verify::verify_side_by_side;
 
+use crate::config::{LaunchConfig, LaunchError};
 use crate::control::{self, ControlMsg};
 use crate::jobdir::{self, JobDir};
-use crate::launch::{LaunchConfig, LaunchError};
 use crate::oom::OomWatch;
 use crate::output::RunDir;
 use crate::persister::{self, Persister};
@@ -256,18 +256,18 @@ async fn run_with(
             cfg.master_addr.as_str()
         };
         let port = resume.as_ref().map(|k| k.store.port()).or(cfg.store_port());
-        let addr = crate::launch::resolve(host, port.unwrap_or(0))?;
+        let addr = crate::config::resolve(host, port.unwrap_or(0))?;
         let store = StoreServer::bind(addr, Some(secret.clone())).map_err(LaunchError::Store)?;
         let addr = store.local_addr();
         tracing::info!(addr = %addr, "rendezvous store listening (authenticated)");
         (Some(store), addr)
     } else {
         let port = cfg.store_port().expect("validated: set with several nodes");
-        (None, crate::launch::resolve(&cfg.master_addr, port)?)
+        (None, crate::config::resolve(&cfg.master_addr, port)?)
     };
     let relay_stop = CancellationToken::new();
     if !(cfg.nnodes > 1 && cfg.ha.modes.any())
-        && cfg.ha.coordinator != crate::launch::CoordinatorChoice::Embedded
+        && cfg.ha.coordinator != crate::config::CoordinatorChoice::Embedded
     {
         tracing::warn!(
             "--coordinator is for jobs of several nodes with a high-availability switch on: not used here"
@@ -302,7 +302,7 @@ async fn run_with(
     let master_port = match (cfg.master_port, &resume) {
         (Some(p), _) => p,
         (None, Some(k)) => k.master_port,
-        (None, None) => crate::launch::free_port(&cfg.master_addr)?,
+        (None, None) => crate::config::free_port(&cfg.master_addr)?,
     };
     let socket = dir.path().join(jobdir::SOCKET);
     let scratch = dir.workers_dir()?.display().to_string();
@@ -570,7 +570,7 @@ async fn run_with(
             .ranks()
             .iter()
             .position(|&r| r == rank)
-            .and_then(|lr| root_cause(&crate::launch::error_file(run_dir, sup.attempt(), lr)))
+            .and_then(|lr| root_cause(&crate::spec::error_file(run_dir, sup.attempt(), lr)))
             .map(|m| (rank, m)),
         _ => None,
     };

@@ -622,10 +622,10 @@ impl Driver<'_> {
                 })
                 .collect();
             let why = match self.cfg.ha.coordinator {
-                crate::launch::CoordinatorChoice::Embedded => format!(
+                crate::config::CoordinatorChoice::Embedded => format!(
                     "no heartbeat from host {node} within --host-timeout-secs, or its connection dropped"
                 ),
-                crate::launch::CoordinatorChoice::Etcd(_) => format!(
+                crate::config::CoordinatorChoice::Etcd(_) => format!(
                     "host {node}'s lease in etcd expired (TTL --host-timeout-secs) or it left; or, while etcd does not answer, its heartbeats stopped"
                 ),
             };

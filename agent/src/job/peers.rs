@@ -9,10 +9,10 @@
 //! holds. The exchange runs on a thread of its own, so the workers start
 //! meanwhile; a node that never shows up only delays what goes to it.
 
+use crate::config::{CoordinatorChoice, LaunchConfig, LaunchError};
 use crate::coordinator::EmbeddedConfig;
 use crate::coordinator::etcd::EtcdConfig;
 use crate::coordinator::wire::{Backend, Membership, MembershipConfig};
-use crate::launch::{CoordinatorChoice, LaunchConfig, LaunchError};
 use crate::replicator::{self, Replicator, ReplicatorConfig};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::store::StoreClient;

@@ -12,7 +12,7 @@
 
 use super::decider::{Controller, Decider};
 use super::{Driver, machine_config};
-use crate::launch::CoordinatorChoice;
+use crate::config::CoordinatorChoice;
 use crate::recovery::{Event, Machine, Outcome};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{FaultAction, FaultKind, FaultRecord};

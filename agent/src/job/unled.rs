@@ -12,7 +12,7 @@
 
 use super::Driver;
 use super::decider::Decider;
-use crate::launch::CoordinatorChoice;
+use crate::config::CoordinatorChoice;
 use crate::reaper::ExitStatus;
 use crate::recovery::{Event, HostLoss};
 use crate::supervisor::Supervisor;

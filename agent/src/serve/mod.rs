@@ -27,14 +27,12 @@
 //! INVARIANT: everything runs on the agent's one thread (a `LocalSet`):
 //! the state is an `Rc<RefCell<..>>` whose borrows never cross an await.
 
-pub mod shims;
-pub mod wire;
-
-pub use shims::Shims;
+pub use crate::cli::OnStop;
+pub use crate::shim::{Shims, wire};
 
 use crate::cli::LaunchArgs;
+use crate::config::LaunchConfig;
 use crate::job::{Kept, Served};
-use crate::launch::LaunchConfig;
 use crate::notify;
 use hatrain_shared::ident::JobId;
 use std::cell::RefCell;
@@ -73,16 +71,6 @@ pub struct ServeConfig {
     pub on_stop: OnStop,
     /// Where Prometheus metrics are served.
     pub metrics_addr: Option<std::net::SocketAddr>,
-}
-
-/// What a SIGTERM (`systemctl stop` or `restart`) does to the jobs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnStop {
-    /// The workers train on, and the next agent re-adopts them.
-    Keep,
-    /// Each job is stopped: its last-words checkpoint first when its dump
-    /// mode is on, then its workers.
-    Stop,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -82,7 +82,7 @@ impl Supervisor {
         self.specs[self.index(rank)?]
             .env
             .iter()
-            .find(|(k, _)| k == crate::launch::ENV_ERROR_FILE)
+            .find(|(k, _)| k == crate::spec::ENV_ERROR_FILE)
             .map(|(_, v)| v.into())
     }
 

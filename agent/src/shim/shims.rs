@@ -11,7 +11,7 @@
 
 use super::wire::{PROTOCOL, Started, ToShim};
 use crate::reaper::{ExitEvent, ExitStatus};
-use crate::supervisor::WorkerSpec;
+use crate::spec::WorkerSpec;
 use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::net::UnixStream;
