@@ -234,6 +234,10 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
+    /// A device of this host is lost to a job of several hosts: the host
+    /// left the job, which recovers without it.
+    #[error("device lost: this host left the job ({detail})")]
+    DeviceLost { detail: String },
 }
 
 /// Where a launch's job id came from.

@@ -35,7 +35,17 @@ fn main() -> ExitCode {
                     LaunchError::Config(_) | LaunchError::JobDir(_) | LaunchError::Secret(_)
                 )
             });
-            ExitCode::from(if usage { exit::USAGE } else { exit::INTERNAL })
+            let device_lost = matches!(
+                e.downcast_ref::<LaunchError>(),
+                Some(LaunchError::DeviceLost { .. })
+            );
+            ExitCode::from(if usage {
+                exit::USAGE
+            } else if device_lost {
+                exit::DEVICE_LOST
+            } else {
+                exit::INTERNAL
+            })
         }
     }
 }

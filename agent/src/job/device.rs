@@ -102,27 +102,29 @@ impl Driver<'_> {
             }
             Action::Crash => FaultKind::Crash,
             Action::Hang => FaultKind::Hang,
-            Action::Host if self.cfg.nnodes > 1 => self.leave(sup, &detail),
+            Action::Host if self.cfg.nnodes > 1 => {
+                self.leave(sup, detail);
+                return;
+            }
             Action::Host => FaultKind::Device,
         };
         self.feed(sup, Event::DeviceFault { rank, kind, detail });
     }
 
     /// The device is lost and the job has other hosts: this host leaves it
-    /// as a lost host does (its workers SIGKILLed, its shared memory gone,
-    /// its agent gone), and the other hosts recover without it by the
-    /// host-loss path: its ranks onto a standby host from their peer
-    /// replicas, or the group shrinks, or the last words are written.
-    fn leave(&mut self, sup: &Supervisor, detail: &str) -> ! {
+    /// as a lost host does (its workers SIGKILLed now; the loop ends with
+    /// nothing saved or said to the others, its connections drop, its
+    /// shared memory goes with the job's folder, and `main` exits with
+    /// [`crate::exit::DEVICE_LOST`]), and the other hosts recover without
+    /// it by the host-loss path: its ranks onto a standby host from their
+    /// peer replicas, or the group shrinks, or the last words are written.
+    fn leave(&mut self, sup: &Supervisor, detail: String) {
         tracing::error!(
             detail,
             "device lost: this host leaves the job, which recovers without it as from a lost host"
         );
         sup.kill_everything();
-        if let Err(e) = std::fs::remove_dir_all(self.dir.path()) {
-            tracing::warn!(dir = %self.dir.path().display(), error = %e, "the job's folder is not removed");
-        }
-        std::process::exit(i32::from(crate::exit::DEVICE_LOST));
+        self.leaving = Some(detail);
     }
 
     /// What `agentctl faults` shows of the device fault sources.

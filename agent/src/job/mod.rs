@@ -233,6 +233,9 @@ struct Driver<'a> {
     filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
     /// A served job's state file, kept for the next agent.
     keeper: Option<kept::Keeper>,
+    /// This host leaves the job (its device is lost), and why: the loop
+    /// ends at once, as if the host had vanished.
+    leaving: Option<String>,
 }
 
 async fn run_with(
@@ -461,6 +464,7 @@ async fn run_with(
         donations: std::collections::BTreeMap::new(),
         filling: HashMap::new(),
         keeper: served.map(|s| kept::Keeper::new(s.state_file, master_port, store_addr)),
+        leaving: None,
     };
     if let Some(k) = &resume {
         d.resume(&sup, k)?;
@@ -478,6 +482,9 @@ async fn run_with(
     let mut next_tick = tokio::time::Instant::now();
     let mut shutdown_seen = false;
     let outcome = loop {
+        if d.leaving.is_some() {
+            break Outcome::Interrupted;
+        }
         if let Some(o) = d.outcome {
             break o;
         }
@@ -517,6 +524,17 @@ async fn run_with(
             }
         }
     };
+    if let Some(detail) = d.leaving.take() {
+        // Its workers are gone; nothing is saved or said: the other hosts
+        // see its connections drop, as from a vanished host.
+        if let Some(p) = d.peers.take() {
+            p.stop();
+        }
+        reaper_stop.cancel();
+        relay_stop.cancel();
+        ctl_stop.cancel();
+        return Err(LaunchError::DeviceLost { detail });
+    }
     // A job that succeeded ends with its final checkpoint on disk.
     let sources: Vec<persister::OwnedSource> =
         sup.ranks().iter().filter_map(|&r| d.source(r)).collect();
