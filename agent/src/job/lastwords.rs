@@ -18,7 +18,7 @@
 use super::Driver;
 use super::decider::{Decider, Down, Up, WritePart};
 use crate::persister::{OwnedSource, Share};
-use crate::recovery::{Event, Written};
+use crate::recovery::{Event, WriteFailed, Written};
 use hatrain_shared::checkpoint;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -40,7 +40,7 @@ pub(super) struct SharedWrite {
 impl SharedWrite {
     /// Every share is in: the checkpoint is committed, or (when a share
     /// failed) its `_tmp` directory removed.
-    fn finish(self) -> Result<Written, String> {
+    fn finish(self) -> Result<Written, WriteFailed> {
         let tmp = checkpoint::tmp_iter_dir(&self.dir, self.step);
         if let Some(on_disk) = checkpoint::read_tracker(&self.dir)
             .ok()
@@ -70,7 +70,7 @@ impl SharedWrite {
             }),
             Err(m) => {
                 let _ = std::fs::remove_dir_all(&tmp);
-                Err(m)
+                Err(m.into())
             }
         }
     }
@@ -89,7 +89,7 @@ impl Driver<'_> {
         let fail = |m: String| {
             Some(Event::Written {
                 epoch,
-                result: Err(m),
+                result: Err(m.into()),
             })
         };
         let Some(p) = self.persister.as_ref() else {
@@ -166,7 +166,7 @@ impl Driver<'_> {
 
     /// Starts writing this host's share of a checkpoint, from its ranks'
     /// stores and the replicas it holds; `Err` when it cannot.
-    pub(super) fn write_part(&mut self, part: WritePart) -> Result<(), String> {
+    pub(super) fn write_part(&mut self, part: WritePart) -> Result<(), WriteFailed> {
         if self.persister.is_none() {
             return Err("this host's ranks registered no checkpoint layout".into());
         }
@@ -178,13 +178,15 @@ impl Driver<'_> {
                 continue;
             }
             let (store, map) = replicator.and_then(|r| r.replica(rank)).ok_or_else(|| {
-                format!("this host holds no replica of rank {rank} with its state map")
+                WriteFailed(format!(
+                    "this host holds no replica of rank {rank} with its state map"
+                ))
             })?;
             let sliced = self.cfg.ha.slices && map.has_replicated();
             if store.page().layout_hash() != map.slot_layout_hash(sliced) {
-                return Err(format!(
+                return Err(WriteFailed(format!(
                     "the replica of rank {rank} does not have the layout of the state map it came with"
-                ));
+                )));
             }
             sources.push(OwnedSource {
                 rank,
@@ -202,7 +204,11 @@ impl Driver<'_> {
 
     /// This host's share is written (or failed): the controller counts
     /// it, a follower reports it.
-    pub(super) fn share_done(&mut self, epoch: u64, result: Result<f64, String>) -> Option<Event> {
+    pub(super) fn share_done(
+        &mut self,
+        epoch: u64,
+        result: Result<f64, WriteFailed>,
+    ) -> Option<Event> {
         match &self.decider {
             Decider::Controller(c) => {
                 let me = c.node;
@@ -221,7 +227,7 @@ impl Driver<'_> {
         &mut self,
         node: u64,
         epoch: u64,
-        result: Result<f64, String>,
+        result: Result<f64, WriteFailed>,
     ) -> Option<Event> {
         let Decider::Controller(c) = &mut self.decider else {
             return None;
@@ -298,7 +304,7 @@ mod tests {
         let e = write(d.path(), 40, vec!["host 2: disk full".into()])
             .finish()
             .unwrap_err();
-        assert!(e.contains("host 2: disk full"), "{e}");
+        assert!(e.0.contains("host 2: disk full"), "{e}");
         assert!(!tmp.exists());
         assert_eq!(checkpoint::read_tracker(d.path()).unwrap(), 30);
     }

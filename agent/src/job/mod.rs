@@ -734,10 +734,10 @@ impl Driver<'_> {
                             )
                         },
                     },
-                    Err(message) => Response::Dumped {
+                    Err(why) => Response::Dumped {
                         iteration: None,
                         dir: None,
-                        message,
+                        message: why.to_string(),
                     },
                 };
                 for w in self.dump_waiters.drain(..) {

@@ -15,7 +15,7 @@ use super::Driver;
 use super::decider::{Decider, Down, Inbox, Up};
 use super::orders::recv;
 use crate::persister::{OwnedSource, PersistError};
-use crate::recovery::Event;
+use crate::recovery::{Event, WriteFailed};
 use crate::supervisor::Supervisor;
 use hatrain_shared::checkpoint;
 use std::collections::HashMap;
@@ -88,7 +88,7 @@ impl Driver<'_> {
         &mut self,
         ranks: Vec<usize>,
         step: u64,
-        result: Result<f64, String>,
+        result: Result<f64, WriteFailed>,
     ) {
         match &self.decider {
             Decider::Controller(c) => {
@@ -111,7 +111,7 @@ impl Driver<'_> {
         node: u64,
         step: u64,
         ranks: Vec<usize>,
-        result: Result<f64, String>,
+        result: Result<f64, WriteFailed>,
     ) {
         let Some((dir, world)) = self
             .persister
@@ -212,7 +212,7 @@ impl Driver<'_> {
         }
         let (step, result) = match &own {
             Ok(step) => (*step, Ok(t0.elapsed().as_secs_f64())),
-            Err(e) => (last, Err(e.to_string())),
+            Err(e) => (last, Err(WriteFailed(e.to_string()))),
         };
         if let Decider::Controller(c) = &mut self.decider {
             c.final_save = Some(FinalSave {

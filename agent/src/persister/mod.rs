@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::recovery::Written;
+use crate::recovery::{WriteFailed, Written};
 
 /// Pauses between the tries of a write that failed for a transient
 /// reason ([`PersistError::is_transient`]): about 6 s in all, while the
@@ -83,7 +83,7 @@ pub struct Persister {
     /// written.
     part: bool,
     /// The periodic shares written (or failed) since last taken.
-    shares_done: Vec<(u64, Result<f64, String>)>,
+    shares_done: Vec<(u64, Result<f64, WriteFailed>)>,
     writing: Option<Writing>,
     /// A dump waiting for the write in progress: its epoch, step, sources
     /// and share.
@@ -137,7 +137,7 @@ pub enum Share {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DumpDone {
     pub epoch: u64,
-    pub result: Result<Written, String>,
+    pub result: Result<Written, WriteFailed>,
     /// It wrote this host's share only ([`Share::Part`]).
     pub part: bool,
 }
@@ -194,7 +194,7 @@ impl Persister {
 
     /// The periodic shares written (each step, and its seconds or why
     /// not) since the last call.
-    pub fn take_shares(&mut self) -> Vec<(u64, Result<f64, String>)> {
+    pub fn take_shares(&mut self) -> Vec<(u64, Result<f64, WriteFailed>)> {
         std::mem::take(&mut self.shares_done)
     }
 
@@ -308,7 +308,7 @@ impl Persister {
             }
             Err(e) => Some(DumpDone {
                 epoch,
-                result: Err(format!("cannot start the writer thread: {e}")),
+                result: Err(format!("cannot start the writer thread: {e}").into()),
                 part,
             }),
         }
@@ -546,8 +546,10 @@ impl Persister {
                 Ok(secs)
             }
             Ok(Ok(path)) => Ok(self.saved(w.step, &path, w.bytes, w.started, w.dump.is_none())),
-            Ok(Err(e)) => Err(self.fail(w.step, e.to_string())),
-            Err(_) => Err(self.fail(w.step, "the writer thread panicked".into())),
+            Ok(Err(e)) => Err(WriteFailed(self.fail(w.step, e.to_string()))),
+            Err(_) => Err(WriteFailed(
+                self.fail(w.step, "the writer thread panicked".into()),
+            )),
         };
         if w.part && w.dump.is_none() {
             self.shares_done.push((w.step, result.clone()));

@@ -35,7 +35,9 @@ use super::policy::{
     out_of_memory_again, uce_action,
 };
 use super::watchdog::{HangPolicy, Watch};
-use super::{Command, Event, ExitCause, HostLoss, Level, Note, Outcome, RankView, Written};
+use super::{
+    Command, Event, ExitCause, HostLoss, Level, Note, Outcome, RankView, WriteFailed, Written,
+};
 use crate::reaper::ExitStatus;
 use hatrain_shared::control::{
     FaultAction, FaultKind, FaultRecord, ResizeRecord as Resize, StartMode,
@@ -569,7 +571,7 @@ impl Machine {
         if !self.checkpoint {
             let m = "no last-words checkpoint: the trainer has no --save directory".to_string();
             self.note(Level::Warn, None, m.clone());
-            self.cmd(Command::DumpDone(Err(m)));
+            self.cmd(Command::DumpDone(Err(m.into())));
             match then {
                 AfterDump::Stop(o) => self.finish(o),
                 AfterDump::Resume if !recover.is_empty() => self.begin_recovery(now, recover),

@@ -82,6 +82,34 @@ pub struct Written {
     pub seconds: f64,
 }
 
+/// Why a checkpoint (a periodic save, a host's share, the last words) was
+/// not written: the writer's error chain in words, which is what the
+/// machine, the log and the other hosts are told (it crosses the wire as a
+/// plain string).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(transparent)]
+#[error("{0}")]
+pub struct WriteFailed(pub String);
+
+impl WriteFailed {
+    /// The failure of `e`, with its sources.
+    pub fn of(e: &dyn std::error::Error) -> Self {
+        Self(crate::error_chain(e))
+    }
+}
+
+impl From<String> for WriteFailed {
+    fn from(why: String) -> Self {
+        Self(why)
+    }
+}
+
+impl From<&str> for WriteFailed {
+    fn from(why: &str) -> Self {
+        Self(why.to_string())
+    }
+}
+
 /// What happened, as the event loop saw it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
@@ -132,7 +160,7 @@ pub enum Event {
     /// The checkpoint of [`Command::Write`] is on disk, or why not.
     Written {
         epoch: u64,
-        result: Result<Written, String>,
+        result: Result<Written, WriteFailed>,
     },
     /// Another host of the job is gone.
     HostLost(HostLoss),
@@ -247,7 +275,7 @@ pub enum Command {
         restart: u32,
     },
     /// Answer the waiting `agentctl dump` requests.
-    DumpDone(Result<Written, String>),
+    DumpDone(Result<Written, WriteFailed>),
     /// The job ends with this outcome: stop the workers.
     Finish(Outcome),
 }

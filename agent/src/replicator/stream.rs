@@ -401,6 +401,14 @@ pub(super) fn send(
                                 }) => {
                                     refusals.stored(rank);
                                     outbox.stored(rank, step);
+                                    // Judged again at once: the report that
+                                    // shows this step stored never shows a
+                                    // risk judged before it was.
+                                    if let Some(store) = stores.get(&rank) {
+                                        let peer = outbox.peer_steps(rank, store.geometry().slots);
+                                        let risk = watch.check(rank, store, peer, endpoint);
+                                        outbox.set_at_risk(rank, risk);
+                                    }
                                 }
                                 Ok(Receipt {
                                     rank,

@@ -1,7 +1,7 @@
 //! The messages between the controller and its followers, and the state
 //! the followers mirror.
 
-use crate::recovery::{Command, Event, Inherited, RankView, Written};
+use crate::recovery::{Command, Event, Inherited, RankView, WriteFailed, Written};
 use hatrain_shared::control::{FaultRecord, StartMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,13 +36,13 @@ pub(in crate::job) enum Up {
     Saved {
         step: u64,
         ranks: Vec<usize>,
-        result: Result<f64, String>,
+        result: Result<f64, WriteFailed>,
     },
     /// Its share of the checkpoint of `epoch` is written (in seconds), or
     /// why not.
     Wrote {
         epoch: u64,
-        result: Result<f64, String>,
+        result: Result<f64, WriteFailed>,
     },
     /// The end of the job arrived: the follower stops its workers and
     /// leaves.

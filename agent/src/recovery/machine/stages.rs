@@ -240,7 +240,7 @@ impl Machine {
                         "no step has a verified snapshot on every rank ({listing}); nothing written, the previous checkpoint is untouched"
                     );
                     self.note(Level::Error, None, m.clone());
-                    self.cmd(Command::DumpDone(Err(m)));
+                    self.cmd(Command::DumpDone(Err(m.into())));
                     match then {
                         AfterDump::Stop(o) => self.finish(o),
                         AfterDump::Resume => self.finish(Outcome::RecoveryFailed),
@@ -265,7 +265,12 @@ impl Machine {
         }
     }
 
-    pub(super) fn written(&mut self, now: Duration, epoch: u64, result: Result<Written, String>) {
+    pub(super) fn written(
+        &mut self,
+        now: Duration,
+        epoch: u64,
+        result: Result<Written, WriteFailed>,
+    ) {
         let State::Dumping {
             epoch: e,
             stage: Stage::Writing { s_star },

@@ -61,7 +61,7 @@ struct Sim {
     queue: VecDeque<Event>,
     commands: Vec<Command>,
     notes: Vec<Note>,
-    dumps: Vec<Result<Written, String>>,
+    dumps: Vec<Result<Written, WriteFailed>>,
     outcome: Option<Outcome>,
     /// Respawned ranks register on the next tick.
     registering: Vec<usize>,
