@@ -40,10 +40,33 @@ pub struct Kept {
     pub maps: BTreeMap<usize, StateMap>,
 }
 
+/// Why a served job's kept state cannot be read back.
+#[derive(Debug, thiserror::Error)]
+pub enum KeptError {
+    #[error("{path}")]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}")]
+    Parse {
+        path: std::path::PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
 impl Kept {
-    pub fn load(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))
+    pub fn load(path: &Path) -> Result<Self, KeptError> {
+        let text = std::fs::read(path).map_err(|source| KeptError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_slice(&text).map_err(|source| KeptError::Parse {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 
     /// What the next machine takes over: the kept view, with the newest

@@ -165,7 +165,7 @@ pub(super) fn start(
                 own_store,
             };
             if let Err(e) = x.run(store, secret, node, (nnodes, spares), replicas, &domain) {
-                tracing::error!(error = %e, "not connected to the other agents: no heartbeats, no peer replicas");
+                tracing::error!(error = %crate::error_chain(&e), "not connected to the other agents: no heartbeats, no peer replicas");
             }
         })
         .map_err(|source| LaunchError::Io {
@@ -183,18 +183,43 @@ struct Exchange<'a> {
     own_store: SocketAddr,
 }
 
+/// Why the exchange with the other agents (through the job's store) did
+/// not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("cannot reach the job's store at {store}")]
+    Connect {
+        store: SocketAddr,
+        #[source]
+        source: hatrain_shared::store::RendezvousError,
+    },
+    #[error("cannot publish this agent's addresses in the job's store")]
+    Publish(#[source] hatrain_shared::store::RendezvousError),
+    #[error("{key}: not read from the job's store")]
+    Read {
+        key: String,
+        #[source]
+        source: hatrain_shared::store::RendezvousError,
+    },
+}
+
 impl Exchange<'_> {
     fn stopped(&self) -> bool {
         self.membership.stopped()
     }
 
     /// Gets `key`, waiting while the agent runs.
-    fn wait_for(&self, c: &mut StoreClient, key: &str) -> Result<String, String> {
+    fn wait_for(&self, c: &mut StoreClient, key: &str) -> Result<String, ExchangeError> {
         loop {
             match c.get(key, WAIT) {
                 Ok(v) => return Ok(v),
                 Err(_) if !self.stopped() => continue,
-                Err(e) => return Err(format!("{key}: {e}")),
+                Err(source) => {
+                    return Err(ExchangeError::Read {
+                        key: key.to_string(),
+                        source,
+                    });
+                }
             }
         }
     }
@@ -207,9 +232,9 @@ impl Exchange<'_> {
         (nnodes, spares): (usize, usize),
         replicas: usize,
         domain: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), ExchangeError> {
         let mut c = StoreClient::connect(store, Duration::from_secs(120), Some(secret))
-            .map_err(|e| e.to_string())?;
+            .map_err(|source| ExchangeError::Connect { store, source })?;
         let key = |k: usize, what: &str| format!("peer/node{k}/{what}");
         c.set(&key(node, "domain"), domain)
             .and_then(|()| c.set(&key(node, "store"), &self.own_store.to_string()))
@@ -218,7 +243,7 @@ impl Exchange<'_> {
                 Some(r) => c.set(&key(node, "replicas"), r.endpoint()),
                 None => Ok(()),
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(ExchangeError::Publish)?;
         // The nodes first: the job starts with them. A standby may come
         // later (elastic training grows the group onto it), so the nodes
         // do not wait for the standbys, which are met afterwards.
@@ -244,7 +269,7 @@ impl Exchange<'_> {
 
     /// Heartbeats agent `k`, and learns where its store is (for when it
     /// controls the job).
-    fn meet(&self, c: &mut StoreClient, k: usize) -> Result<(), String> {
+    fn meet(&self, c: &mut StoreClient, k: usize) -> Result<(), ExchangeError> {
         let key = |what: &str| format!("peer/node{k}/{what}");
         let endpoint = self.wait_for(c, &key("heartbeats"))?;
         self.membership.connect(k as u64, endpoint);
@@ -272,7 +297,7 @@ impl Exchange<'_> {
         nnodes: usize,
         replicas: usize,
         domain: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), ExchangeError> {
         let key = |k: usize, what: &str| format!("peer/node{k}/{what}");
         let mut domains = Vec::with_capacity(nnodes);
         for k in 0..nnodes {

@@ -37,6 +37,19 @@ pub const MAX_SESSIONS: usize = 64;
 /// stored, or why it was dropped.
 type Receipt = (u64, u64, Option<(DropCode, String)>);
 
+/// Why a snapshot of a remote rank cannot be held.
+#[derive(Debug, thiserror::Error)]
+pub enum HoldError {
+    #[error("impossible slot capacity {0}")]
+    Capacity(u64),
+    #[error("cannot make the replica store")]
+    Create(#[source] hatrain_shared::shm::ShmError),
+    #[error("no writable slot")]
+    NoSlot,
+    #[error("cannot receive into the replica store")]
+    Receive(#[source] hatrain_shared::shm::ShmError),
+}
+
 /// Whether a state map was taken.
 enum MapTaken {
     Yes,
@@ -305,8 +318,8 @@ impl Inbox {
         if h.offset == 0
             && let Err(e) = self.begin(from, &h)
         {
-            tracing::warn!(rank = h.rank, step = h.step, error = %e, "cannot hold a replica");
-            return drop(e);
+            tracing::warn!(rank = h.rank, step = h.step, error = %crate::error_chain(&e), "cannot hold a replica");
+            return drop(crate::error_chain(&e));
         }
         let holding = self.stores.get_mut(&h.rank)?;
         let continues = holding
@@ -348,7 +361,7 @@ impl Inbox {
 
     /// Starts receiving a snapshot: the rank's store (made, or made again
     /// for another geometry or layout), and a writable slot in it.
-    fn begin(&mut self, from: u64, h: &ChunkHeader) -> Result<(), String> {
+    fn begin(&mut self, from: u64, h: &ChunkHeader) -> Result<(), HoldError> {
         let fits = |s: &Store| {
             s.geometry().capacity as u64 == h.capacity
                 && s.page().layout_hash() == h.layout_hash
@@ -361,14 +374,14 @@ impl Inbox {
             let capacity = usize::try_from(h.capacity)
                 .ok()
                 .filter(|c| c.is_multiple_of(hatrain_shared::shm::PAGE) && *c > 0)
-                .ok_or_else(|| format!("impossible slot capacity {}", h.capacity))?;
+                .ok_or(HoldError::Capacity(h.capacity))?;
             let geometry = Geometry {
                 slots: self.slots,
                 capacity,
             };
             let path = replica_path(&self.dir, h.rank);
             let store = Store::create(&path, h.rank as usize, geometry, h.layout_hash, h.job_hash)
-                .map_err(|e| e.to_string())?;
+                .map_err(HoldError::Create)?;
             tracing::info!(rank = h.rank, from, path = %path.display(), bytes = geometry.file_len(), "replica store made");
             self.stores.insert(
                 h.rank,
@@ -385,14 +398,11 @@ impl Inbox {
         holding.from = from;
         // An unfinished older snapshot is abandoned; its slot stays torn.
         holding.incoming = None;
-        let slot = holding
-            .store
-            .writable_slot()
-            .ok_or_else(|| "no writable slot".to_string())?;
+        let slot = holding.store.writable_slot().ok_or(HoldError::NoSlot)?;
         let r = holding
             .store
             .receive(slot, h.total)
-            .map_err(|e| e.to_string())?;
+            .map_err(HoldError::Receive)?;
         holding.incoming = Some((*h, r));
         Ok(())
     }

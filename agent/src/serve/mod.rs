@@ -722,7 +722,10 @@ fn recover(state: &Shared) {
         let loaded = std::fs::read(&files.registration)
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<Registration>(&b).map_err(|e| e.to_string()))
-            .and_then(|reg| Ok((Kept::load(&files.kept)?, reg)))
+            .and_then(|reg| {
+                let kept = Kept::load(&files.kept).map_err(|e| crate::error_chain(&e))?;
+                Ok((kept, reg))
+            })
             .and_then(|(kept, reg)| {
                 let id = JobId::new(job).map_err(|e| e.to_string())?;
                 Ok((job_config(&reg, id, &serve)?, kept, reg))
