@@ -24,6 +24,20 @@ fn train(log: &Path, extra: &[&str]) -> Vec<String> {
     a
 }
 
+/// [`train`] saving every [`INTERVAL`] steps into `ckpt`.
+fn saving(log: &Path, ckpt: &Path) -> Vec<String> {
+    let interval = INTERVAL.to_string();
+    train(
+        log,
+        &[
+            "--save",
+            ckpt.to_str().unwrap(),
+            "--save-interval",
+            &interval,
+        ],
+    )
+}
+
 /// A 4-rank launch with extra agent flags and an optional fault plan.
 fn launch(job: &str, agent_flags: &[&str], train: &[String], plan: Option<&str>) -> Command {
     let mut cmd = Command::new(agent());
@@ -136,19 +150,10 @@ fn only(from: &Path, iteration: u64, to: &Path) {
 fn agent_saves_are_the_trainers_bytes_and_load_at_any_world_size() {
     let d = tempfile::tempdir().unwrap();
     let p = |n: &str| d.path().join(n);
-    let interval = INTERVAL.to_string();
 
     // The trainer saves for itself, no faults.
     let (ref_log, ref_ckpt) = (p("ref.jsonl"), p("ref-ckpt"));
-    let ref_args = train(
-        &ref_log,
-        &[
-            "--save",
-            ref_ckpt.to_str().unwrap(),
-            "--save-interval",
-            &interval,
-        ],
-    );
+    let ref_args = saving(&ref_log, &ref_ckpt);
     let (out, _) = run("persist-ref", |job| {
         launch(job, &["--trainer-saves"], &ref_args, None)
     });
@@ -158,15 +163,7 @@ fn agent_saves_are_the_trainers_bytes_and_load_at_any_world_size() {
 
     // The agent saves, while two workers are killed and rebooted in place.
     let (log, ckpt) = (p("agent.jsonl"), p("agent-ckpt"));
-    let args = train(
-        &log,
-        &[
-            "--save",
-            ckpt.to_str().unwrap(),
-            "--save-interval",
-            &interval,
-        ],
-    );
+    let args = saving(&log, &ckpt);
     let (out, err) = run("persist-agent", |job| {
         launch(
             job,
@@ -245,15 +242,7 @@ fn hosts_write_their_shares_and_a_step_is_committed_only_once_every_rank_is_writ
     let p = |n: &str| d.path().join(n);
     let interval = INTERVAL.to_string();
     let (ref_log, ref_ckpt) = (p("ref.jsonl"), p("ref-ckpt"));
-    let ref_args = train(
-        &ref_log,
-        &[
-            "--save",
-            ref_ckpt.to_str().unwrap(),
-            "--save-interval",
-            &interval,
-        ],
-    );
+    let ref_args = saving(&ref_log, &ref_ckpt);
     run("shares-ref", |job| {
         launch(job, &["--trainer-saves"], &ref_args, None)
     });
@@ -407,16 +396,7 @@ fn held_control_connections_past_the_descriptor_limit_lose_no_checkpoint() {
         d.path().join("ckpt"),
         d.path().join("shm"),
     );
-    let interval = INTERVAL.to_string();
-    let args = train(
-        &log,
-        &[
-            "--save",
-            ckpt.to_str().unwrap(),
-            "--save-interval",
-            &interval,
-        ],
-    );
+    let args = saving(&log, &ckpt);
     let job = job_id("fdhold");
     let shm_root = shm.display().to_string();
     // Rank 0 naps in steps 12 and 25, so that the job lasts while the
