@@ -128,16 +128,25 @@ pub enum CoordinatorChoice {
     Etcd(Vec<String>),
 }
 
-impl std::str::FromStr for CoordinatorChoice {
-    type Err = String;
+/// A `--coordinator` value that names no coordinator.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorChoiceError {
+    #[error("--coordinator {0:?}: expected `embedded` or etcd://HOST:PORT[,HOST:PORT...]")]
+    Unknown(String),
+    #[error(transparent)]
+    Etcd(#[from] crate::coordinator::etcd::EtcdError),
+}
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for CoordinatorChoice {
+    type Err = CoordinatorChoiceError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "embedded" => Ok(Self::Embedded),
-            _ if s.starts_with("etcd://") => crate::coordinator::etcd::parse_url(s).map(Self::Etcd),
-            _ => Err(format!(
-                "--coordinator {s:?}: expected `embedded` or etcd://HOST:PORT[,HOST:PORT...]"
-            )),
+            _ if s.starts_with("etcd://") => {
+                Ok(Self::Etcd(crate::coordinator::etcd::parse_url(s)?))
+            }
+            _ => Err(CoordinatorChoiceError::Unknown(s.to_string())),
         }
     }
 }

@@ -410,13 +410,17 @@ pub async fn serve(
     Ok(local)
 }
 
+/// A `--metrics-addr` that is neither a port nor an address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--metrics-addr {0:?}: expected PORT (on 127.0.0.1) or ADDR:PORT")]
+pub struct MetricsAddrError(String);
+
 /// `--metrics-addr`: `PORT` (on 127.0.0.1) or `ADDR:PORT`.
-pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+pub fn parse_addr(s: &str) -> Result<SocketAddr, MetricsAddrError> {
     if let Ok(port) = s.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    s.parse()
-        .map_err(|_| format!("--metrics-addr {s:?}: expected PORT (on 127.0.0.1) or ADDR:PORT"))
+    s.parse().map_err(|_| MetricsAddrError(s.to_string()))
 }
 
 #[cfg(test)]

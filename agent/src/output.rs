@@ -95,15 +95,25 @@ impl PerRank {
     }
 }
 
-impl std::str::FromStr for PerRank {
-    type Err = String;
+/// A `--redirects`, `--tee` or `--local-ranks-filter` value that does not
+/// parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutputFlagError {
+    #[error(
+        "{0:?} is not a stream choice: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or LOCAL_RANK:N pairs separated by commas (0:1,1:2)"
+    )]
+    Streams(String),
+    #[error("local rank {rank} is named twice in {value:?}")]
+    Twice { rank: usize, value: String },
+    #[error("{0:?} is not a list of local ranks (give them separated by commas: 0,2)")]
+    Ranks(String),
+}
 
-    fn from_str(v: &str) -> Result<Self, String> {
-        let bad = || {
-            format!(
-                "{v:?} is not a stream choice: give 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or LOCAL_RANK:N pairs separated by commas (0:1,1:2)"
-            )
-        };
+impl std::str::FromStr for PerRank {
+    type Err = OutputFlagError;
+
+    fn from_str(v: &str) -> Result<Self, OutputFlagError> {
+        let bad = || OutputFlagError::Streams(v.to_string());
         if !v.contains(':') {
             return Streams::from_digit(v).map(Self::All).ok_or_else(bad);
         }
@@ -113,7 +123,10 @@ impl std::str::FromStr for PerRank {
             let r: usize = r.trim().parse().map_err(|_| bad())?;
             let s = Streams::from_digit(s).ok_or_else(bad)?;
             if each.iter().any(|(q, _)| *q == r) {
-                return Err(format!("local rank {r} is named twice in {v:?}"));
+                return Err(OutputFlagError::Twice {
+                    rank: r,
+                    value: v.to_string(),
+                });
             }
             each.push((r, s));
         }
@@ -126,16 +139,14 @@ impl std::str::FromStr for PerRank {
 pub struct RankFilter(pub Vec<usize>);
 
 impl std::str::FromStr for RankFilter {
-    type Err = String;
+    type Err = OutputFlagError;
 
-    fn from_str(v: &str) -> Result<Self, String> {
+    fn from_str(v: &str) -> Result<Self, OutputFlagError> {
         v.split(',')
             .map(|r| {
-                r.trim().parse().map_err(|_| {
-                    format!(
-                        "{v:?} is not a list of local ranks (give them separated by commas: 0,2)"
-                    )
-                })
+                r.trim()
+                    .parse()
+                    .map_err(|_| OutputFlagError::Ranks(v.to_string()))
             })
             .collect::<Result<_, _>>()
             .map(Self)

@@ -90,7 +90,9 @@ pub fn launch_config(
         preload: h.preload.clone(),
         min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
         standby: h.standby,
-        coordinator: h.coordinator.parse().map_err(LaunchError::Config)?,
+        coordinator: h.coordinator.parse().map_err(
+            |e: crate::config::CoordinatorChoiceError| LaunchError::Config(e.to_string()),
+        )?,
         coordinator_timeout: seconds("--coordinator-timeout-secs", h.coordinator_timeout_secs)?,
         fault_table: match &h.fault_table {
             Some(p) => hatrain_shared::npu::FaultTable::load(p)

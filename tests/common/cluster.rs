@@ -104,6 +104,10 @@ impl Cluster {
                     k, nodes, per_node, &shm[k], &job, ports, &secret, &args, &flags,
                 );
                 c.env("HATRAIN_FAULT_PLAN", plan);
+                // Each agent's run folder goes in the test's folder: a host
+                // that vanishes (SIGKILL) leaves its own, as a machine
+                // would, and the test's folder goes with the test.
+                c.env("TMPDIR", tmp.path());
                 // Where a stand-in libdcmi (given with `--dcmi-library`)
                 // reads this host's recorded NPU fault events.
                 let events = dcmi_events(tmp.path(), k);

@@ -90,20 +90,50 @@ impl EtcdConfig {
     }
 }
 
+/// What went wrong with etcd: a `--coordinator` URL that does not parse,
+/// or a request that failed or was not answered in time.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error("coordinator {url:?}: expected etcd://HOST:PORT[,HOST:PORT...]")]
+    NotEtcd { url: String },
+    #[error("coordinator {url:?}: member {member:?} is not HOST:PORT")]
+    Member { url: String, member: String },
+    #[error(transparent)]
+    Request(#[from] etcd_client::Error),
+    #[error("no answer in {} s", REQUEST.as_secs_f64())]
+    Timeout,
+    #[error("the lease keep-alive stream ended")]
+    StreamEnded,
+}
+
+/// gRPC's NOT_FOUND status code (google.rpc.Code 5): what etcd answers for
+/// a lease that expired.
+const GRPC_NOT_FOUND: i32 = 5;
+
+impl EtcdError {
+    /// etcd does not know what was asked for (a lease that expired).
+    fn not_found(&self) -> bool {
+        matches!(self, Self::Request(etcd_client::Error::GRpcStatus(s)) if i32::from(s.code()) == GRPC_NOT_FOUND)
+    }
+}
+
 /// Parses `etcd://HOST:PORT[,HOST:PORT...]` into the members' endpoints.
-pub fn parse_url(url: &str) -> Result<Vec<String>, String> {
+pub fn parse_url(url: &str) -> Result<Vec<String>, EtcdError> {
     let rest = url
         .strip_prefix("etcd://")
-        .ok_or_else(|| format!("coordinator {url:?}: expected etcd://HOST:PORT[,HOST:PORT...]"))?;
+        .ok_or_else(|| EtcdError::NotEtcd {
+            url: url.to_string(),
+        })?;
     let endpoints: Vec<String> = rest.split(',').map(|e| e.trim().to_string()).collect();
     for e in &endpoints {
         let port = e.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>()));
         match port {
             Some((h, Ok(p))) if !h.is_empty() && p != 0 => {}
             _ => {
-                return Err(format!(
-                    "coordinator {url:?}: member {e:?} is not HOST:PORT"
-                ));
+                return Err(EtcdError::Member {
+                    url: url.to_string(),
+                    member: e.clone(),
+                });
             }
         }
     }
@@ -327,11 +357,11 @@ struct Lease {
 
 async fn within<T>(
     f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, String> {
+) -> Result<T, EtcdError> {
     match tokio::time::timeout(REQUEST, f).await {
         Ok(Ok(t)) => Ok(t),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer in {} s", REQUEST.as_secs_f64())),
+        Ok(Err(e)) => Err(EtcdError::Request(e)),
+        Err(_) => Err(EtcdError::Timeout),
     }
 }
 
@@ -401,7 +431,7 @@ impl Keeper {
         }
     }
 
-    async fn client(&mut self) -> Result<&mut Client, String> {
+    async fn client(&mut self) -> Result<&mut Client, EtcdError> {
         if self.client.is_none() {
             let opts = ConnectOptions::new()
                 .with_connect_timeout(REQUEST)
@@ -422,7 +452,7 @@ impl Keeper {
     /// leader key read when it may have changed; the members read by the
     /// controller (and by everyone while the key is vacant); the key tried
     /// for when it is this agent's turn.
-    async fn round(&mut self) -> Result<(), String> {
+    async fn round(&mut self) -> Result<(), EtcdError> {
         self.keep_lease().await?;
         let reread = self.watch.is_none()
             || self.changed
@@ -469,7 +499,7 @@ impl Keeper {
     }
 
     /// Reads the leader key, and watches it from there on.
-    async fn read_leader(&mut self) -> Result<(), String> {
+    async fn read_leader(&mut self) -> Result<(), EtcdError> {
         let key = self.cfg.leader_key();
         let nodes = self.cfg.nodes;
         let c = self.client().await?;
@@ -503,7 +533,7 @@ impl Keeper {
     }
 
     /// The nodes with a membership key now.
-    async fn read_members(&mut self) -> Result<BTreeSet<u64>, String> {
+    async fn read_members(&mut self) -> Result<BTreeSet<u64>, EtcdError> {
         let prefix = format!("{}members/", self.cfg.prefix);
         let nodes = self.cfg.nodes;
         let c = self.client().await?;
@@ -540,7 +570,7 @@ impl Keeper {
 
     /// Creates the leader key where there is none, bound to this agent's
     /// lease: the leader after, when this agent got it.
-    async fn campaign(&mut self) -> Result<Option<Leader>, String> {
+    async fn campaign(&mut self) -> Result<Option<Leader>, EtcdError> {
         let Some(lease) = self.lease.as_ref().map(|l| l.id) else {
             return Ok(None);
         };
@@ -574,7 +604,7 @@ impl Keeper {
     /// Keeps this agent's lease alive, three times per TTL; a lease that
     /// expired (or was never granted) is granted again and the membership
     /// key put under it.
-    async fn keep_lease(&mut self) -> Result<(), String> {
+    async fn keep_lease(&mut self) -> Result<(), EtcdError> {
         if let Some(id) = self.lease.as_ref().map(|l| l.id) {
             if self.lease.as_ref().is_some_and(|l| Instant::now() < l.next) {
                 return Ok(());
@@ -590,7 +620,7 @@ impl Keeper {
                         }
                     }
                     // It expired meanwhile: a new one, below.
-                    Err(e) if e.contains("not found") => {
+                    Err(e) if e.not_found() => {
                         tracing::warn!(
                             lease = id,
                             "etcd: this agent's lease expired; joining again under a new one"
@@ -627,7 +657,7 @@ impl Keeper {
                 }
                 None => {
                     l.stream = None;
-                    return Err("the lease keep-alive stream ended".into());
+                    return Err(EtcdError::StreamEnded);
                 }
             }
         }

@@ -129,15 +129,22 @@ unsafe extern "C" fn on_event(ev: *mut DcmiEvent) {
     }
 }
 
+/// Why the DCMI library cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum DcmiError {
+    #[error(transparent)]
+    Load(#[from] libloading::Error),
+    #[error("dcmi_init returned {0}")]
+    Init(c_int),
+}
+
 /// The function `name` of `lib`, as a `T`.
 ///
 /// # Safety
 /// `T` must be the function's type in DCMI's header.
-unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &[u8]) -> Result<T, String> {
+unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &[u8]) -> Result<T, DcmiError> {
     // SAFETY: the caller's contract.
-    unsafe { lib.get::<T>(name) }
-        .map(|s| *s)
-        .map_err(|e| e.to_string())
+    Ok(unsafe { lib.get::<T>(name) }.map(|s| *s)?)
 }
 
 /// The library's calls this source uses.
@@ -152,13 +159,13 @@ struct Dcmi {
 }
 
 impl Dcmi {
-    fn load(path: &std::path::Path) -> Result<Self, String> {
+    fn load(path: &std::path::Path) -> Result<Self, DcmiError> {
         // SAFETY: loading runs the library's initialisers; DCMI's are the
         // vendor's, as when MindCluster loads it.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
+        let lib = unsafe { libloading::Library::new(path) }?;
         // SAFETY: each symbol is taken with its type from DCMI's header.
         unsafe {
-            let init: Init = *lib.get::<Init>(b"dcmi_init\0").map_err(|e| e.to_string())?;
+            let init: Init = *lib.get::<Init>(b"dcmi_init\0")?;
             let dcmi = Self {
                 subscribe: symbol(&lib, b"dcmi_subscribe_fault_event\0")?,
                 card_list: symbol(&lib, b"dcmi_get_card_list\0")?,
@@ -170,7 +177,7 @@ impl Dcmi {
             };
             let rc = init();
             if rc != 0 {
-                return Err(format!("dcmi_init returned {rc}"));
+                return Err(DcmiError::Init(rc));
             }
             Ok(dcmi)
         }

@@ -460,7 +460,11 @@ fn attach(
         match st.jobs.get(job) {
             None => Err(format!("job {job} is not registered here")),
             Some(e) => match stream.try_clone() {
-                Ok(s) => e.shims.attach(rank, pid, s).map(|()| Arc::clone(&e.shims)),
+                Ok(s) => e
+                    .shims
+                    .attach(rank, pid, s)
+                    .map(|()| Arc::clone(&e.shims))
+                    .map_err(|e| crate::error_chain(&e)),
                 Err(err) => Err(err.to_string()),
             },
         }

@@ -24,6 +24,23 @@ use tokio::sync::mpsc::UnboundedSender;
 /// starved) holds every job up this long, once, and its rank is given up.
 const START_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Why a shim's commands connection is not attached.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("rank {rank} is not registered")]
+    NotRegistered { rank: usize },
+    #[error("rank {rank} was registered by pid {registered}, not pid {pid}")]
+    OtherPid {
+        rank: usize,
+        registered: i32,
+        pid: i32,
+    },
+    #[error("rank {rank}'s shim is already attached")]
+    Attached { rank: usize },
+    #[error("cannot set the connection's timeouts")]
+    Socket(#[source] io::Error),
+}
+
 #[derive(Debug, Default)]
 pub struct Shims {
     inner: Mutex<Inner>,
@@ -69,24 +86,25 @@ impl Shims {
 
     /// Attaches `rank`'s commands connection, if `pid` is the process that
     /// registered the rank.
-    pub fn attach(&self, rank: usize, pid: i32, stream: UnixStream) -> Result<(), String> {
+    pub fn attach(&self, rank: usize, pid: i32, stream: UnixStream) -> Result<(), AttachError> {
         let mut g = self.lock();
         let Some(shim) = g.ranks.get_mut(&rank) else {
-            return Err(format!("rank {rank} is not registered"));
+            return Err(AttachError::NotRegistered { rank });
         };
         if shim.pid != pid {
-            return Err(format!(
-                "rank {rank} was registered by pid {}, not pid {pid}",
-                shim.pid
-            ));
+            return Err(AttachError::OtherPid {
+                rank,
+                registered: shim.pid,
+                pid,
+            });
         }
         if shim.commands.is_some() {
-            return Err(format!("rank {rank}'s shim is already attached"));
+            return Err(AttachError::Attached { rank });
         }
         stream
             .set_read_timeout(Some(START_TIMEOUT))
             .and_then(|()| stream.set_write_timeout(Some(START_TIMEOUT)))
-            .map_err(|e| e.to_string())?;
+            .map_err(AttachError::Socket)?;
         shim.commands = Some(stream);
         Ok(())
     }

@@ -196,6 +196,6 @@ fn coordinator_urls_name_every_member_or_say_what_is_wrong() {
         "etcd://a:0",
     ] {
         let e = parse_url(bad).unwrap_err();
-        assert!(e.contains(bad), "{e}");
+        assert!(e.to_string().contains(bad), "{e}");
     }
 }
