@@ -391,7 +391,8 @@ impl LaunchConfig {
         }
         if !self.ha.preload.is_empty() {
             for m in &self.ha.preload {
-                crate::supervisor::check_module(m).map_err(LaunchError::Config)?;
+                crate::supervisor::check_module(m)
+                    .map_err(|e| LaunchError::Config(e.to_string()))?;
             }
             if let Some((program, args)) = self.command.split_first() {
                 crate::supervisor::PythonCommand::parse(program.as_ref(), args)

@@ -115,9 +115,73 @@ pub fn slurm_local_tasks(get: &impl Fn(&str) -> Option<String>) -> Option<String
     None
 }
 
+/// Why the shim cannot run its rank.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("{set} is set but {var} is not")]
+    Missing {
+        set: &'static str,
+        var: &'static str,
+    },
+    #[error("{var}={value:?} is not a number")]
+    NotNumber { var: &'static str, value: String },
+    #[error(
+        "{rank_var}={rank} of {world_var}={world} (local {local} of {local_world}) is not a rank of the job"
+    )]
+    NotARank {
+        rank_var: &'static str,
+        world_var: &'static str,
+        rank: usize,
+        world: usize,
+        local: usize,
+        local_world: usize,
+    },
+    #[error(
+        "no launcher's rank is in the environment (looked for {0}): start `exec` with mpirun, srun or torchrun"
+    )]
+    NoLauncher(String),
+    #[error(
+        "cannot tell which job this rank belongs to: give --job-id (or HATRAIN_JOB_ID), the same for every rank"
+    )]
+    NoJob,
+    #[error("the launcher's run id gives no job id ({made:?}: {reason}); give --job-id")]
+    RunId {
+        made: String,
+        reason: hatrain_shared::ident::JobIdError,
+    },
+    #[error(
+        "no hatrain agent answers on {socket} ({reason}): start one with `hatrain-agent serve` (or `systemctl start hatrain-agent`), or name its socket with --agent-socket"
+    )]
+    NoAgent {
+        socket: PathBuf,
+        reason: std::io::Error,
+    },
+    #[error("{socket}: cannot read its owner: {reason}")]
+    Owner { socket: PathBuf, reason: nix::Error },
+    #[error("{socket} is served by uid {uid}, neither root nor this user ({me}): not trusted")]
+    Untrusted { socket: PathBuf, uid: u32, me: u32 },
+    #[error("the host agent: {0}")]
+    Agent(hatrain_shared::frame::FrameError),
+    #[error("{socket}: {reason}")]
+    Socket {
+        socket: PathBuf,
+        reason: std::io::Error,
+    },
+    #[error("the command's argument {0:?} is not UTF-8")]
+    NotUtf8(std::ffi::OsString),
+    #[error("no worker command given (put it after `--`)")]
+    NoCommand,
+    #[error("the host agent refused rank {rank}: {why}")]
+    Refused { rank: usize, why: String },
+    #[error("cannot block signals: {0}")]
+    Signals(nix::Error),
+    #[error("cannot read the agent's commands: {0}")]
+    Commands(std::io::Error),
+}
+
 /// The rank's place: the first launcher whose rank variable is set gives
 /// all four numbers.
-pub fn identity(get: impl Fn(&str) -> Option<String>) -> Result<Identity, String> {
+pub fn identity(get: impl Fn(&str) -> Option<String>) -> Result<Identity, ExecError> {
     let get = |k: &str| match k {
         SLURM_LOCAL_TASKS => slurm_local_tasks(&get),
         _ => get(k),
@@ -128,18 +192,22 @@ pub fn identity(get: impl Fn(&str) -> Option<String>) -> Result<Identity, String
         }
         let mut n = [0usize; 4];
         for (slot, var) in n.iter_mut().zip(vars) {
-            let v = get(var).ok_or_else(|| format!("{} is set but {var} is not", vars[0]))?;
-            *slot = v
-                .trim()
-                .parse()
-                .map_err(|_| format!("{var}={v:?} is not a number"))?;
+            let v = get(var).ok_or(ExecError::Missing { set: vars[0], var })?;
+            *slot = v.trim().parse().map_err(|_| ExecError::NotNumber {
+                var,
+                value: v.clone(),
+            })?;
         }
         let [rank, world_size, local_rank, local_world_size] = n;
         if rank >= world_size || local_rank >= local_world_size || world_size == 0 {
-            return Err(format!(
-                "{}={rank} of {}={world_size} (local {local_rank} of {local_world_size}) is not a rank of the job",
-                vars[0], vars[1]
-            ));
+            return Err(ExecError::NotARank {
+                rank_var: vars[0],
+                world_var: vars[1],
+                rank,
+                world: world_size,
+                local: local_rank,
+                local_world: local_world_size,
+            });
         }
         return Ok(Identity {
             rank,
@@ -149,15 +217,17 @@ pub fn identity(get: impl Fn(&str) -> Option<String>) -> Result<Identity, String
             launcher,
         });
     }
-    Err(format!(
-        "no launcher's rank is in the environment (looked for {}): start `exec` with mpirun, srun or torchrun",
-        LAUNCHERS.map(|(_, v)| v[0]).join(", ")
+    Err(ExecError::NoLauncher(
+        LAUNCHERS.map(|(_, v)| v[0]).join(", "),
     ))
 }
 
 /// The job id: the flag (or `HATRAIN_JOB_ID`), else the launcher's own id
 /// of the run: torchrun's run id, Open MPI's job id, Slurm's job and step.
-pub fn job_id(flag: Option<JobId>, get: impl Fn(&str) -> Option<String>) -> Result<JobId, String> {
+pub fn job_id(
+    flag: Option<JobId>,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<JobId, ExecError> {
     if let Some(j) = flag {
         return Ok(j);
     }
@@ -169,13 +239,11 @@ pub fn job_id(flag: Option<JobId>, get: impl Fn(&str) -> Option<String>) -> Resu
         let step = get("SLURM_STEP_ID").unwrap_or_else(|| "0".into());
         format!("slurm-{id}.{step}")
     } else {
-        return Err(
-            "cannot tell which job this rank belongs to: give --job-id (or HATRAIN_JOB_ID), the same for every rank"
-                .into(),
-        );
+        return Err(ExecError::NoJob);
     };
-    JobId::new(&made).map_err(|e| {
-        format!("the launcher's run id gives no job id ({made:?}: {e}); give --job-id")
+    JobId::new(&made).map_err(|reason| ExecError::RunId {
+        made: made.clone(),
+        reason,
     })
 }
 
@@ -214,36 +282,42 @@ fn say(msg: std::fmt::Arguments) {
 }
 
 /// Connects to the host agent and checks that root or this user runs it.
-fn connect(socket: &std::path::Path) -> Result<UnixStream, String> {
-    let s = UnixStream::connect(socket).map_err(|e| {
-        format!(
-            "no hatrain agent answers on {} ({e}): start one with `hatrain-agent serve` (or `systemctl start hatrain-agent`), or name its socket with --agent-socket",
-            socket.display()
-        )
+fn connect(socket: &std::path::Path) -> Result<UnixStream, ExecError> {
+    let s = UnixStream::connect(socket).map_err(|reason| ExecError::NoAgent {
+        socket: socket.to_path_buf(),
+        reason,
     })?;
     let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
-        .map_err(|e| format!("{}: cannot read its owner: {e}", socket.display()))?;
+        .map_err(|reason| ExecError::Owner {
+            socket: socket.to_path_buf(),
+            reason,
+        })?;
     let me = hatrain_shared::trust::me();
     if cred.uid() != 0 && cred.uid() != me {
-        return Err(format!(
-            "{} is served by uid {}, neither root nor this user ({me}): not trusted",
-            socket.display(),
-            cred.uid()
-        ));
+        return Err(ExecError::Untrusted {
+            socket: socket.to_path_buf(),
+            uid: cred.uid(),
+            me,
+        });
     }
     Ok(s)
 }
 
-fn exchange(s: &mut UnixStream, msg: &ToAgent) -> Result<Reply, String> {
+fn exchange(s: &mut UnixStream, msg: &ToAgent) -> Result<Reply, ExecError> {
     PROTOCOL
         .send_json(s, msg)
         .and_then(|()| PROTOCOL.recv_json(s))
-        .map_err(|e| format!("the host agent: {e}"))
+        .map_err(ExecError::Agent)
 }
 
-/// Why a registration did not go through: the agent refused it (`true`),
-/// or could not be reached.
-type Refusal = (bool, String);
+/// Why a registration did not go through.
+#[derive(Debug)]
+enum Refusal {
+    /// The agent refused it, saying why.
+    Refused(String),
+    /// The agent could not be reached, or answered nothing it should.
+    Unreachable(ExecError),
+}
 
 /// Registers the rank and attaches its commands connection: the events
 /// and commands connections.
@@ -251,20 +325,30 @@ fn register(
     socket: &std::path::Path,
     reg: &Registration,
 ) -> Result<(UnixStream, UnixStream), Refusal> {
-    let unreachable = |e: String| (false, e);
+    let unreachable = Refusal::Unreachable;
+    let socket_err = |reason| {
+        Refusal::Unreachable(ExecError::Socket {
+            socket: socket.to_path_buf(),
+            reason,
+        })
+    };
     // An agent that accepts and then stalls must not hold the shim (it
     // passes the launcher's signals and its worker's exits).
     let timed = |s: &UnixStream, t: Option<Duration>| {
         s.set_read_timeout(t)
             .and_then(|()| s.set_write_timeout(t))
-            .map_err(|e| (false, format!("{}: {e}", socket.display())))
+            .map_err(socket_err)
     };
     let mut events = connect(socket).map_err(unreachable)?;
     timed(&events, Some(HANDSHAKE))?;
     match exchange(&mut events, &ToAgent::Register(Box::new(reg.clone()))).map_err(unreachable)? {
         Reply::Registered { .. } => {}
-        Reply::Refused { message } => return Err((true, message)),
-        other => return Err((true, format!("it answered {other:?} to a registration"))),
+        Reply::Refused { message } => return Err(Refusal::Refused(message)),
+        other => {
+            return Err(Refusal::Refused(format!(
+                "it answered {other:?} to a registration"
+            )));
+        }
     }
     let mut commands = connect(socket).map_err(unreachable)?;
     timed(&commands, Some(HANDSHAKE))?;
@@ -279,11 +363,13 @@ fn register(
             timed(&events, None)?;
             events
                 .set_write_timeout(Some(HANDSHAKE))
-                .map_err(|e| (false, e.to_string()))?;
+                .map_err(socket_err)?;
             Ok((events, commands))
         }
-        Reply::Refused { message } => Err((true, message)),
-        other => Err((true, format!("it answered {other:?} to an attach"))),
+        Reply::Refused { message } => Err(Refusal::Refused(message)),
+        other => Err(Refusal::Refused(format!(
+            "it answered {other:?} to an attach"
+        ))),
     }
 }
 
@@ -307,7 +393,7 @@ fn read_commands(mut conn: UnixStream, generation: u64, tx: mpsc::Sender<Ev>) {
 }
 
 /// Runs the shim; its exit code.
-pub fn run(opts: ExecOptions) -> Result<u8, String> {
+pub fn run(opts: ExecOptions) -> Result<u8, ExecError> {
     let get = |k: &str| std::env::var(k).ok();
     let id = identity(get)?;
     let job = job_id(opts.job.clone(), get)?;
@@ -317,11 +403,11 @@ pub fn run(opts: ExecOptions) -> Result<u8, String> {
         .map(|a| {
             a.to_str()
                 .map(str::to_string)
-                .ok_or_else(|| format!("the command's argument {a:?} is not UTF-8"))
+                .ok_or_else(|| ExecError::NotUtf8(a.clone()))
         })
         .collect::<Result<Vec<_>, _>>()?;
     if command.is_empty() {
-        return Err("no worker command given (put it after `--`)".into());
+        return Err(ExecError::NoCommand);
     }
     let reg = Registration {
         job: job.to_string(),
@@ -337,20 +423,17 @@ pub fn run(opts: ExecOptions) -> Result<u8, String> {
             .collect(),
         resume: None,
     };
-    let (events, commands) =
-        register(&opts.socket, &reg).map_err(|(refused, why)| match refused {
-            true => format!("the host agent refused rank {}: {why}", id.rank),
-            false => why,
-        })?;
+    let (events, commands) = register(&opts.socket, &reg).map_err(|r| match r {
+        Refusal::Refused(why) => ExecError::Refused { rank: id.rank, why },
+        Refusal::Unreachable(e) => e,
+    })?;
     // The launcher's signals are taken by one thread; every thread started
     // from here on inherits the blocked mask.
     let mut signals = SigSet::empty();
     for s in STOPPING.iter().chain(&PASSED) {
         signals.add(*s);
     }
-    signals
-        .thread_block()
-        .map_err(|e| format!("cannot block signals: {e}"))?;
+    signals.thread_block().map_err(ExecError::Signals)?;
     let (tx, rx) = mpsc::channel::<Ev>();
     {
         let tx = tx.clone();
@@ -362,9 +445,7 @@ pub fn run(opts: ExecOptions) -> Result<u8, String> {
             }
         });
     }
-    let reader = commands
-        .try_clone()
-        .map_err(|e| format!("cannot read the agent's commands: {e}"))?;
+    let reader = commands.try_clone().map_err(ExecError::Commands)?;
     read_commands(reader, 0, tx.clone());
     Shim {
         socket: opts.socket,
@@ -416,7 +497,7 @@ impl Shim {
         self.reg.rank
     }
 
-    fn run(mut self, rx: mpsc::Receiver<Ev>) -> Result<u8, String> {
+    fn run(mut self, rx: mpsc::Receiver<Ev>) -> Result<u8, ExecError> {
         loop {
             let ev = match self.gone_since {
                 Some(_) => match rx.recv_timeout(RETRY) {
@@ -559,7 +640,7 @@ impl Shim {
                 ));
                 None
             }
-            Err((true, why)) => {
+            Err(Refusal::Refused(why)) => {
                 say(format_args!(
                     "the host agent does not take rank {} back: {why}",
                     self.rank()
@@ -571,7 +652,9 @@ impl Shim {
                     None => Some(self.last.map_or(1, code)),
                 }
             }
-            Err((false, _)) if self.worker.is_none() && since.elapsed() > self.agent_wait => {
+            Err(Refusal::Unreachable(_))
+                if self.worker.is_none() && since.elapsed() > self.agent_wait =>
+            {
                 say(format_args!(
                     "no host agent came back within {:.0} s; rank {} ends with its worker's status",
                     self.agent_wait.as_secs_f64(),
@@ -579,7 +662,7 @@ impl Shim {
                 ));
                 Some(self.last.map_or(1, code))
             }
-            Err((false, _)) => None,
+            Err(Refusal::Unreachable(_)) => None,
         }
     }
 
@@ -683,11 +766,11 @@ mod tests {
         ]);
         assert_eq!(identity(&torch).unwrap().launcher, "torchrun");
         let e = job_id(None, &torch).unwrap_err();
-        assert!(e.contains("--job-id"), "{e}");
+        assert!(e.to_string().contains("--job-id"), "{e}");
         let given = JobId::new("mine").unwrap();
         assert_eq!(job_id(Some(given.clone()), &torch).unwrap(), given);
         let e = identity(env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
-        assert!(e.contains("LOCAL_RANK is not"), "{e}");
+        assert!(e.to_string().contains("LOCAL_RANK is not"), "{e}");
         let e = identity(env(&[
             ("RANK", "2"),
             ("WORLD_SIZE", "2"),
@@ -695,9 +778,9 @@ mod tests {
             ("LOCAL_WORLD_SIZE", "1"),
         ]))
         .unwrap_err();
-        assert!(e.contains("not a rank of the job"), "{e}");
+        assert!(e.to_string().contains("not a rank of the job"), "{e}");
         let e = identity(env(&[])).unwrap_err();
-        assert!(e.contains("OMPI_COMM_WORLD_RANK"), "{e}");
+        assert!(e.to_string().contains("OMPI_COMM_WORLD_RANK"), "{e}");
         let srun = env(&[
             ("SLURM_PROCID", "5"),
             ("SLURM_NTASKS", "7"),
@@ -712,6 +795,6 @@ mod tests {
         assert_eq!(place, (5, 7, 1, 3));
         assert_eq!(job_id(None, &srun).unwrap().as_str(), "slurm-41.0");
         let e = job_id(None, env(&[("SLURM_JOB_ID", "../x")])).unwrap_err();
-        assert!(e.contains("slurm-../x"), "{e}");
+        assert!(e.to_string().contains("slurm-../x"), "{e}");
     }
 }

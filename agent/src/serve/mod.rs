@@ -31,7 +31,7 @@ pub use crate::cli::OnStop;
 pub use crate::shim::{Shims, wire};
 
 use crate::cli::LaunchArgs;
-use crate::config::LaunchConfig;
+use crate::config::{LaunchConfig, LaunchError};
 use crate::job::{Kept, Served};
 use crate::notify;
 use hatrain_shared::ident::JobId;
@@ -219,19 +219,76 @@ fn bind(path: &Path) -> Result<UnixListener, ServeError> {
     Ok(listener)
 }
 
-async fn read_msg(stream: &mut UnixStream) -> Result<ToAgent, String> {
+/// Why a message of the host agent's protocol was not read.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Frame(#[from] hatrain_shared::frame::FrameError),
+}
+
+async fn read_msg(stream: &mut UnixStream) -> Result<ToAgent, ReadError> {
     let mut header = [0u8; hatrain_shared::frame::HEADER_LEN];
-    stream
-        .read_exact(&mut header)
-        .await
-        .map_err(|e| e.to_string())?;
-    let len = PROTOCOL.parse_header(&header).map_err(|e| e.to_string())?;
+    stream.read_exact(&mut header).await?;
+    let len = PROTOCOL.parse_header(&header)?;
     let mut body = vec![0u8; len];
-    stream
-        .read_exact(&mut body)
-        .await
-        .map_err(|e| e.to_string())?;
-    PROTOCOL.parse_json(&body).map_err(|e| format!("{e:#}"))
+    stream.read_exact(&mut body).await?;
+    Ok(PROTOCOL.parse_json(&body)?)
+}
+
+/// Why a shim's registration is refused (what the shim is told).
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("the agent is stopping")]
+    Stopping,
+    #[error("job id {id:?}: {reason}")]
+    JobId {
+        id: String,
+        reason: hatrain_shared::ident::JobIdError,
+    },
+    #[error(
+        "job {job} has {world} ranks, {local} of them on this host: the host agent serves jobs whose ranks all run on it; a job of several hosts runs `hatrain-agent launch` on each"
+    )]
+    SeveralHosts {
+        job: JobId,
+        world: usize,
+        local: usize,
+    },
+    #[error("rank {rank} (local rank {local}) does not fit a job of {world} ranks on one host")]
+    RankOutside {
+        rank: usize,
+        local: usize,
+        world: usize,
+    },
+    #[error(
+        "job {0} is being re-adopted from the agent before this one; a new rank cannot join it"
+    )]
+    Readopting(JobId),
+    #[error("job {job} runs here, and rank {rank} is not one of its shims")]
+    NotAShim { job: JobId, rank: usize },
+    #[error(
+        "job {0} is already running here; a rank that joins it late is not taken (use another job id)"
+    )]
+    Late(JobId),
+    #[error(
+        "rank {rank} of job {job} was started with another world size, command or flags than rank {first}"
+    )]
+    Disagrees {
+        job: JobId,
+        rank: usize,
+        first: usize,
+    },
+    #[error("rank {rank} of job {job} is registered already")]
+    Again { job: JobId, rank: usize },
+    #[error(
+        "job {job} is not known here: the agent that ran it kept no state in {dir}; its worker runs on without protection"
+    )]
+    Unknown { job: JobId, dir: PathBuf },
+    #[error("no worker command (put it after `--`)")]
+    NoCommand,
+    #[error("{0}")]
+    Config(#[from] LaunchError),
 }
 
 async fn write_msg(stream: &mut UnixStream, reply: &Reply) {
@@ -275,7 +332,8 @@ async fn connection(state: Shared, mut stream: UnixStream) {
                     write_msg(&mut stream, &Reply::Registered { job_socket }).await;
                     shims
                 }
-                Err(message) => {
+                Err(why) => {
+                    let message = why.to_string();
                     tracing::warn!(job, rank, pid, "registration refused: {message}");
                     write_msg(&mut stream, &Reply::Refused { message }).await;
                     return;
@@ -318,54 +376,56 @@ fn unix_now() -> f64 {
 /// Takes one rank's registration: the first of a job makes its entry (and
 /// its configuration, so that a bad flag is refused to the first rank);
 /// the others must agree with it.
-fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, PathBuf), String> {
+fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, PathBuf), Refused> {
     let mut st = state.borrow_mut();
     if st.shutdown.is_cancelled() {
-        return Err("the agent is stopping".into());
+        return Err(Refused::Stopping);
     }
-    let job = JobId::new(&reg.job).map_err(|e| format!("job id {:?}: {e}", reg.job))?;
+    let job = JobId::new(&reg.job).map_err(|reason| Refused::JobId {
+        id: reg.job.clone(),
+        reason,
+    })?;
     if reg.world_size != reg.local_world_size {
-        return Err(format!(
-            "job {job} has {} ranks, {} of them on this host: the host agent serves jobs whose ranks all run on it; a job of several hosts runs `hatrain-agent launch` on each",
-            reg.world_size, reg.local_world_size
-        ));
+        return Err(Refused::SeveralHosts {
+            job,
+            world: reg.world_size,
+            local: reg.local_world_size,
+        });
     }
     if reg.rank >= reg.world_size || reg.local_rank != reg.rank {
-        return Err(format!(
-            "rank {} (local rank {}) does not fit a job of {} ranks on one host",
-            reg.rank, reg.local_rank, reg.world_size
-        ));
+        return Err(Refused::RankOutside {
+            rank: reg.rank,
+            local: reg.local_rank,
+            world: reg.world_size,
+        });
     }
     let serve = st.cfg.clone();
     if let Some(e) = st.jobs.get(&reg.job) {
         if e.resume.is_some() != reg.resume.is_some() {
             return Err(match e.resume {
-                Some(_) => format!(
-                    "job {job} is being re-adopted from the agent before this one; a new rank cannot join it"
-                ),
-                None => format!(
-                    "job {job} runs here, and rank {} is not one of its shims",
-                    reg.rank
-                ),
+                Some(_) => Refused::Readopting(job),
+                None => Refused::NotAShim {
+                    job,
+                    rank: reg.rank,
+                },
             });
         }
         if e.running {
-            return Err(format!(
-                "job {job} is already running here; a rank that joins it late is not taken (use another job id)"
-            ));
+            return Err(Refused::Late(job));
         }
         let f = &e.first;
         if (f.world_size, &f.command, &f.ha) != (reg.world_size, &reg.command, &reg.ha) {
-            return Err(format!(
-                "rank {} of job {job} was started with another world size, command or flags than rank {}",
-                reg.rank, f.rank
-            ));
+            return Err(Refused::Disagrees {
+                job,
+                rank: reg.rank,
+                first: f.rank,
+            });
         }
         if e.shims.ranks().iter().any(|&(r, _)| r == reg.rank) {
-            return Err(format!(
-                "rank {} of job {job} is registered already",
-                reg.rank
-            ));
+            return Err(Refused::Again {
+                job,
+                rank: reg.rank,
+            });
         }
         e.shims.register(reg.rank, pid);
         if let Some(r) = reg.resume {
@@ -376,10 +436,10 @@ fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, 
         return Ok((Arc::clone(&e.shims), socket));
     }
     if reg.resume.is_some() {
-        return Err(format!(
-            "job {job} is not known here: the agent that ran it kept no state in {}; its worker runs on without protection",
-            serve.state_dir.display()
-        ));
+        return Err(Refused::Unknown {
+            job,
+            dir: serve.state_dir.clone(),
+        });
     }
     let cfg = job_config(&reg, job, &serve)?;
     let socket = cfg.ha.shm_root.join(&reg.job).join(crate::jobdir::SOCKET);
@@ -410,9 +470,13 @@ fn register(state: &Shared, reg: Registration, pid: i32) -> Result<(Arc<Shims>, 
 
 /// The launch configuration of a served job: one host, its ranks' flags,
 /// the workers' environment from their shims.
-fn job_config(reg: &Registration, job: JobId, serve: &ServeConfig) -> Result<LaunchConfig, String> {
+fn job_config(
+    reg: &Registration,
+    job: JobId,
+    serve: &ServeConfig,
+) -> Result<LaunchConfig, Refused> {
     if reg.command.is_empty() {
-        return Err("no worker command (put it after `--`)".into());
+        return Err(Refused::NoCommand);
     }
     let mut ha = reg.ha.clone();
     ha.shm_root.get_or_insert_with(|| serve.shm_root.clone());
@@ -439,10 +503,9 @@ fn job_config(reg: &Registration, job: JobId, serve: &ServeConfig) -> Result<Lau
         command: reg.command.iter().map(Into::into).collect(),
     };
     let env: BTreeMap<String, String> = reg.env.iter().cloned().collect();
-    let mut cfg = crate::settings::launch_config(args, &|k| env.get(k).cloned())
-        .map_err(|e| e.to_string())?;
+    let mut cfg = crate::settings::launch_config(args, &|k| env.get(k).cloned())?;
     cfg.worker_env = Some(env);
-    cfg.validate().map_err(|e| e.to_string())?;
+    cfg.validate()?;
     Ok(cfg)
 }
 
@@ -732,7 +795,8 @@ fn recover(state: &Shared) {
             })
             .and_then(|(kept, reg)| {
                 let id = JobId::new(job).map_err(|e| e.to_string())?;
-                Ok((job_config(&reg, id, &serve)?, kept, reg))
+                let cfg = job_config(&reg, id, &serve).map_err(|e| e.to_string())?;
+                Ok((cfg, kept, reg))
             });
         match loaded {
             Ok((cfg, kept, first)) => {

@@ -57,6 +57,36 @@ pub enum Target {
     Module(String),
 }
 
+/// Why a worker command cannot be forked from the server, or the server
+/// cannot be started.
+#[derive(Debug, thiserror::Error)]
+pub enum ForkServerError {
+    #[error(
+        "the worker command runs {0}, not a Python interpreter (python SCRIPT or python -m MODULE)"
+    )]
+    NotPython(PathBuf),
+    #[error("the Python option {0:?} is not UTF-8")]
+    OptionNotUtf8(OsString),
+    #[error("python -c CODE: only a script or -m MODULE can be forked from a preloaded server")]
+    Code,
+    #[error("python -m without a module")]
+    NoModule,
+    #[error("the module name is not UTF-8")]
+    ModuleNotUtf8,
+    #[error("the Python command names no script (python SCRIPT or python -m MODULE)")]
+    NoScript,
+    #[error("--preload {0:?} is not a Python module name")]
+    ModuleName(String),
+    #[error("socketpair")]
+    Socket(#[source] nix::Error),
+    #[error("{0}")]
+    Spawn(PathBuf, #[source] std::io::Error),
+    #[error("{0:?} is not UTF-8")]
+    NotUtf8(OsString),
+    #[error("the value of the environment variable {0} is not UTF-8")]
+    EnvNotUtf8(String),
+}
+
 /// A Python worker command, read as the interpreter reads its arguments.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PythonCommand {
@@ -70,19 +100,16 @@ pub struct PythonCommand {
 impl PythonCommand {
     /// Reads `program args` as `python [OPTIONS] SCRIPT ARGS` or `python
     /// [OPTIONS] -m MODULE ARGS`; anything else is refused with what it was.
-    pub fn parse(program: &Path, args: &[OsString]) -> Result<Self, String> {
+    pub fn parse(program: &Path, args: &[OsString]) -> Result<Self, ForkServerError> {
         let name = program.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if !name.starts_with("python") {
-            return Err(format!(
-                "the worker command runs {}, not a Python interpreter (python SCRIPT or python -m MODULE)",
-                program.display()
-            ));
+            return Err(ForkServerError::NotPython(program.to_path_buf()));
         }
         let mut options = Vec::new();
         let mut i = 0;
         while i < args.len() {
             let Some(a) = args[i].to_str() else {
-                return Err(format!("the Python option {:?} is not UTF-8", args[i]));
+                return Err(ForkServerError::OptionNotUtf8(args[i].clone()));
             };
             if a == "--" {
                 i += 1;
@@ -107,16 +134,11 @@ impl PythonCommand {
             for (at, c) in letters.char_indices() {
                 let rest = &letters[at + c.len_utf8()..];
                 match c {
-                    'c' => {
-                        return Err(
-                            "python -c CODE: only a script or -m MODULE can be forked from a preloaded server"
-                                .into(),
-                        );
-                    }
+                    'c' => return Err(ForkServerError::Code),
                     'm' => {
                         let (module, next) = if rest.is_empty() {
-                            let m = args.get(i + 1).ok_or("python -m without a module")?;
-                            (m.to_str().ok_or("the module name is not UTF-8")?, i + 2)
+                            let m = args.get(i + 1).ok_or(ForkServerError::NoModule)?;
+                            (m.to_str().ok_or(ForkServerError::ModuleNotUtf8)?, i + 2)
                         } else {
                             (rest, i + 1)
                         };
@@ -153,15 +175,13 @@ impl PythonCommand {
                 target: Target::Script(s.clone()),
                 args: args[i + 1..].to_vec(),
             }),
-            _ => {
-                Err("the Python command names no script (python SCRIPT or python -m MODULE)".into())
-            }
+            _ => Err(ForkServerError::NoScript),
         }
     }
 }
 
 /// Checks a module name given to `--preload`.
-pub fn check_module(name: &str) -> Result<(), String> {
+pub fn check_module(name: &str) -> Result<(), ForkServerError> {
     let ok = !name.is_empty()
         && name.split('.').all(|p| {
             p.chars()
@@ -172,7 +192,7 @@ pub fn check_module(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("--preload {name:?} is not a Python module name"))
+        Err(ForkServerError::ModuleName(name.to_string()))
     }
 }
 
@@ -247,7 +267,7 @@ impl ForkServer {
                 self.state = State::Starting { pid, sock };
             }
             Err(e) => {
-                tracing::error!(error = %e, "cannot start the fork server: workers start as fresh processes");
+                tracing::error!(error = %crate::error_chain(&e), "cannot start the fork server: workers start as fresh processes");
                 self.state = State::Down { again: false };
             }
         }
@@ -259,7 +279,7 @@ impl ForkServer {
         exits: &UnboundedSender<ExitEvent>,
         template: &super::WorkerSpec,
         env: &[(String, String)],
-    ) -> Result<(i32, OwnedFd), String> {
+    ) -> Result<(i32, OwnedFd), ForkServerError> {
         let py = PythonCommand::parse(&template.program, &template.args)?;
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -267,7 +287,7 @@ impl ForkServer {
             None,
             SockFlag::SOCK_CLOEXEC,
         )
-        .map_err(|e| format!("socketpair: {e}"))?;
+        .map_err(ForkServerError::Socket)?;
         let mut cmd = Command::new(&py.program);
         cmd.args(&py.options)
             .args(["-m", "hatrain.forkserver"])
@@ -306,7 +326,7 @@ impl ForkServer {
         }
         let child = reaper
             .spawn(&mut cmd, exits)
-            .map_err(|e| format!("{}: {e}", py.program.display()))?;
+            .map_err(|e| ForkServerError::Spawn(py.program.clone(), e))?;
         drop(theirs);
         let pid = i32::try_from(child.id()).expect("pids fit in i32");
         Ok((pid, ours))
@@ -397,7 +417,7 @@ impl ForkServer {
             Err(why) => {
                 tracing::warn!(
                     rank = spec.rank,
-                    why,
+                    why = %why,
                     "not forked from the fork server: a fresh process instead"
                 );
                 return None;
@@ -494,15 +514,15 @@ impl Drop for ForkServer {
 
 /// The request for `spec`'s worker: its target, arguments and whole
 /// environment (the agent's, with the worker's own over it).
-fn request(spec: &super::WorkerSpec) -> Result<Vec<u8>, String> {
+fn request(spec: &super::WorkerSpec) -> Result<Vec<u8>, ForkServerError> {
     let py = PythonCommand::parse(&spec.program, &spec.args)?;
-    let utf8 = |s: OsString| s.into_string().map_err(|s| format!("{s:?} is not UTF-8"));
+    let utf8 = |s: OsString| s.into_string().map_err(ForkServerError::NotUtf8);
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     for (k, v) in std::env::vars_os() {
         let k = utf8(k)?;
         let v = v
             .into_string()
-            .map_err(|_| format!("the value of the environment variable {k} is not UTF-8"))?;
+            .map_err(|_| ForkServerError::EnvNotUtf8(k.clone()))?;
         env.insert(k, v);
     }
     env.extend(spec.env.iter().cloned());
@@ -534,7 +554,7 @@ mod tests {
 
     fn parse(cmd: &[&str]) -> Result<PythonCommand, String> {
         let args: Vec<OsString> = cmd[1..].iter().map(Into::into).collect();
-        PythonCommand::parse(Path::new(cmd[0]), &args)
+        PythonCommand::parse(Path::new(cmd[0]), &args).map_err(|e| e.to_string())
     }
 
     fn os(v: &[&str]) -> Vec<OsString> {
@@ -599,7 +619,10 @@ mod tests {
         }
         for bad in ["", "torch.", "2x", "a b", "a-b", "a..b"] {
             assert!(
-                check_module(bad).unwrap_err().contains("module name"),
+                check_module(bad)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("module name"),
                 "{bad}"
             );
         }
