@@ -28,7 +28,7 @@
 //! controller's routing and placement, and each role's state;
 //! [`super::orders`] carries them between the hosts.
 
-use crate::recovery::{Command, Event, HostLoss, Machine, RankView, Written};
+use crate::recovery::{Command, Event, HostLoss, Machine, OnDisk, RankView, Written};
 use hatrain_shared::control::{FaultRecord, StartMode};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -136,7 +136,91 @@ pub(super) struct Placed {
     pub state_lost: Vec<usize>,
 }
 
+/// What the controller decides on a lost host, from the facts given to it
+/// ([`Controller::on_host_lost`]): no clock, no disk, no socket.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum OnLoss {
+    /// No majority of the job's agents follows this controller: the loss
+    /// waits until one does (or another controller acts).
+    HoldBack(HostLoss),
+    /// A take-over is settling: the loss is decided once it has.
+    Settling,
+    /// A standby that held no ranks is lost: nothing to recover.
+    StandbyLost { node: u64 },
+    /// The machine recovers from `loss`, after the hand-over of its ranks
+    /// to a standby host when there is one.
+    Recover {
+        loss: HostLoss,
+        handover: Option<Handover>,
+    },
+}
+
+/// A lost host's ranks go to standby `to`: it takes them (`adopt`), and
+/// each of `givers` streams it the replicas it holds of them (`give`), as
+/// this host does.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Handover {
+    pub to: u64,
+    pub adopt: Adopt,
+    pub give: Give,
+    pub givers: Vec<u64>,
+}
+
+/// What the controller is told beside a host loss.
+#[derive(Debug, Clone)]
+pub(super) struct LossFacts<'a> {
+    /// A majority of the job's agents follows this controller.
+    pub acting: bool,
+    /// Worker reboot is on (a standby host may take the ranks).
+    pub reboot: bool,
+    /// Every host lost so far, this one included.
+    pub gone: &'a [u64],
+    /// The ranks whose replicas this host holds, each with a sealed step.
+    pub own_held: &'a [usize],
+    /// The newest complete checkpoint on disk.
+    pub on_disk: Option<OnDisk>,
+}
+
 impl Controller {
+    /// Decides on `loss` (as the coordinator reported it: its node and
+    /// how it was seen): the ranks it held, the standby that takes them
+    /// and the orders of the hand-over, or why nothing is decided now.
+    pub fn on_host_lost(&mut self, loss: HostLoss, facts: LossFacts<'_>) -> OnLoss {
+        if let Some(s) = &mut self.settling {
+            s.losses.push(loss);
+            return OnLoss::Settling;
+        }
+        if !facts.acting && !self.given_up {
+            return OnLoss::HoldBack(loss);
+        }
+        let node = loss.node;
+        self.note_held(self.node, facts.own_held.iter().copied());
+        let Some(placed) = self.host_lost(node, facts.reboot, facts.gone) else {
+            return OnLoss::StandbyLost { node };
+        };
+        let handover = placed.spare.map(|to| Handover {
+            to,
+            adopt: Adopt {
+                node,
+                ranks: placed.ranks.clone(),
+                fill: true,
+            },
+            give: Give { node, to },
+            givers: self.others().filter(|&n| n != to).collect(),
+        });
+        OnLoss::Recover {
+            loss: HostLoss {
+                ranks: placed.ranks,
+                spare: placed.spare,
+                state_lost: placed.state_lost,
+                on_disk: facts.on_disk,
+                hosts_left: self.hosts_left(facts.gone),
+                ..loss
+            },
+            handover,
+        }
+    }
+
     /// The controller of `nodes` hosts of `per_node` ranks (this one
     /// `node`), and `spares` standby hosts (node ranks from `nodes` on).
     pub fn new(

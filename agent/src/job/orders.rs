@@ -6,7 +6,9 @@
 //! frames on the heartbeat sessions; a message that does not parse is
 //! dropped and logged.
 
-use super::decider::{Admit, Adopt, Decider, Down, Give, Inbox, REPORT_EVERY, Routed, Up, admit};
+use super::decider::{
+    Admit, Decider, Down, Handover, Inbox, LossFacts, OnLoss, REPORT_EVERY, Routed, Up, admit,
+};
 use super::{Collected, Driver, log};
 use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
 use crate::supervisor::Supervisor;
@@ -415,39 +417,28 @@ impl Driver<'_> {
         let acting = self.acting();
         let successor_wait = self.successor_wait();
         for loss in lost {
-            if !acting
-                && matches!(&self.decider, Decider::Controller(c) if c.settling.is_none() && !c.given_up)
-            {
-                self.hold_back(loss);
-                continue;
-            }
             match &mut self.decider {
-                Decider::Controller(c) if c.settling.is_some() => {
-                    if let Some(s) = &mut c.settling {
-                        s.losses.push(loss);
-                    }
-                }
                 Decider::Controller(c) => {
-                    let node = loss.node;
-                    c.note_held(c.node, own.iter().copied());
-                    let reboot = self.cfg.ha.modes.recover;
-                    let Some(placed) = c.host_lost(node, reboot, &gone) else {
-                        tracing::warn!(node, "a standby host is lost");
-                        continue;
-                    };
-                    let hosts_left = c.hosts_left(&gone);
-                    if let Some(to) = placed.spare {
-                        self.send_to_standby(node, to, &placed.ranks);
-                    }
-                    let loss = HostLoss {
-                        ranks: placed.ranks,
-                        spare: placed.spare,
-                        state_lost: placed.state_lost,
+                    let facts = LossFacts {
+                        acting,
+                        reboot: self.cfg.ha.modes.recover,
+                        gone: &gone,
+                        own_held: &own,
                         on_disk: on_disk.clone(),
-                        hosts_left,
-                        ..loss
                     };
-                    self.feed(sup, Event::HostLost(loss));
+                    match c.on_host_lost(loss, facts) {
+                        OnLoss::HoldBack(loss) => self.hold_back(loss),
+                        OnLoss::Settling => {}
+                        OnLoss::StandbyLost { node } => {
+                            tracing::warn!(node, "a standby host is lost")
+                        }
+                        OnLoss::Recover { loss, handover } => {
+                            if let Some(h) = handover {
+                                self.hand_over(h);
+                            }
+                            self.feed(sup, Event::HostLost(loss));
+                        }
+                    }
                 }
                 Decider::Follower(f) => {
                     f.losses.push(loss.clone());
@@ -497,43 +488,33 @@ impl Driver<'_> {
         self.send_orders(orders);
     }
 
-    /// Lost host `node`'s `ranks` go to standby `to`: it takes them, and
-    /// every host holding their replicas streams them there.
-    fn send_to_standby(&self, node: u64, to: u64, ranks: &[usize]) {
-        let Decider::Controller(c) = &self.decider else {
-            return;
-        };
+    /// Carries out a hand-over the controller decided: the standby takes
+    /// the lost host's ranks, and every host holding their replicas (this
+    /// one too) streams them there.
+    fn hand_over(&self, h: Handover) {
         tracing::warn!(
-            node,
-            ?ranks,
-            standby = to,
+            node = h.give.node,
+            ranks = ?h.adopt.ranks,
+            standby = h.to,
             "host lost: its ranks go to a standby host, filled from their peer replicas"
         );
-        let others: Vec<u64> = c.others().filter(|&n| n != to).collect();
-        let adopt = Adopt {
-            node,
-            ranks: ranks.to_vec(),
-            fill: true,
-        };
-        let give = Give { node, to };
         self.send_down(
-            to,
+            h.to,
             Down {
-                adopt: Some(adopt),
+                adopt: Some(h.adopt),
                 ..Down::default()
             },
         );
-        for n in others {
-            let give = Some(give.clone());
+        for n in h.givers {
             self.send_down(
                 n,
                 Down {
-                    give,
+                    give: Some(h.give.clone()),
                     ..Down::default()
                 },
             );
         }
-        self.give(&give);
+        self.give(&h.give);
     }
 
     /// A follower whose shutdown the controller did not answer in time

@@ -348,32 +348,6 @@ fn orders_of_a_replaced_controller_are_refused_before_its_successors_come() {
     assert_eq!(admit(0, 0, (0, 0), 1), Admit::Take);
 }
 
-/// The placement half of a standby lost in turn: host 0's ranks go to
-/// standby 3, and when standby 3 is lost they go on to standby 4 (the
-/// ranks a host holds are the placement's, not its node's number).
-#[test]
-fn a_standby_that_took_a_hosts_ranks_and_is_lost_passes_them_to_the_next_standby() {
-    let mut c = Controller::new(controller(3, 2).machine, 3, 1, 2, 2);
-    c.heard = (0..5).collect();
-    c.note_held(1, [0, 1]);
-    c.note_held(2, [2, 3]);
-    c.note_held(0, [4, 5]);
-    assert_eq!(
-        c.host_lost(0, true, &[0]),
-        placed(vec![0, 1], Some(3), vec![])
-    );
-    c.registered(3, 0);
-    c.registered(3, 1);
-    // Host 3 streams ranks 0 and 1 to host 1, as host 0 did.
-    c.note_held(1, [0, 1]);
-    assert_eq!(
-        c.host_lost(3, true, &[0, 3]),
-        placed(vec![0, 1], Some(4), vec![])
-    );
-    assert_eq!(c.ranks_on(4), vec![0, 1]);
-    assert_eq!(c.node_of(0), 4);
-}
-
 /// A successor's take-over settles once every live host reported, or when
 /// its deadline passes: the instant comes in, no clock is read.
 #[test]
@@ -399,4 +373,113 @@ fn a_take_over_settles_when_every_host_reported_or_at_its_deadline() {
     late.settling.as_mut().unwrap().losses.push(loss.clone());
     assert!(late.settle(None, t0 + SETTLE / 2).is_empty());
     assert_eq!(late.settle(None, t0 + SETTLE), vec![loss]);
+}
+
+fn lost(node: u64) -> HostLoss {
+    HostLoss {
+        node,
+        ranks: Vec::new(),
+        detail: format!("no heartbeat from host {node}"),
+        spare: None,
+        state_lost: Vec::new(),
+        on_disk: None,
+        hosts_left: 0,
+    }
+}
+
+fn facts<'a>(gone: &'a [u64], own_held: &'a [usize]) -> LossFacts<'a> {
+    LossFacts {
+        acting: true,
+        reboot: true,
+        gone,
+        own_held,
+        on_disk: None,
+    }
+}
+
+/// Defect A as the controller decides it: host 0's ranks go to standby 3;
+/// when standby 3 is lost in turn, the hand-over to standby 4 adopts
+/// ranks 0 and 1 (the ranks standby 3 played, not node 3's own numbers),
+/// and every other member gives it their replicas.
+#[test]
+fn the_hand_over_of_a_lost_standby_names_the_ranks_it_played() {
+    let mut c = Controller::new(controller(3, 2).machine, 3, 1, 2, 2);
+    c.heard = (0..5).collect();
+    c.note_held(2, [2, 3]);
+    c.note_held(0, [4, 5]);
+    let first = c.on_host_lost(lost(0), facts(&[0], &[0, 1]));
+    let OnLoss::Recover {
+        loss,
+        handover: Some(h),
+    } = first
+    else {
+        panic!("host 0's ranks go to a standby: {first:?}");
+    };
+    assert_eq!((loss.ranks.clone(), loss.spare), (vec![0, 1], Some(3)));
+    assert_eq!(h.adopt.ranks, vec![0, 1]);
+    assert_eq!((h.to, h.give.node), (3, 0));
+    c.registered(3, 0);
+    c.registered(3, 1);
+    let second = c.on_host_lost(lost(3), facts(&[0, 3], &[0, 1]));
+    let OnLoss::Recover {
+        loss,
+        handover: Some(h),
+    } = second
+    else {
+        panic!("standby 3's ranks go to standby 4: {second:?}");
+    };
+    assert_eq!(
+        (loss.node, loss.ranks.clone(), loss.state_lost.clone()),
+        (3, vec![0, 1], vec![])
+    );
+    assert_eq!(
+        h,
+        Handover {
+            to: 4,
+            adopt: Adopt {
+                node: 3,
+                ranks: vec![0, 1],
+                fill: true,
+            },
+            give: Give { node: 3, to: 4 },
+            givers: vec![2],
+        }
+    );
+    // With no standby left, the next loss is recovered without one.
+    let third = c.on_host_lost(lost(4), facts(&[0, 3, 4], &[0, 1]));
+    assert!(
+        matches!(&third, OnLoss::Recover { loss, handover: None } if loss.ranks == [0, 1]),
+        "{third:?}"
+    );
+}
+
+/// Without a majority the controller decides nothing on a loss; while a
+/// take-over settles, the loss waits for it; a lost standby holding
+/// nothing needs nothing.
+#[test]
+fn a_loss_is_held_back_without_a_majority_and_waits_for_a_take_over_to_settle() {
+    let mut c = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+    c.heard = (0..4).collect();
+    let cut_off = LossFacts {
+        acting: false,
+        ..facts(&[1], &[])
+    };
+    assert_eq!(c.on_host_lost(lost(1), cut_off), OnLoss::HoldBack(lost(1)));
+    assert_eq!(
+        c.on_host_lost(lost(3), facts(&[3], &[])),
+        OnLoss::StandbyLost { node: 3 }
+    );
+    let mirror = Mirror::default();
+    let mut s = Controller::take_over(
+        controller(3, 2).machine,
+        (3, 2),
+        1,
+        (&mirror, &[0]),
+        Instant::now(),
+    );
+    assert_eq!(
+        s.on_host_lost(lost(2), facts(&[0, 2], &[])),
+        OnLoss::Settling
+    );
+    assert_eq!(s.settling.as_ref().unwrap().losses, vec![lost(2)]);
 }
