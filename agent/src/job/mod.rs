@@ -166,6 +166,44 @@ async fn run_on(
     result
 }
 
+/// The worker specs of the ranks named, with the job's variables `extra`
+/// beside torchrun's. A rank's spec is the one its original node gives it:
+/// a rank keeps its number, its local rank and its environment on
+/// whichever host plays it (a standby that took it, or the standby after
+/// that).
+fn specs_for<'a>(
+    cfg: &'a LaunchConfig,
+    (master_port, workers_store): (u16, std::net::SocketAddr),
+    run_dir: &std::path::Path,
+    extra: [(&'static str, String); 3],
+) -> SpecsFor<'a> {
+    let run_dir = run_dir.to_path_buf();
+    Box::new(move |ranks| {
+        let per_node = cfg.nproc_per_node.max(1);
+        let nodes: BTreeSet<usize> = ranks.iter().map(|r| r / per_node).collect();
+        let mut specs: Vec<WorkerSpec> = nodes
+            .into_iter()
+            .flat_map(|node| {
+                let mut of = cfg.clone();
+                of.node_rank = node;
+                of.worker_specs(
+                    &cfg.master_addr,
+                    master_port,
+                    workers_store,
+                    &run_dir,
+                    |k| cfg.env_var(k),
+                )
+            })
+            .filter(|s| ranks.contains(&s.rank))
+            .collect();
+        for s in &mut specs {
+            s.env
+                .extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        }
+        specs
+    })
+}
+
 /// The snapshots of every rank, verified off the loop's thread.
 #[derive(Debug)]
 struct Collected {
@@ -320,46 +358,22 @@ async fn run_with(
         Some(s) => Spawner::Shims(Arc::clone(&s.shims)),
         None => Spawner::Own(Reaper::start(reaper_stop.clone())?),
     };
-    // A rank's spec is the one its original node gives it: a rank keeps
-    // its number, its local rank and its environment on whichever host
-    // plays it (a standby that took it, or the standby after that).
-    let specs_for: SpecsFor<'_> = {
-        let (socket, secret_file, control) = (
-            socket.display().to_string(),
-            secret_file.display().to_string(),
-            hatrain_shared::control::ENV_WORKER_DIR,
-        );
-        let run_dir = run_dir.to_path_buf();
-        Box::new(move |ranks| {
-            let per_node = cfg.nproc_per_node.max(1);
-            let nodes: BTreeSet<usize> = ranks.iter().map(|r| r / per_node).collect();
-            let mut specs: Vec<WorkerSpec> = nodes
-                .into_iter()
-                .flat_map(|node| {
-                    let mut of = cfg.clone();
-                    of.node_rank = node;
-                    of.worker_specs(
-                        &cfg.master_addr,
-                        master_port,
-                        workers_store,
-                        &run_dir,
-                        |k| cfg.env_var(k),
-                    )
-                })
-                .filter(|s| ranks.contains(&s.rank))
-                .collect();
-            for s in &mut specs {
-                s.env.push((control.into(), scratch.clone()));
-                s.env
-                    .push((hatrain_shared::control::ENV_SOCKET.into(), socket.clone()));
-                s.env.push((
-                    hatrain_shared::auth::ENV_SECRET_FILE.into(),
-                    secret_file.clone(),
-                ));
-            }
-            specs
-        })
-    };
+    let specs_for = specs_for(
+        cfg,
+        (master_port, workers_store),
+        run_dir,
+        [
+            (hatrain_shared::control::ENV_WORKER_DIR, scratch),
+            (
+                hatrain_shared::control::ENV_SOCKET,
+                socket.display().to_string(),
+            ),
+            (
+                hatrain_shared::auth::ENV_SECRET_FILE,
+                secret_file.display().to_string(),
+            ),
+        ],
+    );
     // A standby starts no worker: it takes a lost host's ranks when told.
     let specs = if cfg.ha.standby {
         Vec::new()
