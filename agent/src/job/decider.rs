@@ -166,6 +166,16 @@ pub(super) struct Handover {
     pub givers: Vec<u64>,
 }
 
+/// The group grows back onto a standby: it takes the ranks (`adopt`, with
+/// nothing to fill), and every other member places the replicas of that
+/// node on it again (`regrow`), as this host does.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Growth {
+    pub adopt: Adopt,
+    pub regrow: Give,
+    pub others: Vec<u64>,
+}
+
 /// What the controller is told beside a host loss.
 #[derive(Debug, Clone)]
 pub(super) struct LossFacts<'a> {
@@ -411,10 +421,35 @@ impl Controller {
     }
 
     /// A standby heard while ranks have left the group: the ranks of the
-    /// lowest lost host that left come back there (placed on it). Returns
-    /// the standby, the node it plays and the ranks, for the machine's
-    /// [`Machine::grow`](crate::recovery::Machine::grow).
-    pub fn grow_onto(&mut self) -> Option<(u64, u64, Vec<usize>)> {
+    /// lowest lost host that left come back there. The machine grows the
+    /// group at `now` ([`Machine::grow`](crate::recovery::Machine::grow));
+    /// only once it has are the ranks placed on the standby, which then
+    /// holds them instead of waiting as a spare.
+    pub fn grow(&mut self, now: Duration) -> Option<Growth> {
+        let (spare, node, ranks) = self.grow_onto()?;
+        if !self.machine.grow(now, &ranks) {
+            return None;
+        }
+        self.spares.remove(&spare);
+        self.members.insert(spare);
+        for &r in &ranks {
+            self.placement.insert(r, spare);
+        }
+        let others = self.others().filter(|&n| n != spare).collect();
+        Some(Growth {
+            adopt: Adopt {
+                node,
+                ranks,
+                fill: false,
+            },
+            regrow: Give { node, to: spare },
+            others,
+        })
+    }
+
+    /// The standby, the node it would play and the ranks that would come
+    /// back, were the group to grow now; nothing changes.
+    fn grow_onto(&self) -> Option<(u64, u64, Vec<usize>)> {
         let retired = self.machine.retired();
         if retired.is_empty() || self.machine.recovering() || !self.machine.joining().is_empty() {
             return None;
@@ -436,11 +471,6 @@ impl Controller {
                 )
             })
             .find(|(_, r)| !r.is_empty() && r.iter().all(|x| retired.contains(x)))?;
-        self.spares.remove(&spare);
-        self.members.insert(spare);
-        for &r in &ranks {
-            self.placement.insert(r, spare);
-        }
         Some((spare, node, ranks))
     }
 

@@ -3,7 +3,7 @@
 //! place (its layout changes with its shard).
 
 use super::Driver;
-use super::decider::{Adopt, Decider, Down, Give};
+use super::decider::{Decider, Down, Give};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{Donation, Response};
 use hatrain_shared::shm::{self, Geometry, Store};
@@ -83,41 +83,32 @@ impl Driver<'_> {
         let Decider::Controller(c) = &mut self.decider else {
             return;
         };
-        let Some((spare, node, ranks)) = c.grow_onto() else {
+        let Some(g) = c.grow(now) else {
             return;
         };
-        if !c.machine.grow(now, &ranks) {
-            return;
-        }
         tracing::warn!(
-            standby = spare,
-            node,
-            ?ranks,
+            standby = g.regrow.to,
+            node = g.regrow.node,
+            ranks = ?g.adopt.ranks,
             "a standby is heard: the group grows back onto it"
         );
-        let others: Vec<u64> = c.others().filter(|&n| n != spare).collect();
-        let give = Give { node, to: spare };
         self.send_down(
-            spare,
+            g.regrow.to,
             Down {
-                adopt: Some(Adopt {
-                    node,
-                    ranks,
-                    fill: false,
-                }),
+                adopt: Some(g.adopt),
                 ..Down::default()
             },
         );
-        for n in others {
+        for n in g.others {
             self.send_down(
                 n,
                 Down {
-                    regrow: Some(give.clone()),
+                    regrow: Some(g.regrow.clone()),
                     ..Down::default()
                 },
             );
         }
-        self.regrow(&give);
+        self.regrow(&g.regrow);
         self.send_orders(std::collections::BTreeMap::new());
     }
 

@@ -1,7 +1,7 @@
 //! The controller's routing, placement and messages.
 
 use super::*;
-use crate::recovery::{HangPolicy, MachineConfig, Outcome, RestartPolicy};
+use crate::recovery::{HangPolicy, Inherited, MachineConfig, Outcome, RestartPolicy};
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::shm::Directive;
 
@@ -310,7 +310,7 @@ fn a_standby_not_heard_yet_takes_no_ranks() {
     let mut c = ring();
     c.heard = (0..3).collect();
     assert_eq!(c.host_lost(1, true, &[1]), placed(vec![2, 3], None, vec![]));
-    assert_eq!(c.grow_onto(), None, "nothing left the group");
+    assert_eq!(c.grow(Duration::ZERO), None, "nothing left the group");
 }
 
 #[test]
@@ -482,4 +482,65 @@ fn a_loss_is_held_back_without_a_majority_and_waits_for_a_take_over_to_settle() 
         OnLoss::Settling
     );
     assert_eq!(s.settling.as_ref().unwrap().losses, vec![lost(2)]);
+}
+
+/// A controller of 3 hosts of 2 ranks and one standby whose group shrank
+/// without host 1 (ranks 2 and 3 left), as a successor inherits it.
+fn shrunk() -> Controller {
+    let cfg = MachineConfig {
+        modes: HaModes {
+            dump: true,
+            retry: false,
+            recover: true,
+            elastic: true,
+        },
+        restart: RestartPolicy::default(),
+        hang: HangPolicy::default(),
+        pause_timeout: Duration::from_secs(1),
+        group_restarts: 0,
+        register_timeout: Duration::from_secs(3),
+        min_nodes: 1,
+    };
+    let from = Inherited {
+        retired: BTreeSet::from([2, 3]),
+        protected: BTreeSet::from([0, 1, 4, 5]),
+        ..Inherited::default()
+    };
+    let machine = Machine::take_over(cfg, (0..6).collect(), from);
+    let mut c = Controller::new(machine, 3, 0, 2, 1);
+    c.members.remove(&1);
+    c.heard = BTreeSet::from([0, 2, 3]);
+    c
+}
+
+/// The group grows back onto a standby only when the machine grows it:
+/// then ranks 2 and 3 are placed there and the orders name them; when the
+/// machine refuses (the job is stopping), the standby stays a spare and
+/// nothing is placed.
+#[test]
+fn the_group_grows_onto_a_standby_only_when_the_machine_does() {
+    let mut c = shrunk();
+    let g = c.grow(Duration::from_secs(1)).expect("the group grows");
+    assert_eq!(
+        g,
+        Growth {
+            adopt: Adopt {
+                node: 1,
+                ranks: vec![2, 3],
+                fill: false,
+            },
+            regrow: Give { node: 1, to: 3 },
+            others: vec![2],
+        }
+    );
+    assert_eq!(c.ranks_on(3), vec![2, 3]);
+
+    let mut stopping = shrunk();
+    stopping.machine.step(Duration::ZERO, Event::Shutdown);
+    assert_eq!(stopping.grow(Duration::from_secs(1)), None);
+    assert!(
+        stopping.ranks_on(3).is_empty(),
+        "nothing placed on the spare"
+    );
+    assert!(stopping.spares.contains(&3), "the standby is still a spare");
 }
