@@ -544,3 +544,57 @@ fn the_group_grows_onto_a_standby_only_when_the_machine_does() {
     );
     assert!(stopping.spares.contains(&3), "the standby is still a spare");
 }
+
+/// A controller cut off from the majority holds its losses back; it
+/// decides on them once a majority follows it again, stops when another
+/// acts, and when nobody does within the wait: it stops (embedded) or
+/// gives the held losses to the last words (etcd). The instant comes in.
+#[test]
+fn a_cut_off_controller_decides_when_it_acts_again_and_stops_when_replaced_or_unheard() {
+    use super::super::minority::CutOffVerdict;
+    let view = |acting: bool, follows: Option<u64>| crate::coordinator::View {
+        live: vec![0],
+        lost: vec![1, 2],
+        follows,
+        acting,
+        term: 3,
+        acted: 2,
+    };
+    let wait = Duration::from_secs(10);
+    let t0 = Instant::now();
+    let mut c = ring();
+    assert_eq!(
+        c.cut_off_verdict(t0, &view(false, Some(0)), wait, false),
+        CutOffVerdict::Wait,
+        "nothing held back"
+    );
+    c.hold_back(lost(1), t0);
+    c.hold_back(lost(2), t0 + Duration::from_secs(1));
+    assert_eq!(c.cut_off_hosts(), "host 1 (a standby), host 2 (a standby)");
+    let early = t0 + wait / 2;
+    assert_eq!(
+        c.cut_off_verdict(early, &view(false, Some(0)), wait, false),
+        CutOffVerdict::Wait
+    );
+    assert_eq!(
+        c.cut_off_verdict(early, &view(false, Some(1)), wait, false),
+        CutOffVerdict::Replaced { by: 1 }
+    );
+    let late = t0 + wait;
+    assert_eq!(
+        c.cut_off_verdict(late, &view(false, None), wait, false),
+        CutOffVerdict::TimedOut
+    );
+    assert_eq!(
+        c.cut_off_verdict(early, &view(true, Some(0)), wait, false),
+        CutOffVerdict::Decide(vec![lost(1), lost(2)])
+    );
+    assert!(c.cut_off.is_none(), "decided: nothing held back any more");
+
+    let mut e = ring();
+    e.hold_back(lost(1), t0);
+    assert_eq!(
+        e.cut_off_verdict(late, &view(false, Some(0)), wait, true),
+        CutOffVerdict::GiveUp(vec![lost(1)])
+    );
+}
