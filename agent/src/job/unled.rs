@@ -11,12 +11,12 @@
 //! parts, a registration, a worker that finished (exit 0), SIGTERM.
 
 use super::Driver;
-use super::decider::Decider;
+use super::decider::{Controller, Decider};
 use crate::config::CoordinatorChoice;
 use crate::reaper::ExitStatus;
 use crate::recovery::{Event, HostLoss};
 use crate::supervisor::Supervisor;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Faults held while this controller may not act.
 #[derive(Debug)]
@@ -47,6 +47,59 @@ fn is_fault(e: &Event) -> bool {
     }
 }
 
+/// What a controller does at a tick about the faults it holds while it
+/// may not act.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum UnledVerdict {
+    /// Nothing held, or it waits still.
+    Wait,
+    /// It acts again: the faults held, in order, and how long they waited.
+    Decide {
+        events: Vec<Event>,
+        waited: Duration,
+    },
+    /// `--coordinator-timeout` passed first: the last words, then stop.
+    GiveUp,
+}
+
+impl Controller {
+    /// Holds `event`, a fault seen at `now` while this controller may not
+    /// act; true for the first one held.
+    pub(super) fn hold_unled(&mut self, event: Event, now: Instant) -> bool {
+        let first = self.waiting.is_none();
+        self.waiting
+            .get_or_insert_with(|| Held {
+                since: now,
+                events: Vec::new(),
+            })
+            .events
+            .push(event);
+        first
+    }
+
+    /// At `now`: the faults held are decided once this controller acts,
+    /// or given up to the last words past `timeout`.
+    pub(super) fn unled_verdict(
+        &mut self,
+        now: Instant,
+        acting: bool,
+        timeout: Duration,
+    ) -> UnledVerdict {
+        let Some(since) = self.waiting.as_ref().map(|h| h.since) else {
+            return UnledVerdict::Wait;
+        };
+        let waited = now.saturating_duration_since(since);
+        if acting {
+            let events = self.waiting.take().map(|h| h.events).unwrap_or_default();
+            return UnledVerdict::Decide { events, waited };
+        }
+        if waited < timeout {
+            return UnledVerdict::Wait;
+        }
+        UnledVerdict::GiveUp
+    }
+}
+
 impl Driver<'_> {
     /// `event` to decide now, or `None`: it is a fault, and this
     /// controller does not hold its lease in etcd.
@@ -67,7 +120,7 @@ impl Driver<'_> {
             .peers
             .as_ref()
             .is_none_or(|p| p.membership.seen().view.acted == 0);
-        let held = c.waiting.get_or_insert_with(|| {
+        if c.hold_unled(event, Instant::now()) {
             if first {
                 tracing::info!(
                     "an event to decide before this controller holds the job's leader key in etcd: it waits for the key"
@@ -77,12 +130,7 @@ impl Driver<'_> {
                     "a fault, and this controller does not hold its lease in etcd: the job waits for etcd (or --coordinator-timeout)"
                 );
             }
-            Held {
-                since: Instant::now(),
-                events: Vec::new(),
-            }
-        });
-        held.events.push(event);
+        }
         None
     }
 
@@ -98,25 +146,20 @@ impl Driver<'_> {
         let Decider::Controller(c) = &mut self.decider else {
             return;
         };
-        let Some(since) = c.waiting.as_ref().map(|h| h.since) else {
-            return;
-        };
-        if acting {
-            let held = c.waiting.take().map(|h| h.events).unwrap_or_default();
-            tracing::warn!(
-                waited_s = since.elapsed().as_secs_f64(),
-                faults = held.len(),
-                "this controller holds its lease in etcd: deciding the faults that waited"
-            );
-            for e in held {
-                self.decide(sup, e);
+        match c.unled_verdict(Instant::now(), acting, timeout) {
+            UnledVerdict::Wait => {}
+            UnledVerdict::Decide { events, waited } => {
+                tracing::warn!(
+                    waited_s = waited.as_secs_f64(),
+                    faults = events.len(),
+                    "this controller holds its lease in etcd: deciding the faults that waited"
+                );
+                for e in events {
+                    self.decide(sup, e);
+                }
             }
-            return;
+            UnledVerdict::GiveUp => self.give_up(sup, Vec::new()),
         }
-        if since.elapsed() < timeout {
-            return;
-        }
-        self.give_up(sup, Vec::new());
     }
 
     /// Past `--coordinator-timeout`: the faults held (and the host losses

@@ -598,3 +598,37 @@ fn a_cut_off_controller_decides_when_it_acts_again_and_stops_when_replaced_or_un
         CutOffVerdict::GiveUp(vec![lost(1)])
     );
 }
+
+/// With etcd, faults seen while the controller may not act wait: decided
+/// in order once it acts, given up to the last words past the timeout.
+#[test]
+fn faults_held_while_unled_are_decided_in_order_or_given_up_past_the_timeout() {
+    use super::super::unled::UnledVerdict;
+    let t0 = Instant::now();
+    let timeout = Duration::from_secs(30);
+    let fault = |rank| Event::SpawnFailed {
+        rank,
+        error: "no".into(),
+    };
+    let mut c = ring();
+    assert_eq!(c.unled_verdict(t0, false, timeout), UnledVerdict::Wait);
+    assert!(c.hold_unled(fault(1), t0), "the first one held");
+    assert!(!c.hold_unled(fault(2), t0 + Duration::from_secs(5)));
+    assert_eq!(
+        c.unled_verdict(t0 + Duration::from_secs(29), false, timeout),
+        UnledVerdict::Wait
+    );
+    assert_eq!(
+        c.unled_verdict(t0 + Duration::from_secs(12), true, timeout),
+        UnledVerdict::Decide {
+            events: vec![fault(1), fault(2)],
+            waited: Duration::from_secs(12),
+        }
+    );
+    assert_eq!(c.unled_verdict(t0, true, timeout), UnledVerdict::Wait);
+    c.hold_unled(fault(3), t0);
+    assert_eq!(
+        c.unled_verdict(t0 + timeout, false, timeout),
+        UnledVerdict::GiveUp
+    );
+}
