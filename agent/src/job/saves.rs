@@ -12,7 +12,7 @@
 //! before it commits and ends.
 
 use super::Driver;
-use super::decider::{Decider, Down, Inbox, Up};
+use super::decider::{Controller, Decider, Down, Inbox, Up};
 use super::orders::recv;
 use crate::persister::{OwnedSource, PersistError};
 use crate::recovery::{Event, WriteFailed};
@@ -51,10 +51,10 @@ fn evict(
 /// The final checkpoint the controller waits for.
 #[derive(Debug)]
 pub(super) struct FinalSave {
-    step: u64,
-    until: Instant,
+    pub step: u64,
+    pub until: Instant,
     /// Why it cannot be committed, once known.
-    failed: Option<String>,
+    pub failed: Option<String>,
 }
 
 impl Driver<'_> {
@@ -226,27 +226,12 @@ impl Driver<'_> {
     }
 
     /// Whether the controller still waits for shares of the final
-    /// checkpoint: not committed, nothing failed, no host holding a
-    /// missing rank lost (`lost`), and in time.
+    /// checkpoint (see [`Controller::final_pending`]).
     pub(super) fn final_pending(&self, lost: &[u64]) -> bool {
-        let Decider::Controller(c) = &self.decider else {
-            return false;
-        };
-        let Some(f) = &c.final_save else {
-            return false;
-        };
-        let Some(got) = c.saves.get(&f.step) else {
-            // Committed (or failed) already.
-            return false;
-        };
-        // Ranks that left the group (elastic training) write nothing.
-        let left = c.machine.retired();
-        let missing_lost = lost.iter().any(|&n| {
-            c.ranks_on(n)
-                .iter()
-                .any(|r| !got.contains(r) && !left.contains(r))
-        });
-        f.failed.is_none() && !missing_lost && Instant::now() < f.until
+        match &self.decider {
+            Decider::Controller(c) => c.final_pending(Instant::now(), lost),
+            Decider::Follower(_) => false,
+        }
     }
 
     /// The final checkpoint the controller committed, or why not; `None`
@@ -334,5 +319,28 @@ impl Driver<'_> {
                 detail: "the controller did not commit it (see its log)".into(),
             }),
         }
+    }
+}
+
+impl Controller {
+    /// Whether it still waits at `now` for shares of the final
+    /// checkpoint: not committed, nothing failed, no host holding a
+    /// missing rank lost (`lost`), and in time.
+    pub(super) fn final_pending(&self, now: Instant, lost: &[u64]) -> bool {
+        let Some(f) = &self.final_save else {
+            return false;
+        };
+        let Some(got) = self.saves.get(&f.step) else {
+            // Committed (or failed) already.
+            return false;
+        };
+        // Ranks that left the group (elastic training) write nothing.
+        let left = self.machine.retired();
+        let missing_lost = lost.iter().any(|&n| {
+            self.ranks_on(n)
+                .iter()
+                .any(|r| !got.contains(r) && !left.contains(r))
+        });
+        f.failed.is_none() && !missing_lost && now < f.until
     }
 }

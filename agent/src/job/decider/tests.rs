@@ -632,3 +632,29 @@ fn faults_held_while_unled_are_decided_in_order_or_given_up_past_the_timeout() {
         UnledVerdict::GiveUp
     );
 }
+
+/// The controller waits for the final checkpoint's shares while they may
+/// still come: not past its deadline, nothing failed, and no host lost
+/// that holds a rank whose share is missing.
+#[test]
+fn the_final_checkpoint_is_waited_for_only_while_its_shares_may_come() {
+    use super::super::saves::FinalSave;
+    let t0 = Instant::now();
+    let mut c = ring();
+    assert!(!c.final_pending(t0, &[]), "no final save");
+    c.final_save = Some(FinalSave {
+        step: 60,
+        until: t0 + Duration::from_secs(10),
+        failed: None,
+    });
+    c.saves.insert(60, BTreeSet::from([0, 1, 2, 3]));
+    assert!(c.final_pending(t0, &[]));
+    assert!(c.final_pending(t0, &[1]), "host 1's ranks are in");
+    assert!(!c.final_pending(t0, &[2]), "host 2 held ranks 4 and 5");
+    assert!(!c.final_pending(t0 + Duration::from_secs(10), &[]));
+    c.final_save.as_mut().unwrap().failed = Some("disk full".into());
+    assert!(!c.final_pending(t0, &[]));
+    c.saves.clear();
+    c.final_save.as_mut().unwrap().failed = None;
+    assert!(!c.final_pending(t0, &[]), "committed already");
+}
