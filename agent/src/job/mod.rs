@@ -25,6 +25,7 @@
 //! - [`orders`]: reports and orders between the hosts, and lost hosts;
 //! - [`standby`]: a standby taking a lost host's ranks.
 
+mod clock;
 mod decider;
 mod device;
 mod elastic;
@@ -37,11 +38,15 @@ mod peers;
 mod relay;
 mod requests;
 mod saves;
+mod specs;
 mod standby;
 mod takeover;
 mod unled;
 mod verify;
 mod warm;
+
+use clock::job_clock;
+use specs::{SpecsFor, specs_for};
 
 pub(crate) use kept::write_atomic;
 pub use kept::{Kept, Served};
@@ -60,7 +65,7 @@ use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
 use crate::recovery::{Command, Event, Machine, MachineConfig, Outcome};
-use crate::supervisor::{Spawner, Supervisor, WorkerSpec};
+use crate::supervisor::{Spawner, Supervisor};
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Directive, Store};
 use hatrain_shared::statemap::StateMap;
@@ -105,13 +110,6 @@ fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The job's clock for an agent `uptime` into its life, which began at
-/// `agent_started_unix_s`, in a job that began at `job_started_unix_s`.
-fn job_clock(uptime: Duration, agent_started_unix_s: f64, job_started_unix_s: f64) -> Duration {
-    let ahead = agent_started_unix_s - job_started_unix_s;
-    Duration::try_from_secs_f64((uptime.as_secs_f64() + ahead).max(0.0)).unwrap_or(uptime)
 }
 
 /// Runs one host's part of the job until it ends or `shutdown` fires.
@@ -166,44 +164,6 @@ async fn run_on(
     result
 }
 
-/// The worker specs of the ranks named, with the job's variables `extra`
-/// beside torchrun's. A rank's spec is the one its original node gives it:
-/// a rank keeps its number, its local rank and its environment on
-/// whichever host plays it (a standby that took it, or the standby after
-/// that).
-fn specs_for<'a>(
-    cfg: &'a LaunchConfig,
-    (master_port, workers_store): (u16, std::net::SocketAddr),
-    run_dir: &std::path::Path,
-    extra: [(&'static str, String); 3],
-) -> SpecsFor<'a> {
-    let run_dir = run_dir.to_path_buf();
-    Box::new(move |ranks| {
-        let per_node = cfg.nproc_per_node.max(1);
-        let nodes: BTreeSet<usize> = ranks.iter().map(|r| r / per_node).collect();
-        let mut specs: Vec<WorkerSpec> = nodes
-            .into_iter()
-            .flat_map(|node| {
-                let mut of = cfg.clone();
-                of.node_rank = node;
-                of.worker_specs(
-                    &cfg.master_addr,
-                    master_port,
-                    workers_store,
-                    &run_dir,
-                    |k| cfg.env_var(k),
-                )
-            })
-            .filter(|s| ranks.contains(&s.rank))
-            .collect();
-        for s in &mut specs {
-            s.env
-                .extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
-        }
-        specs
-    })
-}
-
 /// The snapshots of every rank, verified off the loop's thread.
 #[derive(Debug)]
 struct Collected {
@@ -213,9 +173,6 @@ struct Collected {
     replicas: Vec<(usize, Vec<u64>)>,
     rejected: Vec<(usize, String)>,
 }
-
-/// The worker specs of the ranks named.
-type SpecsFor<'a> = Box<dyn Fn(&[usize]) -> Vec<WorkerSpec> + 'a>;
 
 /// The loop's state: what it owns and what it has been asked.
 struct Driver<'a> {
@@ -865,22 +822,5 @@ impl Driver<'_> {
         self.fill_adopted(sup);
         self.tick_views(sup);
         self.keep();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_job_clock_counts_from_the_jobs_start_whichever_agent_reads_it() {
-        let s = Duration::from_secs;
-        // The agent that started the job.
-        assert_eq!(job_clock(s(5), 1_000.0, 1_000.0), s(5));
-        // The next agent of a served job, an hour in.
-        assert_eq!(job_clock(s(5), 4_600.0, 1_000.0), s(3_605));
-        // A successor whose agent started just before the job did.
-        assert_eq!(job_clock(s(5), 999.0, 1_000.0), s(4));
-        assert_eq!(job_clock(s(0), 999.0, 1_000.0), Duration::ZERO);
     }
 }

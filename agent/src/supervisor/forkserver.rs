@@ -552,9 +552,14 @@ fn request(spec: &super::WorkerSpec) -> Result<Vec<u8>, ForkServerError> {
 mod tests {
     use super::*;
 
-    fn parse(cmd: &[&str]) -> Result<PythonCommand, String> {
+    fn parse(cmd: &[&str]) -> Result<PythonCommand, ForkServerError> {
         let args: Vec<OsString> = cmd[1..].iter().map(Into::into).collect();
-        PythonCommand::parse(Path::new(cmd[0]), &args).map_err(|e| e.to_string())
+        PythonCommand::parse(Path::new(cmd[0]), &args)
+    }
+
+    /// What refusing `cmd` says.
+    fn refusal(cmd: &[&str]) -> String {
+        parse(cmd).unwrap_err().to_string()
     }
 
     fn os(v: &[&str]) -> Vec<OsString> {
@@ -593,23 +598,15 @@ mod tests {
 
     #[test]
     fn what_cannot_be_forked_is_refused_with_what_it_was() {
-        let e = parse(&["./hatrain-train", "--steps", "5"]).unwrap_err();
+        let e = refusal(&["./hatrain-train", "--steps", "5"]);
         assert!(
             e.contains("hatrain-train") && e.contains("not a Python"),
             "{e}"
         );
-        assert!(
-            parse(&["python", "-c", "print(1)"])
-                .unwrap_err()
-                .contains("-c")
-        );
-        assert!(parse(&["python", "-u"]).unwrap_err().contains("no script"));
-        assert!(parse(&["python", "-"]).unwrap_err().contains("no script"));
-        assert!(
-            parse(&["python", "-m"])
-                .unwrap_err()
-                .contains("without a module")
-        );
+        assert!(refusal(&["python", "-c", "print(1)"]).contains("-c"));
+        assert!(refusal(&["python", "-u"]).contains("no script"));
+        assert!(refusal(&["python", "-"]).contains("no script"));
+        assert!(refusal(&["python", "-m"]).contains("without a module"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The controller's routing, placement and messages.
 
+use super::hosts::Growth;
 use super::*;
 use crate::recovery::{HangPolicy, Inherited, MachineConfig, Outcome, RestartPolicy};
 use hatrain_shared::ha::HaModes;
@@ -355,15 +356,7 @@ fn a_take_over_settles_when_every_host_reported_or_at_its_deadline() {
     let t0 = Instant::now();
     let mirror = Mirror::default();
     let mut c = Controller::take_over(controller(3, 2).machine, (3, 2), 1, (&mirror, &[0]), t0);
-    let loss = HostLoss {
-        node: 0,
-        ranks: vec![0, 1],
-        detail: String::new(),
-        spare: None,
-        state_lost: Vec::new(),
-        on_disk: None,
-        hosts_left: 0,
-    };
+    let loss = lost(0);
     c.settling.as_mut().unwrap().losses.push(loss.clone());
     assert!(c.settle(Some(1), t0).is_empty(), "host 2 not heard yet");
     assert_eq!(c.settle(Some(2), t0), vec![loss.clone()]);
