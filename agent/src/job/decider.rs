@@ -36,9 +36,15 @@ use std::time::{Duration, Instant};
 pub(super) use crate::coordinator::wire::Inbox;
 pub(super) use hosts::{Handover, LossFacts, OnLoss};
 pub(super) use messages::{Adopt, Down, Give, Mirror, Up, WritePart};
+pub(super) use saves::{FINAL_WAIT, FinalSave};
+pub(super) use step::{Facts, Input, Rules, SUCCESSOR_WAIT};
 
 mod hosts;
 mod messages;
+mod minority;
+mod saves;
+mod step;
+mod unled;
 
 /// A follower reports its views at least this often, changed or not.
 pub const REPORT_EVERY: Duration = Duration::from_millis(250);
@@ -93,7 +99,7 @@ pub(super) struct Controller {
     /// passed; until then the losses wait here.
     pub settling: Option<Settling>,
     /// Host losses held back while no majority follows this controller.
-    pub cut_off: Option<super::minority::CutOff>,
+    pub cut_off: Option<minority::CutOff>,
     /// The replicas of ranks no live host holds (a lost host's, with no
     /// standby to take them), as the last collection found them: per rank,
     /// the holders and their verified steps.
@@ -104,20 +110,24 @@ pub(super) struct Controller {
     /// written of each step.
     pub saves: BTreeMap<u64, BTreeSet<usize>>,
     /// The final save the controller waits for at the end of the job.
-    pub final_save: Option<super::saves::FinalSave>,
+    pub final_save: Option<FinalSave>,
     /// The hosts heard now: a standby is taken only once it runs.
     pub heard: BTreeSet<u64>,
     /// Faults waiting for this controller to hold its lease in etcd again.
-    pub waiting: Option<super::unled::Held>,
+    pub waiting: Option<unled::Held>,
     /// It waited past `--coordinator-timeout`: the job writes its last
     /// words and stops, deciding without etcd.
     pub given_up: bool,
+    /// How it may act, fixed for the job.
+    pub rules: Rules,
+    /// It stopped the job (cut off past the wait, or replaced).
+    stopped: bool,
 }
 
 /// A controller that took over, waiting for the first reports.
 #[derive(Debug)]
 pub(super) struct Settling {
-    pub until: Instant,
+    pub until: Duration,
     /// Hosts not heard since the take-over.
     pub waiting: BTreeSet<u64>,
     pub losses: Vec<HostLoss>,
@@ -172,6 +182,8 @@ impl Controller {
             cut_off: None,
             waiting: None,
             given_up: false,
+            rules: Rules::default(),
+            stopped: false,
             replica_steps: BTreeMap::new(),
             writing: None,
             saves: BTreeMap::new(),
@@ -189,7 +201,7 @@ impl Controller {
         (nodes, per_node): (usize, usize),
         node: u64,
         (from, gone): (&Mirror, &[u64]),
-        now: Instant,
+        now: Duration,
     ) -> Self {
         let mut c = Self::new(machine, nodes, node as usize, per_node, 0);
         if !from.members.is_empty() {
@@ -211,7 +223,7 @@ impl Controller {
     /// Host `node` reported (at `now`); the losses that waited for the
     /// take-over to settle, once it has (every live host heard, or the
     /// deadline passed).
-    pub fn settle(&mut self, node: Option<u64>, now: Instant) -> Vec<HostLoss> {
+    pub fn settle(&mut self, node: Option<u64>, now: Duration) -> Vec<HostLoss> {
         let Some(s) = &mut self.settling else {
             return Vec::new();
         };

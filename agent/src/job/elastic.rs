@@ -3,7 +3,7 @@
 //! place (its layout changes with its shard).
 
 use super::Driver;
-use super::decider::{Decider, Down, Give};
+use super::decider::{Decider, Give};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{Donation, Response};
 use hatrain_shared::shm::{self, Geometry, Store};
@@ -70,46 +70,6 @@ impl Driver<'_> {
         if let Decider::Controller(c) = &mut self.decider {
             c.heard = heard;
         }
-    }
-
-    /// The controller, on a tick: a standby heard while ranks have left
-    /// the group takes a lost host's ranks back; they start there, and the
-    /// group grows once they have registered.
-    pub(super) fn try_grow(&mut self) {
-        if !self.cfg.ha.modes.elastic || !self.acting() {
-            return;
-        }
-        let now = self.now();
-        let Decider::Controller(c) = &mut self.decider else {
-            return;
-        };
-        let Some(g) = c.grow(now) else {
-            return;
-        };
-        tracing::warn!(
-            standby = g.regrow.to,
-            node = g.regrow.node,
-            ranks = ?g.adopt.ranks,
-            "a standby is heard: the group grows back onto it"
-        );
-        self.send_down(
-            g.regrow.to,
-            Down {
-                adopt: Some(g.adopt),
-                ..Down::default()
-            },
-        );
-        for n in g.others {
-            self.send_down(
-                n,
-                Down {
-                    regrow: Some(g.regrow.clone()),
-                    ..Down::default()
-                },
-            );
-        }
-        self.regrow(&g.regrow);
-        self.send_orders(std::collections::BTreeMap::new());
     }
 
     /// Standby `g.to` plays node `g.node` again, its ranks back in the

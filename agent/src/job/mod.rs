@@ -31,7 +31,6 @@ mod device;
 mod elastic;
 mod kept;
 mod lastwords;
-mod minority;
 mod observe;
 mod orders;
 mod peers;
@@ -41,7 +40,6 @@ mod saves;
 mod specs;
 mod standby;
 mod takeover;
-mod unled;
 mod verify;
 mod warm;
 
@@ -437,6 +435,10 @@ async fn run_with(
         keeper: served.map(|s| kept::Keeper::new(s.state_file, master_port, store_addr)),
         leaving: None,
     };
+    let rules = d.rules();
+    if let Decider::Controller(c) = &mut d.decider {
+        c.rules = rules;
+    }
     if let Some(k) = &resume {
         d.resume(&sup, k)?;
         if interrupted {
@@ -816,8 +818,6 @@ impl Driver<'_> {
         let lost = self.take_lost_hosts();
         self.on_hosts_lost(sup, lost);
         self.follow_successor(sup);
-        self.lead_or_give_up(sup);
-        self.try_grow();
         self.shutdown_unanswered();
         self.fill_adopted(sup);
         self.tick_views(sup);

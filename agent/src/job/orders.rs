@@ -6,14 +6,12 @@
 //! frames on the heartbeat sessions; a message that does not parse is
 //! dropped and logged.
 
-use super::decider::{
-    Admit, Decider, Down, Handover, Inbox, LossFacts, OnLoss, REPORT_EVERY, Routed, Up, admit,
-};
+use super::decider::{Admit, Decider, Down, Facts, Inbox, Input, REPORT_EVERY, Up, admit};
 use super::{Collected, Driver, log};
 use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::Response;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 impl Driver<'_> {
@@ -21,7 +19,7 @@ impl Driver<'_> {
     /// reported to it.
     pub(super) fn feed(&mut self, sup: &mut Supervisor, event: Event) {
         match &mut self.decider {
-            Decider::Controller(_) => self.decide(sup, event),
+            Decider::Controller(_) => self.advance(sup, Input::Event(event)),
             Decider::Follower(f) => match event {
                 Event::Tick(views) => self.report(views, Vec::new(), true),
                 event => {
@@ -39,72 +37,68 @@ impl Driver<'_> {
         }
     }
 
-    /// The machine decides on `event`, and what it decides is carried out
-    /// here and sent to the other hosts, with whatever follows from that.
-    pub(super) fn decide(&mut self, sup: &mut Supervisor, event: Event) {
-        let Some(event) = self.unless_unled(event) else {
-            return;
-        };
-        let mut queue = VecDeque::from([event]);
-        let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
-        while let Some(e) = queue.pop_front() {
+    /// The controller takes `input` ([`Controller::step`]), and what it
+    /// decides is carried out: the orders sent, the replicas handed over,
+    /// this host's commands carried out (and what comes of them taken in
+    /// turn).
+    pub(super) fn advance(&mut self, sup: &mut Supervisor, input: Input) {
+        let mut inputs = VecDeque::from([input]);
+        while let Some(input) = inputs.pop_front() {
             let now = self.now();
+            let facts = self.facts(&input);
             let Decider::Controller(c) = &mut self.decider else {
                 return;
             };
-            let step = c.machine.step(now, e);
-            for n in &step.notes {
+            let ready = c.step(now, &facts, input);
+            for n in &ready.notes {
                 log(n);
             }
-            let routed: Vec<Routed> = step.commands.into_iter().flat_map(|x| c.route(x)).collect();
-            for r in routed {
-                match r {
-                    Routed::Here(cmd) => {
-                        if let Some(follow) = self.carry_out(sup, cmd) {
-                            queue.push_back(follow);
-                        }
-                    }
-                    Routed::There(n, cmd) => orders.entry(n).or_default().push(cmd),
+            if let Some((outcome, reason)) = ready.stop {
+                self.stop_reason = Some(reason);
+                if outcome.is_some() {
+                    self.outcome = outcome;
+                }
+            }
+            if let Some(m) = &ready.mirror {
+                self.standbys_ready(m);
+            }
+            for (n, down) in ready.orders {
+                self.send_down(n, down);
+            }
+            for g in &ready.give {
+                self.give(g);
+            }
+            for g in &ready.regrow {
+                self.regrow(g);
+            }
+            for cmd in ready.here {
+                if let Some(e) = self.carry_out(sup, cmd) {
+                    inputs.push_back(Input::Followed(e));
                 }
             }
         }
-        self.send_orders(orders);
     }
 
-    /// Sends each follower its commands, and to every follower the
-    /// machine's state when it changed.
-    pub(super) fn send_orders(&mut self, mut orders: BTreeMap<u64, Vec<Command>>) {
-        let Decider::Controller(c) = &mut self.decider else {
-            return;
+    /// The world as the controller is told it with `input`: the
+    /// coordinator's view and the hosts lost, and when it may decide on a
+    /// lost host, the replicas held here and the newest checkpoint.
+    fn facts(&self, input: &Input) -> Facts {
+        let Decider::Controller(c) = &self.decider else {
+            return Facts::default();
         };
-        if !c.joined() {
-            return;
-        }
-        let mirror = c.mirror();
-        let changed = c.sent.as_ref() != Some(&mirror);
-        if changed {
-            c.sent = Some(mirror.clone());
-        }
-        let everyone: Vec<u64> = c.everyone().collect();
-        let orphans = c.orphans();
-        if changed {
-            self.standbys_ready(&mirror);
-        }
-        for n in everyone {
-            let commands = orders.remove(&n).unwrap_or_default();
-            if commands.is_empty() && !changed {
-                continue;
-            }
-            let mirror = changed.then(|| mirror.clone());
-            self.send_down(
-                n,
-                Down {
-                    mirror,
-                    commands,
-                    orphans: orphans.clone(),
-                    ..Down::default()
-                },
-            );
+        let view = self.peers.as_ref().map(|p| p.membership.seen().view);
+        let losses = c.may_decide_losses(input);
+        Facts {
+            view,
+            gone: self.lost.clone(),
+            own_held: match losses {
+                true => held_replicas(self.peers.as_ref()),
+                false => Vec::new(),
+            },
+            on_disk: self.persister.as_ref().filter(|_| losses).map(|p| OnDisk {
+                dir: p.dir().to_path_buf(),
+                iteration: hatrain_shared::checkpoint::read_tracker(p.dir()).ok(),
+            }),
         }
     }
 
@@ -174,12 +168,14 @@ impl Driver<'_> {
             tracing::warn!(rank, error = %why, "snapshot slot rejected");
         }
         match &mut self.decider {
-            Decider::Controller(ctl) => {
-                let node = ctl.node;
-                if let Some(e) = ctl.gathered(node, c.epoch, c.steps, c.replicas) {
-                    self.decide(sup, e);
-                }
-            }
+            Decider::Controller(_) => self.advance(
+                sup,
+                Input::Verified {
+                    epoch: c.epoch,
+                    steps: c.steps,
+                    replicas: c.replicas,
+                },
+            ),
             Decider::Follower(_) => self.send_up(&Up::Collected {
                 epoch: c.epoch,
                 steps: c.steps,
@@ -240,80 +236,25 @@ impl Driver<'_> {
         }
     }
 
+    /// A follower's message: shares of checkpoints are counted here,
+    /// where they are committed on disk; the rest is the controller's.
     fn on_up(&mut self, sup: &mut Supervisor, from: u64, up: Up) {
-        let Decider::Controller(c) = &mut self.decider else {
+        let Decider::Controller(c) = &self.decider else {
             return;
         };
-        if !c.everyone().any(|n| n == from) {
-            tracing::warn!(node = from, "a report from a node not in the job refused");
-            return;
-        }
+        let known = c.everyone().any(|n| n == from);
         match up {
-            Up::Report {
-                views,
-                events,
-                held,
-            } => {
-                c.note_held(from, held);
-                let settled = c.settle(Some(from), Instant::now());
-                if let Some(v) = views.iter().find(|v| !c.holds(from, v.rank)) {
-                    tracing::warn!(
-                        node = from,
-                        rank = v.rank,
-                        "a report on another host's rank refused"
-                    );
-                    return;
-                }
-                if !views.is_empty() {
-                    self.decide(sup, Event::Tick(views));
-                }
-                let mut registered = Vec::new();
-                for e in events {
-                    let rank = match e {
-                        Event::Registered { rank, .. } => Some(rank),
-                        _ => None,
-                    };
-                    self.decide(sup, e);
-                    if let (Some(rank), Decider::Controller(c)) = (rank, &mut self.decider) {
-                        c.registered(from, rank);
-                        registered.push((rank, c.machine.start_mode()));
-                    }
-                }
-                if !registered.is_empty() {
-                    let down = Down {
-                        registered,
-                        ..Down::default()
-                    };
-                    self.send_down(from, down);
-                }
-                self.on_hosts_lost(sup, settled);
-            }
-            Up::Collected {
-                epoch,
-                steps,
-                replicas,
-            } => {
-                let steps = steps
-                    .into_iter()
-                    .filter(|(r, _)| c.holds(from, *r))
-                    .collect();
-                if let Some(e) = c.gathered(from, epoch, steps, replicas) {
-                    self.decide(sup, e);
-                }
-            }
             Up::Saved {
                 step,
                 ranks,
                 result,
-            } => self.ranks_saved(from, step, ranks, result),
-            Up::Wrote { epoch, result } => {
+            } if known => self.ranks_saved(from, step, ranks, result),
+            Up::Wrote { epoch, result } if known => {
                 if let Some(e) = self.share_written(from, epoch, result) {
-                    self.decide(sup, e);
+                    self.advance(sup, Input::Event(e));
                 }
             }
-            Up::Ended => {
-                c.ended.insert(from);
-            }
+            up => self.advance(sup, Input::Up { from, up }),
         }
     }
 
@@ -399,8 +340,8 @@ impl Driver<'_> {
 
     /// Lost hosts: the controller decides (all of them known at once, so
     /// that a host lost with the holder of its replicas is named so); a
-    /// follower that lost the controller's host stops, since nobody decides
-    /// for it any more.
+    /// follower that lost the controller's host waits for a successor,
+    /// since nobody decides for it any more.
     pub(super) fn on_hosts_lost(&mut self, sup: &mut Supervisor, lost: Vec<HostLoss>) {
         if lost.is_empty() {
             return;
@@ -409,112 +350,24 @@ impl Driver<'_> {
         if let Some(e) = self.shares_lost(&gone) {
             self.feed(sup, e);
         }
-        let own = held_replicas(self.peers.as_ref());
-        let on_disk = self.persister.as_ref().map(|p| OnDisk {
-            dir: p.dir().to_path_buf(),
-            iteration: hatrain_shared::checkpoint::read_tracker(p.dir()).ok(),
-        });
-        let acting = self.acting();
         let successor_wait = self.successor_wait();
+        let Decider::Follower(f) = &mut self.decider else {
+            return self.advance(sup, Input::HostsLost(lost));
+        };
         for loss in lost {
-            match &mut self.decider {
-                Decider::Controller(c) => {
-                    let facts = LossFacts {
-                        acting,
-                        reboot: self.cfg.ha.modes.recover,
-                        gone: &gone,
-                        own_held: &own,
-                        on_disk: on_disk.clone(),
-                    };
-                    match c.on_host_lost(loss, facts) {
-                        OnLoss::HoldBack(loss) => self.hold_back(loss),
-                        OnLoss::Settling => {}
-                        OnLoss::StandbyLost { node } => {
-                            tracing::warn!(node, "a standby host is lost")
-                        }
-                        OnLoss::Recover { loss, handover } => {
-                            if let Some(h) = handover {
-                                self.hand_over(h);
-                            }
-                            self.feed(sup, Event::HostLost(loss));
-                        }
-                    }
-                }
-                Decider::Follower(f) => {
-                    f.losses.push(loss.clone());
-                    if loss.node != f.leader || f.ended || f.orphaned.is_some() {
-                        // The controller decides about the others.
-                        continue;
-                    }
-                    tracing::warn!(
-                        node = loss.node,
-                        ranks = ?loss.ranks,
-                        detail = loss.detail,
-                        "the controller's host is lost: waiting for a successor"
-                    );
-                    f.orphaned = Some(Instant::now() + successor_wait);
-                }
+            f.losses.push(loss.clone());
+            if loss.node != f.leader || f.ended || f.orphaned.is_some() {
+                // The controller decides about the others.
+                continue;
             }
-        }
-        self.collect_again(sup);
-    }
-
-    /// A collection in progress waits for the hosts it was sent to: when
-    /// some are lost, it starts again over the hosts left (with the
-    /// replicas of the ranks no live host holds now), or it would wait for
-    /// ever.
-    fn collect_again(&mut self, sup: &mut Supervisor) {
-        let Decider::Controller(c) = &mut self.decider else {
-            return;
-        };
-        let Some(epoch) = c.gathering().filter(|e| *e == c.machine.epoch()) else {
-            return;
-        };
-        tracing::warn!(
-            epoch,
-            "hosts lost during a collection: collecting again from the hosts left"
-        );
-        let mut orders: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
-        for r in c.route(Command::Collect { epoch }) {
-            match r {
-                Routed::Here(cmd) => {
-                    if let Some(e) = self.carry_out(sup, cmd) {
-                        self.feed(sup, e);
-                    }
-                }
-                Routed::There(n, cmd) => orders.entry(n).or_default().push(cmd),
-            }
-        }
-        self.send_orders(orders);
-    }
-
-    /// Carries out a hand-over the controller decided: the standby takes
-    /// the lost host's ranks, and every host holding their replicas (this
-    /// one too) streams them there.
-    fn hand_over(&self, h: Handover) {
-        tracing::warn!(
-            node = h.give.node,
-            ranks = ?h.adopt.ranks,
-            standby = h.to,
-            "host lost: its ranks go to a standby host, filled from their peer replicas"
-        );
-        self.send_down(
-            h.to,
-            Down {
-                adopt: Some(h.adopt),
-                ..Down::default()
-            },
-        );
-        for n in h.givers {
-            self.send_down(
-                n,
-                Down {
-                    give: Some(h.give.clone()),
-                    ..Down::default()
-                },
+            tracing::warn!(
+                node = loss.node,
+                ranks = ?loss.ranks,
+                detail = loss.detail,
+                "the controller's host is lost: waiting for a successor"
             );
+            f.orphaned = Some(Instant::now() + successor_wait);
         }
-        self.give(&h.give);
     }
 
     /// A follower whose shutdown the controller did not answer in time

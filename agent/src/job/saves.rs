@@ -12,7 +12,7 @@
 //! before it commits and ends.
 
 use super::Driver;
-use super::decider::{Controller, Decider, Down, Inbox, Up};
+use super::decider::{Decider, Down, FINAL_WAIT, FinalSave, Inbox, Up};
 use super::orders::recv;
 use crate::persister::{OwnedSource, PersistError};
 use crate::recovery::{Event, WriteFailed};
@@ -21,10 +21,6 @@ use hatrain_shared::checkpoint;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// How long the controller waits at most for every host's share of the
-/// final checkpoint.
-const FINAL_WAIT: Duration = Duration::from_secs(300);
 
 /// Periodic steps tracked at most while their shares come in (the oldest
 /// go first, with their `_tmp` directories: a step four save intervals
@@ -46,15 +42,6 @@ fn evict(
             let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(dir, s));
         }
     }
-}
-
-/// The final checkpoint the controller waits for.
-#[derive(Debug)]
-pub(super) struct FinalSave {
-    pub step: u64,
-    pub until: Instant,
-    /// Why it cannot be committed, once known.
-    pub failed: Option<String>,
 }
 
 impl Driver<'_> {
@@ -214,10 +201,11 @@ impl Driver<'_> {
             Ok(step) => (*step, Ok(t0.elapsed().as_secs_f64())),
             Err(e) => (last, Err(WriteFailed(e.to_string()))),
         };
+        let now = self.now();
         if let Decider::Controller(c) = &mut self.decider {
             c.final_save = Some(FinalSave {
                 step,
-                until: Instant::now() + FINAL_WAIT,
+                until: now + FINAL_WAIT,
                 failed: None,
             });
         }
@@ -229,7 +217,7 @@ impl Driver<'_> {
     /// checkpoint (see [`Controller::final_pending`]).
     pub(super) fn final_pending(&self, lost: &[u64]) -> bool {
         match &self.decider {
-            Decider::Controller(c) => c.final_pending(Instant::now(), lost),
+            Decider::Controller(c) => c.final_pending(self.now(), lost),
             Decider::Follower(_) => false,
         }
     }
@@ -319,28 +307,5 @@ impl Driver<'_> {
                 detail: "the controller did not commit it (see its log)".into(),
             }),
         }
-    }
-}
-
-impl Controller {
-    /// Whether it still waits at `now` for shares of the final
-    /// checkpoint: not committed, nothing failed, no host holding a
-    /// missing rank lost (`lost`), and in time.
-    pub(super) fn final_pending(&self, now: Instant, lost: &[u64]) -> bool {
-        let Some(f) = &self.final_save else {
-            return false;
-        };
-        let Some(got) = self.saves.get(&f.step) else {
-            // Committed (or failed) already.
-            return false;
-        };
-        // Ranks that left the group (elastic training) write nothing.
-        let left = self.machine.retired();
-        let missing_lost = lost.iter().any(|&n| {
-            self.ranks_on(n)
-                .iter()
-                .any(|r| !got.contains(r) && !left.contains(r))
-        });
-        f.failed.is_none() && !missing_lost && now < f.until
     }
 }

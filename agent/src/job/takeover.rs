@@ -10,17 +10,13 @@
 //! a newer term, arrive. A follower that sees no successor act within
 //! [`SUCCESSOR_WAIT`] (no majority: a minority side of a partition) stops.
 
-use super::decider::{Controller, Decider};
-use super::{Driver, machine_config};
+use super::decider::{Controller, Decider, Input, Rules, SUCCESSOR_WAIT};
+use super::{Driver, job_clock, machine_config};
 use crate::config::CoordinatorChoice;
 use crate::recovery::{Event, Machine, Outcome};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{FaultAction, FaultKind, FaultRecord};
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-/// How long a follower whose controller is lost waits for a successor.
-pub const SUCCESSOR_WAIT: Duration = Duration::from_secs(10);
 
 impl Driver<'_> {
     /// How long a host without a controller that acts waits for one:
@@ -30,6 +26,21 @@ impl Driver<'_> {
         match self.cfg.ha.coordinator {
             CoordinatorChoice::Embedded => SUCCESSOR_WAIT,
             CoordinatorChoice::Etcd(_) => self.cfg.ha.coordinator_timeout,
+        }
+    }
+
+    /// How the job's controller may act, from the configuration.
+    pub(super) fn rules(&self) -> Rules {
+        let ha = &self.cfg.ha;
+        Rules {
+            reboot: ha.modes.recover,
+            elastic: ha.modes.elastic,
+            etcd: match &ha.coordinator {
+                CoordinatorChoice::Embedded => None,
+                CoordinatorChoice::Etcd(e) => Some(e.join(",")),
+            },
+            coordinator_timeout: ha.coordinator_timeout,
+            successor_wait: self.successor_wait(),
         }
     }
 
@@ -56,12 +67,7 @@ impl Driver<'_> {
         };
         let me = self.cfg.node_rank as u64;
         match &mut self.decider {
-            Decider::Controller(c) => {
-                let settled = c.settle(None, Instant::now());
-                self.on_hosts_lost(sup, settled);
-                self.mend_or_stop(sup);
-                self.stop_if_replaced(&view);
-            }
+            Decider::Controller(_) => self.advance(sup, Input::Tick),
             Decider::Follower(f) => {
                 let Some(deadline) = f.orphaned else {
                     return;
@@ -129,6 +135,7 @@ impl Driver<'_> {
 
     /// This agent becomes the job's controller, under `term`.
     fn take_over(&mut self, sup: &mut Supervisor, term: u64) {
+        let rules = self.rules();
         let Decider::Follower(f) = &mut self.decider else {
             return;
         };
@@ -138,13 +145,19 @@ impl Driver<'_> {
             (0..cfg.world_size()).collect(),
             f.mirror.inherited(),
         );
+        let now = job_clock(
+            self.started.elapsed(),
+            self.started_unix_s,
+            machine.started_unix_s(),
+        );
         let mut c = Controller::take_over(
             machine,
             (cfg.nnodes, cfg.nproc_per_node),
             cfg.node_rank as u64,
             (&f.mirror, &self.lost),
-            Instant::now(),
+            now,
         );
+        c.rules = rules;
         if let Some(s) = &mut c.settling {
             s.losses = std::mem::take(&mut f.losses);
         }
@@ -156,9 +169,9 @@ impl Driver<'_> {
         self.decider = Decider::Controller(Box::new(c));
         self.note_heard();
         let views = self.views(sup);
+        // Every host hears of the new controller at once: the machine's
+        // state goes to every host with this first step.
         self.feed(sup, Event::Tick(views));
-        // Every host hears of the new controller at once.
-        self.send_orders(BTreeMap::new());
     }
 
     /// Nobody took over in time: this host stops.
