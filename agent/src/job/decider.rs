@@ -122,6 +122,9 @@ pub(super) struct Controller {
     pub rules: Rules,
     /// It stopped the job (cut off past the wait, or replaced).
     stopped: bool,
+    /// It took over from a controller lost during a recovery: the
+    /// recovery starts again with its first step.
+    interrupted: bool,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -184,6 +187,7 @@ impl Controller {
             given_up: false,
             rules: Rules::default(),
             stopped: false,
+            interrupted: false,
             replica_steps: BTreeMap::new(),
             writing: None,
             saves: BTreeMap::new(),
@@ -210,6 +214,7 @@ impl Controller {
         c.members.insert(node);
         c.spares.clone_from(&from.spares);
         c.placement.clone_from(&from.placement);
+        c.interrupted = from.recovering;
         c.filling.clone_from(&from.filling);
         let waiting = c.everyone().filter(|n| !gone.contains(n)).collect();
         c.settling = Some(Settling {
@@ -716,5 +721,7 @@ pub(super) fn admit(from: u64, term: u64, (leader, followed): (u64, u64), newest
     }
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

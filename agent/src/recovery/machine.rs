@@ -174,6 +174,10 @@ pub struct Machine {
     protected: BTreeSet<usize>,
     /// When each rank's current process started.
     spawned: HashMap<usize, Duration>,
+    /// Ranks whose current process's exit the machine took.
+    exits: BTreeSet<usize>,
+    /// Registered ranks seen dead whose exit never came, since when.
+    unreported: HashMap<usize, Duration>,
     /// Ranks already warned about running unprotected.
     warned: BTreeSet<usize>,
     /// Group restarts so far.
@@ -212,6 +216,8 @@ impl Machine {
             oom_restarts: 0,
             protected: BTreeSet::new(),
             spawned: HashMap::new(),
+            exits: BTreeSet::new(),
+            unreported: HashMap::new(),
             warned: BTreeSet::new(),
             group_restarts: 0,
             reshape: None,

@@ -149,6 +149,10 @@ impl Controller {
     /// Takes `input` at `now` (the job's clock), given `facts`.
     pub fn step(&mut self, now: Duration, facts: &Facts, input: Input) -> Ready {
         let mut out = Out::default();
+        if std::mem::take(&mut self.interrupted) {
+            // The faults its predecessor had not recovered from yet.
+            self.decide(now, Event::Interrupted, &mut out);
+        }
         match input {
             Input::Event(e) => self.on_event(now, facts, e, &mut out),
             Input::Followed(e) => self.decide(now, e, &mut out),
@@ -209,15 +213,15 @@ impl Controller {
     /// machine's state to every host when it changed (`state`: at the end
     /// of a step, after every other order).
     fn flush(&mut self, out: &mut Out, state: bool) {
-        if !self.joined() {
-            out.pending.clear();
-            return;
-        }
         let mirror = self.mirror();
         let changed = state && self.sent.as_ref() != Some(&mirror);
         if changed {
             self.sent = Some(mirror.clone());
             out.ready.mirror = Some(mirror.clone());
+        }
+        if !self.joined() {
+            out.pending.clear();
+            return;
         }
         let orphans = self.orphans();
         let everyone: Vec<u64> = self.everyone().collect();

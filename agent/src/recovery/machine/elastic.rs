@@ -51,6 +51,7 @@ impl Machine {
             if let Some(v) = self.views.get_mut(r) {
                 v.alive = false;
             }
+            self.exits.insert(*r);
             self.protected.remove(r);
         }
         match &mut self.reshape {

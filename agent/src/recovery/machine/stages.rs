@@ -10,6 +10,7 @@ impl Machine {
             self.views.insert(v.rank, *v);
         }
         self.watch.observe(now, &views);
+        self.unreported_exits(now);
         self.warn_unprotected(now);
         if self.state == State::Running && self.stranded(now) {
             return;
