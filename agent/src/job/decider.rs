@@ -521,6 +521,7 @@ impl Controller {
             resizes: m.resizes().to_vec(),
             retired: m.retired().clone(),
             places: m.places().clone(),
+            reshape: m.reshaping().cloned(),
         }
     }
 }

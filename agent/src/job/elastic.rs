@@ -3,12 +3,11 @@
 //! place (its layout changes with its shard).
 
 use super::Driver;
-use super::decider::{Decider, Give};
+use super::decider::Give;
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{Donation, Response};
 use hatrain_shared::shm::{self, Geometry, Store};
 use hatrain_shared::statemap::StateMap;
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 impl Driver<'_> {
@@ -57,18 +56,6 @@ impl Driver<'_> {
         Response::Donations {
             sliced: self.cfg.ha.slices,
             donations,
-        }
-    }
-
-    /// The controller, on a tick: the hosts heard now (a lost host's ranks
-    /// go only to a standby that runs).
-    pub(super) fn note_heard(&mut self) {
-        let Some(p) = &self.peers else {
-            return;
-        };
-        let heard: BTreeSet<u64> = p.membership.seen().view.live.into_iter().collect();
-        if let Decider::Controller(c) = &mut self.decider {
-            c.heard = heard;
         }
     }
 

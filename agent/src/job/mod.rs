@@ -814,7 +814,6 @@ impl Driver<'_> {
         for e in self.take_rebuild_failures(sup) {
             self.feed(sup, e);
         }
-        self.note_heard();
         let lost = self.take_lost_hosts();
         self.on_hosts_lost(sup, lost);
         self.follow_successor(sup);

@@ -167,7 +167,6 @@ impl Driver<'_> {
             "taking over as the job's controller: the previous one is lost"
         );
         self.decider = Decider::Controller(Box::new(c));
-        self.note_heard();
         let views = self.views(sup);
         // Every host hears of the new controller at once: the machine's
         // state goes to every host with this first step.

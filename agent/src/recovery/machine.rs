@@ -39,6 +39,7 @@ use super::{
     Command, Event, ExitCause, HostLoss, Level, Note, Outcome, RankView, WriteFailed, Written,
 };
 use crate::reaper::ExitStatus;
+pub use elastic::Reshaping;
 use hatrain_shared::control::{
     FaultAction, FaultKind, FaultRecord, ResizeRecord as Resize, StartMode,
 };
@@ -129,6 +130,8 @@ pub struct Inherited {
     pub retired: BTreeSet<usize>,
     pub resizes: Vec<Resize>,
     pub places: BTreeMap<usize, (u64, u64)>,
+    /// The resize the old controller had under way: it goes on.
+    pub reshape: Option<Reshaping>,
 }
 
 /// What one [`Machine::step`] decided.
@@ -265,6 +268,13 @@ impl Machine {
         m.retired = from.retired;
         m.resizes = from.resizes;
         m.places = from.places;
+        // The ranks a resize under way takes out are gone with their
+        // host: none of their exits is coming.
+        if let Some(r) = &from.reshape {
+            m.exits.extend(&r.leaving);
+            let known = r.fault.is_none_or(|f| f < m.faults.len());
+            m.reshape = from.reshape.filter(|_| known);
+        }
         m
     }
 
@@ -521,6 +531,15 @@ impl Machine {
     /// shrink, `Reshape` with each one's new place, after the lost ranks'
     /// replicas are handed to the ranks that bring them.
     fn resume_all(&mut self, epoch: u64, step: u64) {
+        let world = self.participants().len();
+        if let Some(r) = &mut self.reshape {
+            r.resumed = Some(elastic::Resumed {
+                step,
+                left: r.leaving.clone(),
+                joined: r.joining.clone(),
+                world,
+            });
+        }
         let leaving = self.leaving();
         if !leaving.is_empty() {
             self.cmd(Command::Donate { step, leaving });
@@ -658,6 +677,7 @@ impl Machine {
 mod elastic;
 mod faults;
 mod stages;
+mod unreported;
 
 #[cfg(test)]
 mod tests;

@@ -25,7 +25,7 @@ pub mod policy;
 pub mod watchdog;
 
 pub use consistent::consistent_step;
-pub use machine::{Inherited, Machine, MachineConfig};
+pub use machine::{Inherited, Machine, MachineConfig, Reshaping};
 pub use policy::{RankHistory, RestartPolicy};
 pub use watchdog::HangPolicy;
 

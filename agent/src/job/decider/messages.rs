@@ -1,7 +1,7 @@
 //! The messages between the controller and its followers, and the state
 //! the followers mirror.
 
-use crate::recovery::{Command, Event, Inherited, RankView, WriteFailed, Written};
+use crate::recovery::{Command, Event, Inherited, RankView, Reshaping, WriteFailed, Written};
 use hatrain_shared::control::{FaultRecord, StartMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -156,6 +156,9 @@ pub(in crate::job) struct Mirror {
     /// again takes it.
     #[serde(default)]
     pub places: BTreeMap<usize, (u64, u64)>,
+    /// The resize under way: a successor carries it on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reshape: Option<Reshaping>,
 }
 
 impl Mirror {
@@ -174,6 +177,7 @@ impl Mirror {
             retired: self.retired.clone(),
             resizes: self.resizes.clone(),
             places: self.places.clone(),
+            reshape: self.reshape.clone(),
         }
     }
 }

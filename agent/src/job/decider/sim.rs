@@ -24,62 +24,16 @@ use hatrain_shared::shm::{Directive, Phase};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
+mod rank;
 mod scenarios;
+mod succession;
+
+use rank::{Rank, act};
+pub use rank::{fold, reference};
 
 pub const TICK: Duration = Duration::from_millis(10);
 /// A host unheard this long is lost.
 const HOST_TIMEOUT: Duration = Duration::from_millis(300);
-
-/// One rank's process and control page.
-#[derive(Debug, Clone)]
-struct Rank {
-    alive: bool,
-    registered: bool,
-    phase: Phase,
-    step: u64,
-    epoch: u64,
-    heartbeat: u64,
-    directive: Directive,
-    acked: Option<Directive>,
-    in_collective: bool,
-    /// The state: a checksum of every step taken.
-    sum: u64,
-    /// Sealed snapshots: (step, state), newest first.
-    slots: Vec<(u64, u64)>,
-    /// Rolled back to a step it held no snapshot of.
-    torn: bool,
-}
-
-impl Rank {
-    fn fresh() -> Self {
-        Self {
-            alive: true,
-            registered: true,
-            phase: Phase::Computing,
-            step: 0,
-            epoch: 0,
-            heartbeat: 0,
-            directive: Directive::None,
-            acked: None,
-            in_collective: false,
-            sum: 0,
-            slots: vec![(0, 0)],
-            torn: false,
-        }
-    }
-}
-
-/// The state of `rank` after `step`, from `sum` before it.
-pub fn fold(sum: u64, rank: usize, step: u64) -> u64 {
-    (sum ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ step)
-        .wrapping_mul(0xff51_afd7_ed55_8ccd)
-        .rotate_left(17)
-}
-
-/// The state of `rank` after `steps` steps without a fault.
-pub fn reference(rank: usize, steps: u64) -> u64 {
-    (1..=steps).fold(0, |s, step| fold(s, rank, step))
-}
 
 /// One host: the ranks it plays, and its agent.
 #[derive(Debug, Default)]
@@ -124,6 +78,10 @@ pub struct Cluster {
     gone: Vec<u64>,
     /// The coordinator lets the controller act.
     pub acting: bool,
+    /// Hosts not heard yet (a standby whose agent has not started).
+    pub silent: BTreeSet<u64>,
+    /// The steps each epoch's resume and reshape directives named.
+    pub resumed: BTreeMap<u64, BTreeSet<u64>>,
     /// Whom the controller's coordinator says the job follows (itself
     /// when `None`), and the newest term it knows.
     pub follows: Option<u64>,
@@ -212,6 +170,8 @@ impl Cluster {
             leader: 0,
             gone: Vec::new(),
             acting: true,
+            silent: BTreeSet::new(),
+            resumed: BTreeMap::new(),
             follows: None,
             term: 1,
             net: VecDeque::new(),
@@ -228,7 +188,6 @@ impl Cluster {
             agent: Some(Duration::ZERO),
             notes: Vec::new(),
         };
-        c.ctl.heard = (0..(nodes + spares) as u64).collect();
         for r in 0..world {
             let node = c.plays[r];
             c.hosts[node as usize].events.push(Event::Registered {
@@ -246,9 +205,16 @@ impl Cluster {
             .collect()
     }
 
-    /// The original host after `rank`'s own holds its replica.
+    /// The next original host after `rank`'s own that is not lost holds
+    /// its replica (the streams are planned again around a lost host; a
+    /// new holder is given the replica at once here, where the real one
+    /// takes a step or so).
     fn holder(&self, rank: usize) -> u64 {
-        ((rank / self.per_node + 1) % self.nodes) as u64
+        let own = rank / self.per_node;
+        (1..self.nodes)
+            .map(|k| ((own + k) % self.nodes) as u64)
+            .find(|n| !self.gone.contains(n))
+            .unwrap_or(own as u64)
     }
 
     fn views(&self, node: u64) -> Vec<RankView> {
@@ -276,7 +242,7 @@ impl Cluster {
         Facts {
             view: Some(View {
                 live: (0..self.hosts.len() as u64)
-                    .filter(|n| !self.gone.contains(n))
+                    .filter(|n| !self.gone.contains(n) && !self.silent.contains(n))
                     .collect(),
                 lost: self.gone.clone(),
                 follows: Some(self.follows.unwrap_or(leader)),
@@ -314,6 +280,17 @@ impl Cluster {
                 }
             }
             for (to, down) in ready.orders {
+                // A rank a reshape names is in the group's communicator
+                // from now on: the others wait for it to join.
+                for c in &down.commands {
+                    if let Command::Post {
+                        rank,
+                        directive: Directive::Reshape { .. },
+                    } = c
+                    {
+                        self.ranks[*rank].member = true;
+                    }
+                }
                 self.sent.push((to, down.clone()));
                 self.send(self.leader, to, Msg::Down(Box::new(down)));
             }
@@ -337,28 +314,6 @@ impl Cluster {
         ))
     }
 
-    /// The controller's agent dies (a served job: its workers go on).
-    pub fn agent_dies(&mut self) {
-        self.agent = None;
-    }
-
-    /// The next agent of a served job takes the job over from what the
-    /// last one kept: its own clock starts now.
-    pub fn agent_starts(&mut self) {
-        let kept = self.kept.clone().unwrap_or_default();
-        let world = self.ranks.len();
-        let machine = Machine::take_over(self.cfg.clone(), (0..world).collect(), kept.inherited());
-        let rules = self.ctl.rules.clone();
-        self.ctl = Controller::new(machine, self.nodes, self.leader as usize, self.per_node, 0);
-        self.ctl.rules = rules;
-        self.agent = Some(self.now);
-        let views = self.views(self.leader);
-        self.input(Input::Event(Event::Tick(views)));
-        if kept.recovering {
-            self.input(Input::Event(Event::Interrupted));
-        }
-    }
-
     fn send(&mut self, from: u64, to: u64, msg: Msg) {
         let d = self.delays[self.next_delay % self.delays.len()];
         self.next_delay += 1;
@@ -380,9 +335,15 @@ impl Cluster {
         }
         match c {
             Command::Post { rank, directive } => {
+                if let Directive::Resume { epoch, step } | Directive::Reshape { epoch, step, .. } =
+                    directive
+                {
+                    self.resumed.entry(epoch).or_default().insert(step);
+                }
                 let r = &mut self.ranks[rank];
                 r.directive = directive;
                 r.acked = None;
+                r.member |= matches!(directive, Directive::Reshape { .. });
                 None
             }
             Command::Kill { rank } => {
@@ -408,6 +369,8 @@ impl Cluster {
                     slots: old.slots.clone(),
                     directive: old.directive,
                     acked: old.acked,
+                    joining: old.joining,
+                    member: old.member,
                     ..Rank::fresh()
                 };
                 self.hosts[node as usize].registering.push(rank);
@@ -494,6 +457,8 @@ impl Cluster {
                     registered: false,
                     phase: Phase::Starting,
                     slots,
+                    joining: !a.fill,
+                    member: a.fill,
                     ..Rank::fresh()
                 };
             }
@@ -537,11 +502,13 @@ impl Cluster {
         h.up && !h.frozen
     }
 
-    /// The ranks of the group now (those that left it train no more).
+    /// The ranks training together now: not those that left the group
+    /// or are leaving it, nor those joining it before the reshape.
     fn group(&self) -> Vec<usize> {
-        let retired = self.ctl.machine.retired();
+        let m = &self.ctl.machine;
+        let (retired, leaving) = (m.retired(), m.leaving());
         (0..self.ranks.len())
-            .filter(|r| !retired.contains(r))
+            .filter(|&r| !retired.contains(&r) && !leaving.contains(&r) && self.ranks[r].member)
             .collect()
     }
 
@@ -550,7 +517,7 @@ impl Cluster {
     pub fn tick(&mut self) {
         self.now += TICK;
         for node in 0..self.hosts.len() as u64 {
-            if !self.live(node) {
+            if !self.live(node) || self.silent.contains(&node) {
                 continue;
             }
             self.hosts[node as usize].heard = self.now;
@@ -663,7 +630,7 @@ impl Cluster {
     /// Every live host reports its ranks and what happened.
     fn report(&mut self) {
         for node in 0..self.hosts.len() as u64 {
-            if !self.live(node) || self.gone.contains(&node) {
+            if !self.live(node) || self.gone.contains(&node) || self.silent.contains(&node) {
                 continue;
             }
             let views = self.views(node);
@@ -698,6 +665,7 @@ impl Cluster {
         let lost: Vec<u64> = (0..self.hosts.len() as u64)
             .filter(|&n| {
                 !self.gone.contains(&n)
+                    && !self.silent.contains(&n)
                     && !self.hosts[n as usize].ended
                     && self.now.saturating_sub(self.hosts[n as usize].heard) > HOST_TIMEOUT
             })
@@ -722,61 +690,6 @@ impl Cluster {
             state_lost: Vec::new(),
             on_disk: None,
             hosts_left: 0,
-        }
-    }
-
-    /// The lowest live host that holds ranks takes over from the state
-    /// the lost controller last showed it.
-    fn take_over(&mut self, lost: Vec<u64>) {
-        let Some(next) = (0..self.hosts.len() as u64)
-            .find(|&n| self.live(n) && !self.gone.contains(&n) && !self.ranks_of(n).is_empty())
-        else {
-            self.stop = Some("no host left to take over".into());
-            return;
-        };
-        let mirror = self.hosts[next as usize].mirror.clone().unwrap_or_default();
-        let world = self.ranks.len();
-        let cfg = self.cfg.clone();
-        let machine = Machine::take_over(cfg, (0..world).collect(), mirror.inherited());
-        let rules = self.ctl.rules.clone();
-        let heard = self.ctl.heard.clone();
-        let mut ctl = Controller::take_over(
-            machine,
-            (self.nodes, self.per_node),
-            next,
-            (&mirror, &self.gone),
-            self.now,
-        );
-        ctl.rules = rules;
-        ctl.heard = heard
-            .into_iter()
-            .filter(|n| !self.gone.contains(n))
-            .collect();
-        if let Some(s) = &mut ctl.settling {
-            s.losses = lost
-                .iter()
-                .map(|&n| self.loss_as_seen(n, &mirror))
-                .collect();
-        }
-        self.ctl = ctl;
-        self.leader = next;
-        self.notes.push(format!("node {next} takes over"));
-        let views = self.views(next);
-        self.input(Input::Event(Event::Tick(views)));
-    }
-
-    /// A loss as a follower saw it: the ranks the mirror placed there.
-    fn loss_as_seen(&self, node: u64, m: &Mirror) -> HostLoss {
-        let own = node as usize * self.per_node..(node as usize + 1) * self.per_node;
-        let ranks = (0..self.ranks.len())
-            .filter(|r| match m.placement.get(r) {
-                Some(&n) => n == node,
-                None => own.contains(r) && (node as usize) < self.nodes,
-            })
-            .collect();
-        HostLoss {
-            ranks,
-            ..self.loss(node)
         }
     }
 
@@ -814,9 +727,10 @@ impl Cluster {
         self.ctl.machine.faults()
     }
 
-    /// Every rank of the group ended with the state of a run without
-    /// faults, and none rolled back to a step it held no snapshot of.
-    pub fn assert_identical(&self) {
+    /// Every rank of the group ended at the last step, none rolled back
+    /// to a step it held no snapshot of, and every epoch resumed at one
+    /// step.
+    pub fn assert_consistent(&self) {
         for r in self.group() {
             let rank = &self.ranks[r];
             assert!(
@@ -824,6 +738,22 @@ impl Cluster {
                 "rank {r} restored a step it held no snapshot of"
             );
             assert_eq!(rank.step, self.target, "rank {r} ended at another step");
+        }
+        for (epoch, steps) in &self.resumed {
+            assert_eq!(steps.len(), 1, "epoch {epoch} resumed at steps {steps:?}");
+        }
+    }
+
+    /// [`Cluster::assert_consistent`], and every rank of the group ended
+    /// with the state of a run without faults.
+    pub fn assert_identical(&self) {
+        self.assert_consistent();
+        for r in self.group() {
+            let rank = &self.ranks[r];
+            assert!(
+                !rank.resliced,
+                "rank {r} was re-sliced: no run without faults to match"
+            );
             assert_eq!(
                 rank.sum,
                 reference(r, self.target),
@@ -837,40 +767,16 @@ impl Cluster {
         self.plays[rank]
     }
 
+    /// Standby `node`'s agent starts: it is heard from now on.
+    pub fn hear(&mut self, node: u64) {
+        self.silent.remove(&node);
+        self.hosts[node as usize].heard = self.now;
+    }
+
     /// The hosts still in the job.
     pub fn hosts_left(&self) -> BTreeSet<u64> {
         (0..self.hosts.len() as u64)
             .filter(|n| !self.gone.contains(n))
             .collect()
-    }
-}
-
-/// A rank acts on its directive.
-fn act(r: &mut Rank) {
-    if !(r.alive && r.registered) || r.acked == Some(r.directive) {
-        if r.phase == Phase::Paused {
-            r.heartbeat += 1;
-        }
-        return;
-    }
-    match r.directive {
-        Directive::Pause { .. } => {
-            r.acked = Some(r.directive);
-            r.phase = Phase::Paused;
-            r.in_collective = false;
-        }
-        Directive::Resume { epoch, step } | Directive::Reshape { epoch, step, .. } => {
-            r.acked = Some(r.directive);
-            r.epoch = epoch;
-            match r.slots.iter().find(|s| s.0 == step) {
-                Some(&(_, sum)) => r.sum = sum,
-                None if r.step == step => {}
-                None => r.torn = true,
-            }
-            r.step = step;
-            r.slots.retain(|s| s.0 <= step);
-            r.phase = Phase::Computing;
-        }
-        Directive::None | Directive::Stop => {}
     }
 }

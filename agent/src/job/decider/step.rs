@@ -149,6 +149,10 @@ impl Controller {
     /// Takes `input` at `now` (the job's clock), given `facts`.
     pub fn step(&mut self, now: Duration, facts: &Facts, input: Input) -> Ready {
         let mut out = Out::default();
+        if let Some(v) = &facts.view {
+            // A lost host's ranks go only to a standby heard now.
+            self.heard = v.live.iter().copied().collect();
+        }
         if std::mem::take(&mut self.interrupted) {
             // The faults its predecessor had not recovered from yet.
             self.decide(now, Event::Interrupted, &mut out);

@@ -21,19 +21,36 @@
 
 use super::*;
 
-/// A resize in progress: a shrink, a grow, or both at once.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Reshaping {
+/// A resize in progress: a shrink, a grow, or both at once. A controller
+/// that takes the job over inherits it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Reshaping {
     /// The ranks leaving the group.
     pub leaving: Vec<usize>,
     /// The ranks joining it (they hold no state yet).
     pub joining: Vec<usize>,
     /// The group's size before.
     pub from: usize,
-    /// The fault that started it (none for a grow).
+    /// The fault that started it (its index among the job's faults; none
+    /// for a grow).
     pub fault: Option<usize>,
-    /// When it started.
+    /// When it started, on the job's clock.
     pub since: Duration,
+    /// Its directives went out: every rank that stays was told its place.
+    #[serde(default)]
+    pub resumed: Option<Resumed>,
+}
+
+/// A reshape's directives, as they went out.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Resumed {
+    /// The step the group reshaped at.
+    pub step: u64,
+    /// The ranks that had left it, and those that had joined it.
+    pub left: Vec<usize>,
+    pub joined: Vec<usize>,
+    /// The group's size after it.
+    pub world: usize,
 }
 
 impl Machine {
@@ -64,6 +81,7 @@ impl Machine {
                     from,
                     fault: Some(f),
                     since: self.detected[f],
+                    resumed: None,
                 });
             }
         }
@@ -104,6 +122,7 @@ impl Machine {
             from,
             fault: None,
             since: now,
+            resumed: None,
         });
         self.note(
             Level::Info,
@@ -156,6 +175,77 @@ impl Machine {
                 .reshape
                 .as_ref()
                 .is_some_and(|r| r.leaving.contains(&rank))
+    }
+
+    /// A reshape whose directives went out, and past whose step every
+    /// rank that stays now holds a snapshot (`by_rank`), took: the ranks
+    /// trained at their new places. A recovery that began before it was
+    /// seen to complete (a fault in its first step, or a controller lost
+    /// then, whose successor inherits it) counts it done, or it would
+    /// look for the leaving ranks' state at steps only the new layout
+    /// has.
+    pub(super) fn settle_resumed(&mut self, now: Duration, by_rank: &HashMap<usize, Vec<u64>>) {
+        let Some(done) = self.reshape.as_ref().and_then(|r| r.resumed.clone()) else {
+            return;
+        };
+        let stay: Vec<usize> = self
+            .ranks
+            .iter()
+            .copied()
+            .filter(|r| !self.retired.contains(r) && !done.left.contains(r))
+            .collect();
+        let past = !stay.is_empty()
+            && stay.iter().all(|r| {
+                by_rank
+                    .get(r)
+                    .is_some_and(|s| s.iter().any(|&t| t > done.step))
+            });
+        if !past {
+            return;
+        }
+        let newest = self.faults.len().checked_sub(1);
+        let Some(r) = self.reshape.as_mut() else {
+            return;
+        };
+        r.resumed = None;
+        r.leaving.retain(|x| !done.left.contains(x));
+        r.joining.retain(|x| !done.joined.contains(x));
+        let (from, fault) = (r.from, r.fault);
+        r.from = done.world;
+        // What still changes is the newest fault's.
+        r.fault = newest.filter(|f| Some(*f) != fault);
+        r.since = now;
+        let rest = !r.leaving.is_empty() || !r.joining.is_empty();
+        self.retired.extend(&done.left);
+        self.ranks.retain(|x| !done.left.contains(x));
+        for x in &done.left {
+            self.views.remove(x);
+        }
+        self.note(
+            Level::Info,
+            None,
+            format!(
+                "the resize from {from} to {} ranks at s_star={} had taken: every rank that stays trained past it",
+                done.world, done.step
+            ),
+        );
+        self.resizes.push(Resize {
+            fault: fault.map(|f| self.faults[f].id),
+            from,
+            to: done.world,
+            s_star: Some(done.step),
+            seconds: None,
+        });
+        if !rest {
+            self.reshape = None;
+            let stay = self.participants();
+            let to = stay.len();
+            self.places = stay
+                .iter()
+                .enumerate()
+                .map(|(i, &rank)| (rank, (i as u64, to as u64)))
+                .collect();
+        }
     }
 
     /// The recovery that carried the reshape completed at `s_star`: the
@@ -221,6 +311,11 @@ impl Machine {
     /// The resizes so far.
     pub fn resizes(&self) -> &[Resize] {
         &self.resizes
+    }
+
+    /// The resize in progress, if one is.
+    pub fn reshaping(&self) -> Option<&Reshaping> {
+        self.reshape.as_ref()
     }
 
     /// The ranks that left the group.

@@ -167,6 +167,7 @@ impl Machine {
     /// after all. Restarts and recovers those ranks; true if it did.
     pub(super) fn collected(&mut self, now: Duration, epoch: u64, steps: Vec<(usize, Vec<u64>)>) {
         let by_rank: HashMap<usize, Vec<u64>> = steps.into_iter().collect();
+        self.settle_resumed(now, &by_rank);
         // The ranks leaving in a shrink count, through their replicas;
         // those joining in a grow have nothing yet.
         let joining = self.joining();

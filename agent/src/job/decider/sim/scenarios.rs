@@ -232,4 +232,64 @@ proptest! {
             "{:?} not in {:?}..{:?}", at(1), killed_again, seen_again
         );
     }
+
+    /// Elastic training: a host lost with no standby shrinks the group; a
+    /// standby heard later grows it back; while it grows, another host is
+    /// lost, and the group shrinks again in the same reshape.
+    #[test]
+    fn a_host_lost_while_the_group_grows_back_shrinks_it_again(
+        delays in delays(),
+        first in 5u64..25,
+        after in 0u32..80,
+    ) {
+        let mut c = Cluster::with(4, 1, 1, delays, config(true));
+        c.target = 200;
+        c.silent.insert(4);
+        c.run_until("the first steps", 2_000, |c| c.step() >= first);
+        c.kill(3);
+        c.run_until("the shrink", 3_000, |c| {
+            c.ctl.machine.retired().contains(&3) && !c.ctl.machine.recovering()
+        });
+        let more = c.step() + 5;
+        c.run_until("more steps", 3_000, |c| c.step() >= more);
+        c.hear(4);
+        c.run_until("the grow begins", 3_000, |c| c.host_of(3) == 4);
+        for _ in 0..after {
+            c.tick();
+        }
+        c.kill(2);
+        c.run_until("the end", 20_000, |c| c.outcome.is_some());
+        prop_assert_eq!(c.outcome, Some(Outcome::Succeeded), "{:?} {:#?}", c.stop, c.notes);
+        c.assert_consistent();
+        prop_assert_eq!(c.ctl.machine.retired(), &BTreeSet::from([2]));
+        prop_assert_eq!(c.host_of(3), 4);
+        prop_assert_eq!(kinds(&c), vec![FaultKind::HostLost, FaultKind::HostLost]);
+    }
+
+    /// The controller's host is lost during a shrink, at any moment of
+    /// it (pausing, collecting, its reshape out but not yet seen to take):
+    /// the successor inherits the reshape, and the group shrinks to the
+    /// one host left.
+    #[test]
+    fn the_controller_lost_mid_reshape_leaves_a_successor_that_carries_it_on(
+        delays in delays(),
+        first in 5u64..25,
+        after in 0u32..60,
+    ) {
+        let mut c = Cluster::with(3, 1, 0, delays, config(true));
+        c.target = 150;
+        c.run_until("the first steps", 2_000, |c| c.step() >= first);
+        c.kill(2);
+        c.run_until("the shrink begins", 3_000, |c| c.ctl.machine.recovering());
+        for _ in 0..after {
+            c.tick();
+        }
+        c.kill(0);
+        c.run_until("the end", 20_000, |c| c.outcome.is_some());
+        prop_assert_eq!(c.outcome, Some(Outcome::Succeeded), "{:?} {:#?}", c.stop, c.notes);
+        prop_assert_eq!(c.leader, 1);
+        c.assert_consistent();
+        prop_assert_eq!(c.ctl.machine.retired(), &BTreeSet::from([0, 2]));
+        prop_assert!(c.faults().iter().all(|f| f.recovery_s.is_some()), "{:#?}", c.faults());
+    }
 }

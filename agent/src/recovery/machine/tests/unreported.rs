@@ -3,7 +3,7 @@
 //! [`EXIT_UNREPORTED`]; an exit that does come in time is taken once.
 
 use super::*;
-use crate::recovery::machine::faults::EXIT_UNREPORTED;
+use crate::recovery::machine::unreported::EXIT_UNREPORTED;
 
 #[test]
 fn a_rank_seen_dead_whose_exit_never_comes_is_restarted_like_a_crash() {
