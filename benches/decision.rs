@@ -12,9 +12,18 @@
 //!
 //! Medians of `ROUNDS` recoveries (`HATRAIN_BENCH_AGENTS` sets one size
 //! of its own).
+//!
+//! Then the same through the job's controller as the agents drive it
+//! ([`Controller::step`]): one report per agent, each a step of the
+//! cluster machine, whose orders go back to every agent. The controller
+//! takes the reported views with its own at its tick. Timed: its tick
+//! after every pause report until every agent has its collect order, the
+//! last collected steps until every agent has its resume order (the
+//! decision), and the whole of each round of reports.
 
 mod common;
 use common::median;
+use hatrain_agent::job::cluster::{Controller, Facts, Input, Ready, Up};
 use hatrain_agent::reaper::ExitStatus;
 use hatrain_agent::recovery::{
     Command, Event, ExitCause, HangPolicy, Machine, MachineConfig, RankView, RestartPolicy,
@@ -136,9 +145,8 @@ fn main() {
     }
 }
 
-fn run(agents: usize) {
-    let n = agents * RANKS_PER_AGENT;
-    let cfg = MachineConfig {
+fn config() -> MachineConfig {
+    MachineConfig {
         modes: HaModes {
             dump: true,
             retry: true,
@@ -155,8 +163,12 @@ fn run(agents: usize) {
         group_restarts: 0,
         register_timeout: Duration::from_secs(60),
         min_nodes: 1,
-    };
-    let mut m = Machine::new(cfg, (0..n).collect(), 0.0);
+    }
+}
+
+fn run(agents: usize) {
+    let n = agents * RANKS_PER_AGENT;
+    let mut m = Machine::new(config(), (0..n).collect(), 0.0);
     let mut now = Duration::ZERO;
     for r in 0..n {
         m.step(
@@ -181,4 +193,176 @@ fn run(agents: usize) {
     println!("{:<32} {:>10.3}", "pause report -> collect", c * 1e3);
     println!("{:<32} {:>10.3}", "collected -> resume (decision)", r * 1e3);
     println!("{:<32} {:>10.3}", "both", (c + r) * 1e3);
+    through_the_controller(agents);
+}
+
+/// Host `h`'s ranks.
+fn ranks_of(h: usize) -> std::ops::Range<usize> {
+    h * RANKS_PER_AGENT..(h + 1) * RANKS_PER_AGENT
+}
+
+/// Agent `h` reports `views` of its ranks (and `events`): one step (the
+/// controller's own agent feeds its machine directly); the step's time.
+fn report(
+    c: &mut Controller,
+    now: Duration,
+    h: usize,
+    views: Vec<RankView>,
+    events: Vec<Event>,
+) -> (Ready, f64) {
+    let inputs = match h {
+        0 => std::iter::once(Event::Tick(views))
+            .chain(events)
+            .map(Input::Event)
+            .collect(),
+        _ => vec![Input::Up {
+            from: h as u64,
+            up: Up::Report {
+                views,
+                events,
+                held: Vec::new(),
+            },
+        }],
+    };
+    let mut ready = Ready::default();
+    let t = Instant::now();
+    for input in inputs {
+        let r = c.step(now, &Facts::default(), input);
+        ready.orders.extend(r.orders);
+    }
+    (ready, t.elapsed().as_secs_f64())
+}
+
+/// Whether `ready` orders every other agent to do `what`.
+fn everyone(ready: &Ready, agents: usize, what: impl Fn(&Command) -> bool) -> bool {
+    let told: std::collections::BTreeSet<u64> = ready
+        .orders
+        .iter()
+        .filter(|(_, d)| d.commands.iter().any(&what))
+        .map(|(n, _)| *n)
+        .collect();
+    told.len() == agents - 1
+}
+
+/// One recovery through the controller: (last pause report -> collect
+/// orders, last collected -> resume orders, every pause report, every
+/// collected report) seconds.
+fn round(c: &mut Controller, agents: usize, now: &mut Duration, step: u64) -> [f64; 4] {
+    let n = agents * RANKS_PER_AGENT;
+    let dead = (step as usize * 7919) % n;
+    let host = dead / RANKS_PER_AGENT;
+    let epoch0 = c.mirror().epoch;
+    let views = |h: usize, acked, phase, step, epoch| -> Vec<RankView> {
+        ranks_of(h)
+            .map(|r| view(r, step, epoch, acked, phase))
+            .collect()
+    };
+    *now += Duration::from_millis(10);
+    let mut dying = views(host, None, Phase::Computing, step, epoch0);
+    dying[dead - host * RANKS_PER_AGENT].alive = false;
+    let exit = Event::Exited {
+        rank: dead,
+        status: ExitStatus::Signaled(9),
+        cause: ExitCause::Status,
+    };
+    report(c, *now, host, dying, vec![exit]);
+    let registered = Event::Registered {
+        rank: dead,
+        checkpoint: true,
+    };
+    report(c, *now, host, Vec::new(), vec![registered]);
+    let epoch = c.mirror().epoch;
+    *now += Duration::from_millis(10);
+    let pause = Some(Directive::Pause { epoch });
+    let (mut last, mut all) = (0.0, 0.0);
+    let mut collect = false;
+    for h in (1..agents).chain([0]) {
+        let (ready, t) = report(
+            c,
+            *now,
+            h,
+            views(h, pause, Phase::Paused, step, epoch0),
+            vec![],
+        );
+        (last, all) = (t, all + t);
+        collect |= everyone(&ready, agents, |c| matches!(c, Command::Collect { .. }));
+    }
+    assert!(collect, "no collect order to every agent");
+    let (mut decision, mut collected) = (0.0, 0.0);
+    let mut resumed = false;
+    for h in (1..agents).chain([0]) {
+        let steps = ranks_of(h).map(|r| (r, vec![step, step - 1])).collect();
+        let replicas = Vec::new();
+        let input = match h {
+            0 => Input::Verified {
+                epoch,
+                steps,
+                replicas,
+            },
+            _ => Input::Up {
+                from: h as u64,
+                up: Up::Collected {
+                    epoch,
+                    steps,
+                    replicas,
+                },
+            },
+        };
+        let t = Instant::now();
+        let ready = c.step(*now, &Facts::default(), input);
+        let took = t.elapsed().as_secs_f64();
+        (decision, collected) = (took, collected + took);
+        resumed |= everyone(
+            &ready,
+            agents,
+            |c| matches!(c, Command::Post { directive: Directive::Resume { step: s, .. }, .. } if *s == step),
+        );
+    }
+    assert!(resumed, "no resume order to every agent from s* = {step}");
+    *now += Duration::from_millis(10);
+    let resume = Some(Directive::Resume { epoch, step });
+    for h in (1..agents).chain([0]) {
+        report(
+            c,
+            *now,
+            h,
+            views(h, resume, Phase::Computing, step + 1, epoch),
+            vec![],
+        );
+    }
+    assert!(!c.mirror().recovering, "the recovery did not complete");
+    [last, decision, all, collected]
+}
+
+fn through_the_controller(agents: usize) {
+    let n = agents * RANKS_PER_AGENT;
+    let machine = Machine::new(config(), (0..n).collect(), 0.0);
+    let mut c = Controller::new(machine, agents, 0, RANKS_PER_AGENT, 0);
+    let mut now = Duration::ZERO;
+    for h in 0..agents {
+        let events = ranks_of(h)
+            .map(|rank| Event::Registered {
+                rank,
+                checkpoint: true,
+            })
+            .collect();
+        report(&mut c, now, h, Vec::new(), events);
+    }
+    let mut rows: [Vec<f64>; 4] = Default::default();
+    for i in 0..ROUNDS {
+        let r = round(&mut c, agents, &mut now, 100 + 10 * i as u64);
+        for (row, t) in rows.iter_mut().zip(r) {
+            row.push(t);
+        }
+    }
+    let [last, decision, all, collected] = rows.map(median);
+    println!("through the controller ({agents} agents' reports, one step each)");
+    println!("{:<32} {:>10.3}", "pause tick -> collect", last * 1e3);
+    println!(
+        "{:<32} {:>10.3}",
+        "last collected -> resume",
+        decision * 1e3
+    );
+    println!("{:<32} {:>10.3}", "every pause report", all * 1e3);
+    println!("{:<32} {:>10.3}", "every collected report", collected * 1e3);
 }

@@ -35,9 +35,9 @@ use std::time::{Duration, Instant};
 
 pub(super) use crate::coordinator::wire::Inbox;
 pub(super) use hosts::{Handover, LossFacts, OnLoss};
-pub(super) use messages::{Adopt, Down, Give, Mirror, Up, WritePart};
+pub use messages::{Adopt, Down, Give, Mirror, Up, WritePart};
 pub(super) use saves::{FINAL_WAIT, FinalSave};
-pub(super) use step::{Facts, Input, Rules, SUCCESSOR_WAIT};
+pub use step::{Facts, Input, Ready, Rules, SUCCESSOR_WAIT};
 
 mod hosts;
 mod messages;
@@ -70,11 +70,11 @@ struct Gather {
 
 /// The job's recovery machine, and what it needs to reach every host.
 #[derive(Debug)]
-pub(super) struct Controller {
-    pub machine: Machine,
+pub struct Controller {
+    pub(in crate::job) machine: Machine,
     /// Nodes it decides for (1: this host alone).
     nodes: u64,
-    pub node: u64,
+    pub(in crate::job) node: u64,
     per_node: usize,
     /// Hosts that hold ranks now (those lost leave, a standby that takes
     /// their ranks joins).
@@ -85,9 +85,9 @@ pub(super) struct Controller {
     placement: BTreeMap<usize, u64>,
     gather: Option<Gather>,
     /// The state last sent to the followers.
-    pub sent: Option<Mirror>,
+    pub(in crate::job) sent: Option<std::sync::Arc<Mirror>>,
     /// Followers that took the end of the job.
-    pub ended: BTreeSet<u64>,
+    pub(in crate::job) ended: BTreeSet<u64>,
     /// The ranks whose peer replicas each host holds (with a sealed step),
     /// as it last reported.
     held: BTreeMap<u64, BTreeSet<usize>>,
@@ -97,34 +97,36 @@ pub(super) struct Controller {
     /// A controller that took over decides on lost hosts only once every
     /// live host has reported (what replicas it holds) or this deadline
     /// passed; until then the losses wait here.
-    pub settling: Option<Settling>,
+    pub(in crate::job) settling: Option<Settling>,
     /// Host losses held back while no majority follows this controller.
-    pub cut_off: Option<minority::CutOff>,
+    pub(in crate::job) cut_off: Option<minority::CutOff>,
     /// The replicas of ranks no live host holds (a lost host's, with no
     /// standby to take them), as the last collection found them: per rank,
     /// the holders and their verified steps.
     replica_steps: BTreeMap<usize, Vec<(u64, Vec<u64>)>>,
     /// A checkpoint the hosts are writing, each its share.
-    pub writing: Option<super::lastwords::SharedWrite>,
+    pub(in crate::job) writing: Option<super::lastwords::SharedWrite>,
     /// The periodic saves being written, each host its share: the ranks
     /// written of each step.
-    pub saves: BTreeMap<u64, BTreeSet<usize>>,
+    pub(in crate::job) saves: BTreeMap<u64, BTreeSet<usize>>,
     /// The final save the controller waits for at the end of the job.
-    pub final_save: Option<FinalSave>,
+    pub(in crate::job) final_save: Option<FinalSave>,
     /// The hosts heard now: a standby is taken only once it runs.
-    pub heard: BTreeSet<u64>,
+    pub(in crate::job) heard: BTreeSet<u64>,
     /// Faults waiting for this controller to hold its lease in etcd again.
-    pub waiting: Option<unled::Held>,
+    pub(in crate::job) waiting: Option<unled::Held>,
     /// It waited past `--coordinator-timeout`: the job writes its last
     /// words and stops, deciding without etcd.
-    pub given_up: bool,
+    pub(in crate::job) given_up: bool,
     /// How it may act, fixed for the job.
-    pub rules: Rules,
+    pub(in crate::job) rules: Rules,
     /// It stopped the job (cut off past the wait, or replaced).
     stopped: bool,
     /// It took over from a controller lost during a recovery: the
     /// recovery starts again with its first step.
     interrupted: bool,
+    /// The views hosts reported since the last tick, by rank.
+    views_in: BTreeMap<usize, RankView>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -188,6 +190,7 @@ impl Controller {
             rules: Rules::default(),
             stopped: false,
             interrupted: false,
+            views_in: BTreeMap::new(),
             replica_steps: BTreeMap::new(),
             writing: None,
             saves: BTreeMap::new(),
@@ -228,7 +231,7 @@ impl Controller {
     /// Host `node` reported (at `now`); the losses that waited for the
     /// take-over to settle, once it has (every live host heard, or the
     /// deadline passed).
-    pub fn settle(&mut self, node: Option<u64>, now: Duration) -> Vec<HostLoss> {
+    pub(in crate::job) fn settle(&mut self, node: Option<u64>, now: Duration) -> Vec<HostLoss> {
         let Some(s) = &mut self.settling else {
             return Vec::new();
         };
@@ -242,19 +245,19 @@ impl Controller {
     }
 
     /// Host `node` holds replicas of `ranks` (each with a sealed step).
-    pub fn note_held(&mut self, node: u64, ranks: impl IntoIterator<Item = usize>) {
+    pub(in crate::job) fn note_held(&mut self, node: u64, ranks: impl IntoIterator<Item = usize>) {
         self.held.insert(node, ranks.into_iter().collect());
     }
 
     /// Rank `rank` registered on `node`: a standby's filled store.
-    pub fn registered(&mut self, node: u64, rank: usize) {
+    pub(in crate::job) fn registered(&mut self, node: u64, rank: usize) {
         if self.holds(node, rank) {
             self.filling.remove(&rank);
         }
     }
 
     /// The node holding `rank`.
-    pub fn node_of(&self, rank: usize) -> u64 {
+    pub(in crate::job) fn node_of(&self, rank: usize) -> u64 {
         if self.nodes == 1 {
             self.node
         } else {
@@ -266,38 +269,44 @@ impl Controller {
     }
 
     /// Whether `node` holds `rank` now (a rank of the job).
-    pub fn holds(&self, node: u64, rank: usize) -> bool {
+    pub(in crate::job) fn holds(&self, node: u64, rank: usize) -> bool {
         rank < self.nodes as usize * self.per_node && self.node_of(rank) == node
     }
 
     /// How many hosts hold ranks now and are not lost (`gone`: the hosts
     /// lost so far, some perhaps not decided on yet).
-    pub fn hosts_left(&self, gone: &[u64]) -> usize {
+    pub(in crate::job) fn hosts_left(&self, gone: &[u64]) -> usize {
         self.members.iter().filter(|n| !gone.contains(n)).count()
     }
 
     /// Whether this controller decides for several hosts.
-    pub fn joined(&self) -> bool {
+    pub(in crate::job) fn joined(&self) -> bool {
         self.nodes > 1
     }
 
     /// The ranks `node` holds now.
-    pub fn ranks_on(&self, node: u64) -> Vec<usize> {
+    pub(in crate::job) fn ranks_on(&self, node: u64) -> Vec<usize> {
         (0..self.nodes as usize * self.per_node)
             .filter(|&r| self.holds(node, r))
             .collect()
     }
 
     /// The other hosts holding ranks.
-    pub fn others(&self) -> impl Iterator<Item = u64> + '_ {
+    pub(in crate::job) fn others(&self) -> impl Iterator<Item = u64> + '_ {
         self.members
             .iter()
             .copied()
             .filter(move |&n| n != self.node)
     }
 
+    /// Whether `node` is another agent of the job (one of
+    /// [`Controller::everyone`]).
+    pub(in crate::job) fn knows(&self, node: u64) -> bool {
+        node != self.node && (self.members.contains(&node) || self.spares.contains(&node))
+    }
+
     /// Every other agent of the job: those holding ranks, and the spares.
-    pub fn everyone(&self) -> impl Iterator<Item = u64> + '_ {
+    pub(in crate::job) fn everyone(&self) -> impl Iterator<Item = u64> + '_ {
         self.others().chain(self.spares.iter().copied())
     }
 
@@ -305,7 +314,12 @@ impl Controller {
     /// ranks, those whose state no surviving host holds a replica of, and
     /// the standby that takes its ranks (now placed there) when one is left
     /// and no state is lost. `None` for a standby holding nothing.
-    pub fn host_lost(&mut self, node: u64, reboot: bool, gone: &[u64]) -> Option<Placed> {
+    pub(in crate::job) fn host_lost(
+        &mut self,
+        node: u64,
+        reboot: bool,
+        gone: &[u64],
+    ) -> Option<Placed> {
         if self.spares.remove(&node) || !self.members.remove(&node) {
             return None;
         }
@@ -346,7 +360,7 @@ impl Controller {
     }
 
     /// Where `c` is carried out.
-    pub fn route(&mut self, c: Command) -> Vec<Routed> {
+    pub(in crate::job) fn route(&mut self, c: Command) -> Vec<Routed> {
         let to = |n: u64, c: Command| {
             if n == self.node {
                 Routed::Here(c)
@@ -407,7 +421,7 @@ impl Controller {
     /// ranks', and the replicas' it holds of lost hosts' ranks); the whole
     /// collection once every host's are in. A rank no live host holds
     /// counts with the steps any holder of its replica verified.
-    pub fn gathered(
+    pub(in crate::job) fn gathered(
         &mut self,
         node: u64,
         epoch: u64,
@@ -419,7 +433,9 @@ impl Controller {
         for (rank, s) in replicas {
             g.replicas.entry(rank).or_default().push((node, s));
         }
-        if self.members.iter().any(|n| !g.got.contains_key(n)) {
+        // Fewer hosts than members answered: not whole (a cheap look
+        // first, as each of thousands of hosts' answers comes).
+        if g.got.len() < self.members.len() || self.members.iter().any(|n| !g.got.contains_key(n)) {
             return None;
         }
         let g = self.gather.take()?;
@@ -444,13 +460,13 @@ impl Controller {
     }
 
     /// The epoch of the collection in progress, if one is.
-    pub fn gathering(&self) -> Option<u64> {
+    pub(in crate::job) fn gathering(&self) -> Option<u64> {
         self.gather.as_ref().map(|g| g.epoch)
     }
 
     /// Ranks no live host holds: a lost host's, with no standby to take
     /// them.
-    pub fn orphans(&self) -> Vec<usize> {
+    pub(in crate::job) fn orphans(&self) -> Vec<usize> {
         (0..self.nodes as usize * self.per_node)
             .filter(|&r| {
                 !self.members.contains(&self.node_of(r)) && !self.machine.retired().contains(&r)
@@ -461,7 +477,10 @@ impl Controller {
     /// Who writes each rank of a checkpoint of `step`: the host holding
     /// it, or for a rank no live host holds, a holder of its replica that
     /// verified that step. `Err` names the ranks nobody can write.
-    pub fn shares(&self, step: u64) -> Result<BTreeMap<u64, Vec<usize>>, Vec<usize>> {
+    pub(in crate::job) fn shares(
+        &self,
+        step: u64,
+    ) -> Result<BTreeMap<u64, Vec<usize>>, Vec<usize>> {
         let mut shares: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
         let mut missing = Vec::new();
         let ranks = (0..self.nodes as usize * self.per_node)
@@ -490,7 +509,7 @@ impl Controller {
     }
 
     /// Whether every follower took the end of the job, or is lost.
-    pub fn all_ended(&self, lost: &[u64]) -> bool {
+    pub(in crate::job) fn all_ended(&self, lost: &[u64]) -> bool {
         self.everyone()
             .all(|n| self.ended.contains(&n) || lost.contains(&n))
     }

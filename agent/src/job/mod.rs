@@ -27,6 +27,14 @@
 
 mod clock;
 mod decider;
+
+/// The job's controller as one machine, for what drives it from outside
+/// the agent (the decision bench): see [`Controller::step`].
+pub mod cluster {
+    pub use super::decider::{
+        Adopt, Controller, Down, Facts, Give, Input, Mirror, Ready, Rules, Up, WritePart,
+    };
+}
 mod device;
 mod elastic;
 mod kept;

@@ -242,7 +242,7 @@ impl Driver<'_> {
         let Decider::Controller(c) = &self.decider else {
             return;
         };
-        let known = c.everyone().any(|n| n == from);
+        let known = c.knows(from);
         match up {
             Up::Saved {
                 step,
@@ -283,7 +283,7 @@ impl Driver<'_> {
         f.final_done |= down.final_done;
         let mirror = down.mirror.clone();
         if let Some(m) = down.mirror {
-            f.mirror = m;
+            f.mirror = std::sync::Arc::unwrap_or_clone(m);
         }
         if let Some(m) = &mirror {
             self.standbys_ready(m);

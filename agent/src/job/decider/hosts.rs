@@ -66,7 +66,7 @@ impl Controller {
     /// Decides on `loss` (as the coordinator reported it: its node and
     /// how it was seen): the ranks it held, the standby that takes them
     /// and the orders of the hand-over, or why nothing is decided now.
-    pub fn on_host_lost(&mut self, loss: HostLoss, facts: LossFacts<'_>) -> OnLoss {
+    pub(in crate::job) fn on_host_lost(&mut self, loss: HostLoss, facts: LossFacts<'_>) -> OnLoss {
         if let Some(s) = &mut self.settling {
             s.losses.push(loss);
             return OnLoss::Settling;
@@ -107,7 +107,7 @@ impl Controller {
     /// group at `now` ([`Machine::grow`](crate::recovery::Machine::grow));
     /// only once it has are the ranks placed on the standby, which then
     /// holds them instead of waiting as a spare.
-    pub fn grow(&mut self, now: Duration) -> Option<Growth> {
+    pub(in crate::job) fn grow(&mut self, now: Duration) -> Option<Growth> {
         let (spare, node, ranks) = self.grow_onto()?;
         if !self.machine.grow(now, &ranks) {
             return None;

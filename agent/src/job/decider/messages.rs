@@ -5,11 +5,12 @@ use crate::recovery::{Command, Event, Inherited, RankView, Reshaping, WriteFaile
 use hatrain_shared::control::{FaultRecord, StartMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 /// A follower to the controller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub(in crate::job) enum Up {
+pub enum Up {
     /// The host's ranks as seen now, and what happened since the last
     /// report (in order).
     Report {
@@ -52,9 +53,11 @@ pub(in crate::job) enum Up {
 /// The controller to a follower: commands for its ranks (in order), under
 /// the controller's term, and the machine's state when it changed.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub(in crate::job) struct Down {
+pub struct Down {
     pub term: u64,
-    pub mirror: Option<Mirror>,
+    /// Shared by every host's orders of one step: one copy, however many
+    /// hosts.
+    pub mirror: Option<Arc<Mirror>>,
     pub commands: Vec<Command>,
     /// Registrations the controller took, with how each rank starts.
     #[serde(default)]
@@ -88,7 +91,7 @@ pub(in crate::job) struct Down {
 /// or replicas it holds of a lost host's) of iteration `step`, into the
 /// `_tmp` directory the controller made.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(in crate::job) struct WritePart {
+pub struct WritePart {
     pub epoch: u64,
     pub step: u64,
     pub ranks: Vec<usize>,
@@ -96,7 +99,7 @@ pub(in crate::job) struct WritePart {
 
 /// A standby takes the ranks of a lost host.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(in crate::job) struct Adopt {
+pub struct Adopt {
     pub node: u64,
     pub ranks: Vec<usize>,
     /// Their stores are filled from their replicas (a host lost); else
@@ -111,7 +114,7 @@ fn yes() -> bool {
 
 /// The replicas of lost host `node`'s ranks go to standby `to`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(in crate::job) struct Give {
+pub struct Give {
     pub node: u64,
     pub to: u64,
 }
@@ -119,7 +122,7 @@ pub(in crate::job) struct Give {
 /// The machine's state as a follower shows it (`agentctl status`, the
 /// job's summary) and starts its replacements by.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub(in crate::job) struct Mirror {
+pub struct Mirror {
     pub epoch: u64,
     pub recovering: bool,
     pub activity: String,

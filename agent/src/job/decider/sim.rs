@@ -268,7 +268,7 @@ impl Cluster {
             };
             let ready = self.ctl.step(now, &facts, input);
             if let Some(m) = &ready.mirror {
-                self.kept = Some(m.clone());
+                self.kept = Some((**m).clone());
             }
             for n in &ready.notes {
                 self.notes.push(n.text.clone());
@@ -441,7 +441,7 @@ impl Cluster {
     /// A follower carries out the controller's orders.
     fn on_down(&mut self, node: u64, down: Down) {
         if let Some(m) = down.mirror {
-            self.hosts[node as usize].mirror = Some(m);
+            self.hosts[node as usize].mirror = Some(std::sync::Arc::unwrap_or_clone(m));
         }
         if let Some(a) = down.adopt {
             // Its stores are filled from the replicas (with `fill`), and

@@ -17,8 +17,9 @@ use super::minority::CutOffVerdict;
 use super::unled::{UnledVerdict, is_fault};
 use super::{Controller, Down, Give, Handover, LossFacts, Mirror, OnLoss, Routed, Up};
 use crate::coordinator::View;
-use crate::recovery::{Command, Event, HostLoss, Level, Note, OnDisk, Outcome};
+use crate::recovery::{Command, Event, HostLoss, Level, Note, OnDisk, Outcome, RankView};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a follower whose controller is lost, or a controller cut off
@@ -27,7 +28,7 @@ pub const SUCCESSOR_WAIT: Duration = Duration::from_secs(10);
 
 /// What the controller is told, one at a time.
 #[derive(Debug, Clone, PartialEq)]
-pub(in crate::job) enum Input {
+pub enum Input {
     /// Something that happened on this host (a worker's exit, the views
     /// of its ranks, a registration, a request) or to the whole job (a
     /// shutdown). A fault waits while an etcd controller may not act.
@@ -53,7 +54,7 @@ pub(in crate::job) enum Input {
 
 /// The world around the controller when an input comes.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub(in crate::job) struct Facts {
+pub struct Facts {
     /// The coordinator's view of the job's agents; `None` for a job of
     /// one host (nobody to follow, always acting).
     pub view: Option<View>,
@@ -74,7 +75,7 @@ impl Facts {
 
 /// How the controller may act, fixed for the job.
 #[derive(Debug, Clone, PartialEq)]
-pub(in crate::job) struct Rules {
+pub struct Rules {
     /// Worker reboot is on: a standby host may take a lost host's ranks.
     pub reboot: bool,
     /// Elastic training: the group grows back onto a standby.
@@ -102,7 +103,7 @@ impl Default for Rules {
 
 /// What to carry out after a step.
 #[derive(Debug, Default, PartialEq)]
-pub(in crate::job) struct Ready {
+pub struct Ready {
     /// Commands for this host's ranks, in order.
     pub here: Vec<Command>,
     /// Orders for other hosts, in the order they are to be sent; the
@@ -118,7 +119,7 @@ pub(in crate::job) struct Ready {
     pub notes: Vec<Note>,
     /// The machine's state changed: followers are shown this, and the
     /// next agent of a served job inherits it.
-    pub mirror: Option<Mirror>,
+    pub mirror: Option<Arc<Mirror>>,
     /// The controller stops the job (the outcome, when it is not the last
     /// words' own), and why, in words.
     pub stop: Option<(Option<Outcome>, String)>,
@@ -149,6 +150,20 @@ impl Controller {
     /// Takes `input` at `now` (the job's clock), given `facts`.
     pub fn step(&mut self, now: Duration, facts: &Facts, input: Input) -> Ready {
         let mut out = Out::default();
+        // Inputs that change nothing followers are shown unless they
+        // decide something.
+        let routine = match &input {
+            Input::Event(Event::Tick(_)) | Input::Tick | Input::Verified { .. } => true,
+            Input::Up {
+                up: Up::Report { events, .. },
+                ..
+            } => events.is_empty(),
+            Input::Up {
+                up: Up::Collected { .. } | Up::Ended,
+                ..
+            } => true,
+            _ => false,
+        };
         if let Some(v) = &facts.view {
             // A lost host's ranks go only to a standby heard now.
             self.heard = v.live.iter().copied().collect();
@@ -173,17 +188,62 @@ impl Controller {
             Input::HostsLost(lost) => self.on_hosts_lost(now, facts, lost, &mut out),
             Input::Tick => self.on_tick(now, facts, &mut out),
         }
-        self.flush(&mut out, true);
+        // A routine input that decided nothing changes nothing the
+        // followers are shown: the state is not built again (at thousands
+        // of hosts, every report is a step).
+        let quiet = routine
+            && out.ready.notes.is_empty()
+            && out.ready.here.is_empty()
+            && out.ready.orders.is_empty()
+            && out.ready.stop.is_none()
+            && out.pending.is_empty()
+            && self.sent.is_some();
+        if quiet {
+            debug_assert!(
+                self.sent.as_deref() == Some(&self.mirror()),
+                "a quiet step changed the state shown"
+            );
+        } else {
+            self.flush(&mut out, true);
+        }
         out.ready
     }
 
+    fn hold_views(&mut self, views: Vec<RankView>) {
+        for v in views {
+            self.views_in.insert(v.rank, v);
+        }
+    }
+
+    /// The views the hosts reported since the last tick go to the
+    /// machine, in one tick.
+    fn views_now(&mut self, now: Duration, out: &mut Out) {
+        if self.views_in.is_empty() {
+            return;
+        }
+        let views = std::mem::take(&mut self.views_in).into_values().collect();
+        self.decide(now, Event::Tick(views), out);
+    }
+
     /// An event: decided now, or held while an etcd controller may not
-    /// act.
+    /// act. This host's views take the other hosts' reported since the
+    /// last tick with them.
     fn on_event(&mut self, now: Duration, facts: &Facts, e: Event, out: &mut Out) {
+        let e = match e {
+            Event::Tick(views) => {
+                self.hold_views(views);
+                return self.views_now(now, out);
+            }
+            e => e,
+        };
         if self.rules.etcd.is_none() || !is_fault(&e) || facts.acting() || self.given_up {
             return self.decide(now, e, out);
         }
         let never_acted = facts.view.as_ref().is_none_or(|v| v.acted == 0);
+        if let Event::Exited { rank, .. } = &e {
+            // Its exit is known, only not decided yet.
+            self.machine.exit_held(*rank);
+        }
         if self.hold_unled(e, now) {
             match never_acted {
                 true => out.ready.note(
@@ -217,11 +277,11 @@ impl Controller {
     /// machine's state to every host when it changed (`state`: at the end
     /// of a step, after every other order).
     fn flush(&mut self, out: &mut Out, state: bool) {
-        let mirror = self.mirror();
+        let mirror = Arc::new(self.mirror());
         let changed = state && self.sent.as_ref() != Some(&mirror);
         if changed {
-            self.sent = Some(mirror.clone());
-            out.ready.mirror = Some(mirror.clone());
+            self.sent = Some(Arc::clone(&mirror));
+            out.ready.mirror = Some(Arc::clone(&mirror));
         }
         if !self.joined() {
             out.pending.clear();
@@ -237,7 +297,7 @@ impl Controller {
             out.ready.orders.push((
                 n,
                 Down {
-                    mirror: changed.then(|| mirror.clone()),
+                    mirror: changed.then(|| Arc::clone(&mirror)),
                     commands,
                     orphans: orphans.clone(),
                     ..Down::default()
@@ -254,7 +314,7 @@ impl Controller {
     }
 
     fn on_up(&mut self, now: Duration, facts: &Facts, from: u64, up: Up, out: &mut Out) {
-        if !self.everyone().any(|n| n == from) {
+        if !self.knows(from) {
             out.ready.note(
                 Level::Warn,
                 format!("a report from node {from}, not in the job, refused"),
@@ -278,8 +338,13 @@ impl Controller {
                         ),
                     );
                 } else {
-                    if !views.is_empty() {
-                        self.on_event(now, facts, Event::Tick(views), out);
+                    // Views wait for the next tick, all hosts' in one:
+                    // the machine looks over every rank at each, and a
+                    // report is one host's few. What happened goes after
+                    // the views that show it.
+                    self.hold_views(views);
+                    if !events.is_empty() {
+                        self.views_now(now, out);
                     }
                     let mut registered = Vec::new();
                     for e in events {
@@ -416,6 +481,7 @@ impl Controller {
     }
 
     fn on_tick(&mut self, now: Duration, facts: &Facts, out: &mut Out) {
+        self.views_now(now, out);
         if self.stopped() {
             return;
         }
@@ -534,7 +600,7 @@ impl Controller {
                 out.ready.note(
                     Level::Warn,
                     format!(
-                        "this controller holds its lease in etcd: deciding the {} faults that waited {:.3} s",
+                        "this controller holds its lease in etcd: deciding the faults that waited ({}, for {:.3} s)",
                         events.len(),
                         waited.as_secs_f64()
                     ),

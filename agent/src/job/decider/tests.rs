@@ -213,7 +213,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
     assert_eq!(serde_json::from_slice::<Up>(&bytes).unwrap(), up);
     let down = Down {
         term: 2,
-        mirror: Some(controller(2, 1).mirror()),
+        mirror: Some(std::sync::Arc::new(controller(2, 1).mirror())),
         commands: vec![Command::Respawn {
             rank: 1,
             restarts: 1,

@@ -10,6 +10,12 @@ use super::*;
 pub const EXIT_UNREPORTED: Duration = Duration::from_secs(2);
 
 impl Machine {
+    /// `rank`'s exit came and waits to be decided (the controller holds
+    /// it while it may not act): it is not an unreported one.
+    pub fn exit_held(&mut self, rank: usize) {
+        self.exits.insert(rank);
+    }
+
     /// A registered rank seen dead for [`EXIT_UNREPORTED`] whose exit never
     /// came (it was reported to a controller lost before it took it, and
     /// a successor inherited the job) failed all the same: it is restarted
