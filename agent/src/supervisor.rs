@@ -19,7 +19,10 @@
 //! (`forkserver`).
 
 mod forkserver;
+mod os;
 mod warm;
+
+pub use os::{Os, RealOs};
 
 pub use forkserver::{PythonCommand, check_module};
 
@@ -73,6 +76,9 @@ pub enum Spawner {
     Own(Reaper),
     /// Each rank's `exec` shim (`serve`).
     Shims(Arc<crate::shim::Shims>),
+    /// Whatever else starts processes and reports their exits (the
+    /// supervisor's unit tests: a recording fake of the OS).
+    Os(Arc<dyn Os>),
 }
 
 /// A worker's process state.
@@ -104,6 +110,8 @@ pub struct Supervisor {
     warm: warm::Pool,
     /// The fork server of Python workers (`--preload`).
     forks: Option<forkserver::ForkServer>,
+    /// Where signals go.
+    os: Arc<dyn Os>,
 }
 
 impl Supervisor {
@@ -165,9 +173,17 @@ impl Supervisor {
         run_dir: PathBuf,
     ) -> Self {
         let (exits_tx, exits) = mpsc::unbounded_channel();
-        if let Spawner::Shims(shims) = &spawner {
-            shims.watch(exits_tx.clone());
-        }
+        let os: Arc<dyn Os> = match &spawner {
+            Spawner::Shims(shims) => {
+                shims.watch(exits_tx.clone());
+                Arc::new(RealOs)
+            }
+            Spawner::Os(os) => {
+                os.watch(exits_tx.clone());
+                Arc::clone(os)
+            }
+            Spawner::Own(_) => Arc::new(RealOs),
+        };
         Self {
             specs: specs.to_vec(),
             states: Vec::with_capacity(specs.len()),
@@ -184,6 +200,7 @@ impl Supervisor {
             attempt: 0,
             warm: warm::Pool::default(),
             forks: None,
+            os,
         }
     }
 
@@ -195,7 +212,7 @@ impl Supervisor {
         if preload.is_empty() || self.specs.is_empty() {
             return;
         }
-        if matches!(self.spawner, Spawner::Shims(_)) {
+        if !matches!(self.spawner, Spawner::Own(_)) {
             tracing::warn!(
                 "--preload is for `launch`: a served job's processes are its launcher's to start"
             );
@@ -320,7 +337,7 @@ impl Supervisor {
     pub fn reaper(&self) -> Option<Reaper> {
         match &self.spawner {
             Spawner::Own(r) => Some(r.clone()),
-            Spawner::Shims(_) => None,
+            Spawner::Shims(_) | Spawner::Os(_) => None,
         }
     }
 
@@ -386,6 +403,13 @@ impl Supervisor {
             })?;
         let reaper = match &self.spawner {
             Spawner::Own(reaper) => reaper.clone(),
+            Spawner::Os(os) => {
+                return os.start(spec).map_err(|source| SupervisorError::Spawn {
+                    rank: spec.rank,
+                    program: spec.program.clone(),
+                    source,
+                });
+            }
             Spawner::Shims(shims) => {
                 let pid = shims.start(spec).map_err(|source| SupervisorError::Spawn {
                     rank: spec.rank,
@@ -529,11 +553,11 @@ impl Supervisor {
     /// host does.
     pub fn kill_everything(&self) {
         for (_, pid) in self.running() {
-            signal(-pid, Signal::SIGKILL);
+            self.os.signal(-pid, Signal::SIGKILL);
         }
         self.signal_standbys(Signal::SIGKILL);
         if let Some(pid) = self.forks.as_ref().and_then(|f| f.pid()) {
-            signal(-pid, Signal::SIGKILL);
+            self.os.signal(-pid, Signal::SIGKILL);
         }
     }
 
@@ -566,7 +590,7 @@ impl Supervisor {
         // shim's to reap, and the shim does this the moment it does: here
         // the pid may be another process's already.
         if let Spawner::Own(_) = self.spawner {
-            signal(-ev.pid, Signal::SIGKILL);
+            self.os.signal(-ev.pid, Signal::SIGKILL);
         }
         Some(idx)
     }
@@ -594,13 +618,13 @@ impl Supervisor {
         let running = self.running();
         for &(rank, pid) in &running {
             tracing::info!(rank, pid, "sending SIGTERM");
-            signal(-pid, Signal::SIGTERM);
+            self.os.signal(-pid, Signal::SIGTERM);
         }
         let sent_kill = !self.wait_all(self.grace).await;
         if sent_kill {
             for (rank, pid) in self.running() {
                 tracing::warn!(rank, pid, grace = ?self.grace, "still running after the grace period: SIGKILL");
-                signal(-pid, Signal::SIGKILL);
+                self.os.signal(-pid, Signal::SIGKILL);
             }
             self.signal_standbys(Signal::SIGKILL);
             if !self.wait_all(Duration::from_secs(10)).await {
@@ -642,3 +666,6 @@ pub fn signal(pid: i32, sig: Signal) {
         Err(e) => tracing::error!(pid, ?sig, error = %e, "kill failed"),
     }
 }
+
+#[cfg(test)]
+mod tests;

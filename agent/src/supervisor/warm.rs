@@ -12,7 +12,7 @@
 //! support standbys, or cannot start), and ranks are restarted as fresh
 //! processes.
 
-use super::{ExitEvent, Signal, Supervisor, SupervisorError, WorkerSpec, WorkerState, signal};
+use super::{ExitEvent, Signal, Supervisor, SupervisorError, WorkerSpec, WorkerState};
 use crate::output::Sink;
 use std::collections::BTreeMap;
 use tokio::sync::oneshot;
@@ -57,7 +57,7 @@ impl Supervisor {
             // host's ranks.
             return;
         }
-        if k > 0 && matches!(self.spawner, super::Spawner::Shims(_)) {
+        if k > 0 && !matches!(self.spawner, super::Spawner::Own(_)) {
             tracing::warn!(
                 "--warm-standby is for `launch`: a served job's processes are its launcher's; none is kept"
             );
@@ -177,7 +177,7 @@ impl Supervisor {
         };
         self.warm.retarget.remove(&ev.pid);
         // What it started dies with it.
-        signal(-ev.pid, Signal::SIGKILL);
+        self.os.signal(-ev.pid, Signal::SIGKILL);
         if self.warm.stopping {
             tracing::info!(standby = n, pid = ev.pid, status = %ev.status, "warm standby stopped");
             return true;
@@ -196,7 +196,7 @@ impl Supervisor {
     /// SIGTERM (or `sig`) to every standby.
     pub(super) fn signal_standbys(&self, sig: Signal) {
         for &pid in self.warm.pids.keys() {
-            signal(-pid, sig);
+            self.os.signal(-pid, sig);
         }
     }
 }
