@@ -45,6 +45,7 @@ mod peers;
 mod relay;
 mod requests;
 mod saves;
+mod setup;
 mod specs;
 mod standby;
 mod takeover;
@@ -52,6 +53,7 @@ mod verify;
 mod warm;
 
 use clock::job_clock;
+use setup::{decider_for, stores_and_peers};
 use specs::{SpecsFor, specs_for};
 
 pub(crate) use kept::write_atomic;
@@ -59,7 +61,7 @@ pub use kept::{Kept, Served};
 use observe::log;
 pub use observe::root_cause;
 
-use decider::{Controller, Decider, Follower};
+use decider::Decider;
 use orders::recv;
 use verify::verify_side_by_side;
 
@@ -70,7 +72,7 @@ use crate::oom::OomWatch;
 use crate::output::RunDir;
 use crate::persister::{self, Persister};
 use crate::reaper::Reaper;
-use crate::recovery::{Command, Event, Machine, MachineConfig, Outcome};
+use crate::recovery::{Command, Event, MachineConfig, Outcome};
 use crate::supervisor::{Spawner, Supervisor};
 use hatrain_shared::control::{FaultRecord, PersistReport, Response};
 use hatrain_shared::shm::{Directive, Store};
@@ -250,59 +252,9 @@ async fn run_with(
     // The job's secret: only its holders speak to the store and the ranks.
     // It reaches the workers in a 0600 file of the 0700 job folder.
     let (secret, secret_file) = kept::secret(cfg, dir, resume.is_some())?;
-    // The rendezvous store lives as long as this function: it outlives every
-    // worker. On one node it listens on loopback only, on a port of its own:
-    // the workers' MASTER_PORT is theirs.
-    let (mut store, store_addr) = if cfg.node_rank == 0 {
-        let host = if cfg.nnodes == 1 {
-            "127.0.0.1"
-        } else {
-            cfg.master_addr.as_str()
-        };
-        let port = resume.as_ref().map(|k| k.store.port()).or(cfg.store_port());
-        let addr = crate::config::resolve(host, port.unwrap_or(0))?;
-        let store = StoreServer::bind(addr, Some(secret.clone())).map_err(LaunchError::Store)?;
-        let addr = store.local_addr();
-        tracing::info!(addr = %addr, "rendezvous store listening (authenticated)");
-        (Some(store), addr)
-    } else {
-        let port = cfg.store_port().expect("validated: set with several nodes");
-        (None, crate::config::resolve(&cfg.master_addr, port)?)
-    };
     let relay_stop = CancellationToken::new();
-    if !(cfg.nnodes > 1 && cfg.ha.modes.any())
-        && cfg.ha.coordinator != crate::config::CoordinatorChoice::Embedded
-    {
-        tracing::warn!(
-            "--coordinator is for jobs of several nodes with a high-availability switch on: not used here"
-        );
-    }
-    let (peers, workers_store) = if cfg.nnodes > 1 && cfg.ha.modes.any() {
-        let ip = peers::local_ip(cfg, store_addr)?;
-        // Every agent hosts a store: the one in use is the controller's,
-        // which the workers reach through this agent's relay.
-        let own = match &store {
-            Some(s) => s.local_addr(),
-            None => {
-                let s = StoreServer::bind(std::net::SocketAddr::new(ip, 0), Some(secret.clone()))
-                    .map_err(LaunchError::Store)?;
-                let a = s.local_addr();
-                store = Some(s);
-                a
-            }
-        };
-        let p = peers::start(cfg, &secret, dir.path(), (store_addr, own), ip)?;
-        let relay = relay::start(ip, p.controller_store(), relay_stop.clone())
-            .await
-            .map_err(|source| LaunchError::Io {
-                path: PathBuf::from(format!("store relay on {ip}")),
-                source,
-            })?;
-        tracing::info!(relay = %relay, "the workers reach the controller's store through this agent");
-        (Some(p), relay)
-    } else {
-        (None, store_addr)
-    };
+    let (store, peers, workers_store, store_addr) =
+        stores_and_peers(cfg, dir, (&secret, resume.as_ref()), relay_stop.clone()).await?;
     let master_port = match (cfg.master_port, &resume) {
         (Some(p), _) => p,
         (None, Some(k)) => k.master_port,
@@ -373,46 +325,8 @@ async fn run_with(
     let (device_tx, mut device_rx) = mpsc::channel(64);
     device::start(&mut sup, cfg, device_tx);
     let (collected_tx, mut collected_rx) = mpsc::unbounded_channel();
-    // One machine decides for the job: on one node, or without any mode
-    // (each host restarts its own group, as torchrun's agents do), this
-    // host's; on several, node 0's over every rank, which the others
-    // follow.
     let joined = peers.is_some();
-    let ranks: Vec<usize> = if joined {
-        (0..cfg.world_size()).collect()
-    } else {
-        sup.ranks().to_vec()
-    };
-    let (inherited, interrupted) = match &resume {
-        Some(k) => {
-            let (from, interrupted) = k.inherited(dir.path());
-            (Some(from), interrupted)
-        }
-        None => (None, false),
-    };
-    let machine = match inherited {
-        Some(from) => Machine::take_over(machine_config(cfg), ranks, from),
-        None => Machine::new(machine_config(cfg), ranks, unix_now()),
-    };
-    let decider = if !joined {
-        Decider::Controller(Box::new(Controller::new(
-            machine,
-            1,
-            cfg.node_rank,
-            cfg.nproc_per_node,
-            0,
-        )))
-    } else if cfg.node_rank as u64 == decider::CONTROLLER {
-        Decider::Controller(Box::new(Controller::new(
-            machine,
-            cfg.nnodes,
-            cfg.node_rank,
-            cfg.nproc_per_node,
-            cfg.ha.standby_nodes,
-        )))
-    } else {
-        Decider::Follower(Box::new(Follower::new()))
-    };
+    let (decider, interrupted) = decider_for(cfg, dir, resume.as_ref(), joined, sup.ranks());
     let mut peer_rx = peers.as_ref().and_then(|p| p.membership.take_inbox());
     let mut d = Driver {
         cfg,
