@@ -115,4 +115,46 @@ mod tests {
         }
         assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     }
+
+    /// The machines decide on the instant and the facts they are given:
+    /// the single-host recovery machine (`recovery/`) and the job's
+    /// controller (`job/decider*`) read no clock, no file and no socket in
+    /// their production code.
+    #[test]
+    fn the_machines_read_no_clock_no_disk_and_no_socket() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut all = vec![src.join("job/decider.rs")];
+        files(&src.join("job/decider"), &mut all);
+        files(&src.join("recovery"), &mut all);
+        let forbidden = [
+            "Instant",
+            "SystemTime",
+            "std::fs",
+            "fs::",
+            "File::",
+            "tokio",
+            "std::net",
+            "zmq",
+        ];
+        let mut wrong = Vec::new();
+        for path in all {
+            let rel = path.strip_prefix(&src).unwrap().display().to_string();
+            let name = path.file_name().unwrap().to_string_lossy();
+            // Test modules: a simulated cluster, a simulated job.
+            if name == "tests.rs" || rel.contains("/tests/") || rel.contains("/sim") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or("");
+            for (n, line) in code.lines().enumerate() {
+                if line.trim_start().starts_with("//") {
+                    continue;
+                }
+                for f in forbidden.iter().filter(|f| line.contains(*f)) {
+                    wrong.push(format!("{rel}:{}: {f}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
 }

@@ -44,6 +44,7 @@ mod orders;
 mod peers;
 mod relay;
 mod requests;
+mod role;
 mod saves;
 mod setup;
 mod specs;

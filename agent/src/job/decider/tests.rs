@@ -3,6 +3,7 @@
 use super::hosts::Growth;
 use super::*;
 use crate::recovery::{HangPolicy, Inherited, MachineConfig, Outcome, RestartPolicy};
+use hatrain_shared::control::StartMode;
 use hatrain_shared::ha::HaModes;
 use hatrain_shared::shm::Directive;
 
