@@ -238,14 +238,21 @@ impl Machine {
         });
         if !rest {
             self.reshape = None;
-            let stay = self.participants();
-            let to = stay.len();
-            self.places = stay
-                .iter()
-                .enumerate()
-                .map(|(i, &rank)| (rank, (i as u64, to as u64)))
-                .collect();
+            self.place_participants();
         }
+    }
+
+    /// Each rank of the group takes its place in rank order; the group's
+    /// size.
+    fn place_participants(&mut self) -> usize {
+        let stay = self.participants();
+        let to = stay.len();
+        self.places = stay
+            .iter()
+            .enumerate()
+            .map(|(i, &rank)| (rank, (i as u64, to as u64)))
+            .collect();
+        to
     }
 
     /// The recovery that carried the reshape completed at `s_star`: the
@@ -259,13 +266,7 @@ impl Machine {
         for x in &r.leaving {
             self.views.remove(x);
         }
-        let stay = self.participants();
-        let to = stay.len();
-        self.places = stay
-            .iter()
-            .enumerate()
-            .map(|(i, &rank)| (rank, (i as u64, to as u64)))
-            .collect();
+        let to = self.place_participants();
         let seconds = now.saturating_sub(r.since).as_secs_f64();
         self.note(
             Level::Info,

@@ -9,6 +9,20 @@ fn delays() -> impl Strategy<Value = Vec<u64>> {
     proptest::collection::vec(1u64..6, 1..16)
 }
 
+/// 3 hosts of 1 rank and a standby; after `first` steps the controller
+/// stops hearing a majority and host 2 is killed; `held` ticks pass.
+fn cut_off_as_host_2_is_lost(delays: Vec<u64>, first: u64, held: u32) -> Cluster {
+    let mut c = Cluster::new(3, 1, 1, delays);
+    c.run_until("the first steps", 2_000, |c| c.step() >= first);
+    c.acting = false;
+    c.kill(2);
+    c.run_until("host 2 unheard", 1_000, |c| !c.hosts_left().contains(&2));
+    for _ in 0..held {
+        c.tick();
+    }
+    c
+}
+
 fn kinds(c: &Cluster) -> Vec<FaultKind> {
     c.faults().iter().map(|f| f.kind).collect()
 }
@@ -150,14 +164,7 @@ proptest! {
         first in 5u64..25,
         held in 5u32..200,
     ) {
-        let mut c = Cluster::new(3, 1, 1, delays);
-        c.run_until("the first steps", 2_000, |c| c.step() >= first);
-        c.acting = false;
-        c.kill(2);
-        c.run_until("host 2 unheard", 1_000, |c| !c.hosts_left().contains(&2));
-        for _ in 0..held {
-            c.tick();
-        }
+        let mut c = cut_off_as_host_2_is_lost(delays, first, held);
         prop_assert!(c.faults().is_empty(), "decided without a majority");
         prop_assert_eq!(c.host_of(2), 2, "its rank moved without a majority");
         c.acting = true;
@@ -176,14 +183,7 @@ proptest! {
         first in 5u64..25,
         held in 5u32..200,
     ) {
-        let mut c = Cluster::new(3, 1, 1, delays);
-        c.run_until("the first steps", 2_000, |c| c.step() >= first);
-        c.acting = false;
-        c.kill(2);
-        c.run_until("host 2 unheard", 1_000, |c| !c.hosts_left().contains(&2));
-        for _ in 0..held {
-            c.tick();
-        }
+        let mut c = cut_off_as_host_2_is_lost(delays, first, held);
         c.follows = Some(1);
         c.term = 2;
         c.run_until("the stop", 1_000, |c| c.outcome.is_some());
