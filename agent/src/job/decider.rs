@@ -36,7 +36,7 @@ pub(super) use super::role::{Decider, Follower};
 pub(super) use crate::coordinator::wire::Inbox;
 pub(super) use hosts::{Handover, LossFacts, OnLoss};
 pub use messages::{Adopt, Down, Give, Mirror, Up, WritePart};
-pub(super) use saves::{FINAL_WAIT, FinalSave};
+pub(super) use saves::{FINAL_WAIT, FinalSave, Share};
 pub use step::{Facts, Input, Ready, Rules, SUCCESSOR_WAIT};
 
 mod hosts;

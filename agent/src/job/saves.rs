@@ -12,7 +12,7 @@
 //! before it commits and ends.
 
 use super::Driver;
-use super::decider::{Decider, Down, FINAL_WAIT, FinalSave, Inbox, Up};
+use super::decider::{Decider, Down, FINAL_WAIT, FinalSave, Inbox, Share, Up};
 use super::orders::recv;
 use crate::persister::{OwnedSource, PersistError};
 use crate::recovery::{Event, WriteFailed};
@@ -21,28 +21,6 @@ use hatrain_shared::checkpoint;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// Periodic steps tracked at most while their shares come in (the oldest
-/// go first, with their `_tmp` directories: a step four save intervals
-/// behind the newest is not going to be committed).
-const PENDING_STEPS: usize = 4;
-
-/// Drops the oldest steps beyond [`PENDING_STEPS`], and their `_tmp`
-/// directories in `dir`.
-fn evict(
-    saves: &mut std::collections::BTreeMap<u64, std::collections::BTreeSet<usize>>,
-    dir: &std::path::Path,
-) {
-    while saves.len() > PENDING_STEPS {
-        if let Some((s, _)) = saves.pop_first() {
-            tracing::warn!(
-                step = s,
-                "a save step whose shares never all came is given up"
-            );
-            let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(dir, s));
-        }
-    }
-}
 
 impl Driver<'_> {
     /// Polls the persister: periodic saves, and the dumps that finished.
@@ -91,8 +69,8 @@ impl Driver<'_> {
     }
 
     /// Host `node` wrote the directories of `ranks` of step `step` (or
-    /// failed to): the controller commits the step once every rank's is
-    /// written.
+    /// failed to): the controller counts it (`Controller::share_saved`),
+    /// and the step is committed on disk once every rank's is written.
     pub(super) fn ranks_saved(
         &mut self,
         node: u64,
@@ -115,44 +93,33 @@ impl Driver<'_> {
         let Decider::Controller(c) = &mut self.decider else {
             return;
         };
-        if let Err(m) = result {
-            tracing::warn!(node, step, reason = %m, "a host's share of a checkpoint failed: that step is not committed");
-            // Tracked, so that its `_tmp` directory goes once a newer step
-            // is committed (or it is evicted).
-            c.saves.entry(step).or_default();
-            evict(&mut c.saves, &dir);
-            if let Some(f) = c.final_save.as_mut().filter(|f| f.step == step) {
-                f.failed = Some(format!("host {node}: {m}"));
-            }
-            return;
-        }
-        if let Some(r) = ranks.iter().find(|&&r| !c.holds(node, r)) {
+        let v = c.share_saved(node, step, ranks, result.as_ref().map(|_| ()), world);
+        for s in v.given_up {
             tracing::warn!(
-                node,
-                rank = r,
-                step,
-                "a share of a checkpoint with another host's rank refused"
+                step = s,
+                "a save step whose shares never all came is given up"
             );
-            return;
+            let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(&dir, s));
         }
-        // The size of the group the snapshots are of (elastic training
-        // resizes it).
-        let world = if c.joined() {
-            c.machine.layout_size()
-        } else {
-            world
+        let (step, stale, world) = match v.share {
+            Share::Counted => return,
+            Share::Refused { rank } => {
+                tracing::warn!(
+                    node,
+                    rank,
+                    step,
+                    "a share of a checkpoint with another host's rank refused"
+                );
+                return;
+            }
+            Share::Failed => {
+                if let Err(m) = result {
+                    tracing::warn!(node, step, reason = %m, "a host's share of a checkpoint failed: that step is not committed");
+                }
+                return;
+            }
+            Share::Whole { step, stale, world } => (step, stale, world),
         };
-        let got = c.saves.entry(step).or_default();
-        got.extend(ranks);
-        let whole = got.len() >= world;
-        evict(&mut c.saves, &dir);
-        if !whole {
-            return;
-        }
-        let stale: Vec<u64> = c.saves.range(..=step).map(|(s, _)| *s).collect();
-        for s in &stale {
-            c.saves.remove(s);
-        }
         let newer_on_disk = checkpoint::read_tracker(&dir).is_ok_and(|t| t >= step);
         let committed = if newer_on_disk {
             // Overtaken: a newer step is on disk already.
@@ -166,11 +133,11 @@ impl Driver<'_> {
         if let Err(e) = &committed {
             tracing::error!(step, error = %e, "a checkpoint every host wrote its share of cannot be committed");
         }
-        if let Some(f) = c.final_save.as_mut().filter(|f| f.step == step) {
-            f.failed = committed.as_ref().err().map(|e| e.to_string());
+        if let Decider::Controller(c) = &mut self.decider {
+            c.final_committed(step, committed.as_ref().err().map(|e| e.to_string()));
         }
         // Steps overtaken by this one are never committed.
-        for s in stale.into_iter().filter(|s| *s < step) {
+        for s in stale {
             let _ = std::fs::remove_dir_all(checkpoint::tmp_iter_dir(&dir, s));
         }
     }

@@ -37,7 +37,7 @@ const HOST_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// One host: the ranks it plays, and its agent.
 #[derive(Debug, Default)]
-struct Host {
+pub struct Host {
     up: bool,
     /// Its agent and workers are stopped (SIGSTOP): it neither trains nor
     /// speaks.
@@ -49,7 +49,7 @@ struct Host {
     /// Ranks that register on its next tick.
     registering: Vec<usize>,
     /// The state the controller last showed it.
-    mirror: Option<Mirror>,
+    pub mirror: Option<Mirror>,
     /// The controller's end arrived.
     ended: bool,
 }
@@ -65,7 +65,7 @@ pub struct Cluster {
     pub now: Duration,
     nodes: usize,
     per_node: usize,
-    hosts: Vec<Host>,
+    pub hosts: Vec<Host>,
     /// Every rank of the job, and the host playing it.
     ranks: Vec<Rank>,
     plays: Vec<u64>,
@@ -189,6 +189,7 @@ impl Cluster {
             notes: Vec::new(),
         };
         for r in 0..world {
+            c.ranks[r].answered = false;
             let node = c.plays[r];
             c.hosts[node as usize].events.push(Event::Registered {
                 rank: r,
@@ -371,6 +372,7 @@ impl Cluster {
                     acked: old.acked,
                     joining: old.joining,
                     member: old.member,
+                    answered: false,
                     ..Rank::fresh()
                 };
                 self.hosts[node as usize].registering.push(rank);
@@ -442,6 +444,9 @@ impl Cluster {
     fn on_down(&mut self, node: u64, down: Down) {
         if let Some(m) = down.mirror {
             self.hosts[node as usize].mirror = Some(std::sync::Arc::unwrap_or_clone(m));
+        }
+        for (rank, _) in &down.registered {
+            self.ranks[*rank].answered = true;
         }
         if let Some(a) = down.adopt {
             // Its stores are filled from the replicas (with `fill`), and
@@ -548,7 +553,7 @@ impl Cluster {
         let live: Vec<bool> = (0..self.ranks.len())
             .map(|r| self.live(self.plays[r]))
             .collect();
-        let can = |r: &Rank| r.alive && r.registered && r.phase == Phase::Computing;
+        let can = |r: &Rank| r.alive && r.registered && r.answered && r.phase == Phase::Computing;
         let all = group.iter().all(|&r| live[r] && can(&self.ranks[r]));
         for &rank in &group {
             let r = &mut self.ranks[rank];
@@ -643,6 +648,9 @@ impl Cluster {
                 }
                 self.input(Input::Event(Event::Tick(views)));
                 for e in events {
+                    if let Event::Registered { rank, .. } = e {
+                        self.ranks[rank].answered = true;
+                    }
                     self.input(Input::Event(e));
                 }
                 continue;

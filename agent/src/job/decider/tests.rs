@@ -652,3 +652,52 @@ fn the_final_checkpoint_is_waited_for_only_while_its_shares_may_come() {
     c.final_save.as_mut().unwrap().failed = None;
     assert!(!c.final_pending(t0, &[]), "committed already");
 }
+
+#[test]
+fn a_periodic_save_is_whole_once_every_hosts_share_is_in_and_older_steps_go() {
+    use super::saves::Share;
+    let mut c = controller(3, 2);
+    let ok: Result<(), &crate::recovery::WriteFailed> = Ok(());
+    // Step 10: hosts 0 and 1 wrote theirs; a share of another host's rank
+    // is refused.
+    assert_eq!(
+        c.share_saved(0, 10, vec![0, 1], ok, 6).share,
+        Share::Counted
+    );
+    assert_eq!(
+        c.share_saved(1, 10, vec![4], ok, 6).share,
+        Share::Refused { rank: 4 }
+    );
+    assert_eq!(
+        c.share_saved(1, 10, vec![2, 3], ok, 6).share,
+        Share::Counted
+    );
+    // Step 20 starts; one of its shares fails: never committed.
+    assert_eq!(
+        c.share_saved(0, 20, vec![0, 1], ok, 6).share,
+        Share::Counted
+    );
+    let failed = crate::recovery::WriteFailed("disk full".into());
+    assert_eq!(
+        c.share_saved(2, 20, vec![4, 5], Err(&failed), 6).share,
+        Share::Failed
+    );
+    // Step 30 is whole before 10 is: 10 and 20 are overtaken.
+    for (node, ranks) in [(0, vec![0, 1]), (1, vec![2, 3])] {
+        assert_eq!(c.share_saved(node, 30, ranks, ok, 6).share, Share::Counted);
+    }
+    assert_eq!(
+        c.share_saved(2, 30, vec![4, 5], ok, 6).share,
+        Share::Whole {
+            step: 30,
+            stale: vec![10, 20],
+            world: 6
+        }
+    );
+    // Steps whose shares never all come are given up beyond four.
+    let mut given_up = Vec::new();
+    for step in [40, 50, 60, 70, 80, 90] {
+        given_up.extend(c.share_saved(0, step, vec![0, 1], ok, 6).given_up);
+    }
+    assert_eq!(given_up, vec![40, 50]);
+}

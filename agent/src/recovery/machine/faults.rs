@@ -100,6 +100,22 @@ impl Machine {
                 );
                 return;
             }
+            // The first step after a recovery may be the job's last (or s*
+            // itself was): ranks that finish from s* on completed it.
+            if let State::Recovering {
+                stage: Stage::Resuming { s_star, .. },
+                faults,
+                max_step,
+                ..
+            } = self.state.clone()
+                && step >= s_star
+                && self.participants().iter().all(|&r| {
+                    let v = self.view(r);
+                    r == rank || (v.alive && v.step > s_star) || self.finished.contains(&r)
+                })
+            {
+                self.complete_recovery(now, s_star, faults, max_step);
+            }
             self.finished.insert(rank);
             self.finished_at.insert(rank, step);
             let left = self.participants().len();

@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 
 mod elastic;
+mod endings;
 mod unreported;
 
 const TICK: Duration = Duration::from_millis(10);

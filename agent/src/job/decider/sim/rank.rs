@@ -29,6 +29,8 @@ pub(super) struct Rank {
     /// In the group's communicator: a joining rank is once its reshape
     /// is posted (the others then wait for it).
     pub(super) member: bool,
+    /// Its registration was answered: a worker trains only then.
+    pub(super) answered: bool,
 }
 
 impl Rank {
@@ -49,6 +51,7 @@ impl Rank {
             joining: false,
             resliced: false,
             member: true,
+            answered: true,
         }
     }
 }
