@@ -240,8 +240,11 @@ impl Controller {
             return self.decide(now, e, out);
         }
         let never_acted = facts.view.as_ref().is_none_or(|v| v.acted == 0);
-        if let Event::Exited { rank, .. } = &e {
-            // Its exit is known, only not decided yet.
+        if let Event::Exited { rank, .. }
+        | Event::SpawnFailed { rank, .. }
+        | Event::Unfit { rank, .. } = &e
+        {
+            // Its end is known, only not decided yet.
             self.machine.exit_held(*rank);
         }
         if self.hold_unled(e, now) {
