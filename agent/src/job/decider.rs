@@ -127,6 +127,8 @@ pub struct Controller {
     interrupted: bool,
     /// The views hosts reported since the last tick, by rank.
     views_in: BTreeMap<usize, RankView>,
+    /// A glance at the state last shown (see `step::Glance`).
+    glanced: Option<step::Glance>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -191,6 +193,7 @@ impl Controller {
             stopped: false,
             interrupted: false,
             views_in: BTreeMap::new(),
+            glanced: None,
             replica_steps: BTreeMap::new(),
             writing: None,
             saves: BTreeMap::new(),

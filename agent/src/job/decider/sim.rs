@@ -101,6 +101,8 @@ pub struct Cluster {
     writing: Option<(u64, u64, u32)>,
     /// Every order sent: (to, what).
     pub sent: Vec<(u64, Down)>,
+    /// The answers to `agentctl dump`.
+    pub dumps: Vec<Result<crate::recovery::Written, crate::recovery::WriteFailed>>,
     /// The state the controller last showed: what a served job keeps for
     /// its next agent.
     pub kept: Option<Mirror>,
@@ -184,6 +186,7 @@ impl Cluster {
             stop: None,
             writing: None,
             sent: Vec::new(),
+            dumps: Vec::new(),
             kept: None,
             agent: Some(Duration::ZERO),
             notes: Vec::new(),
@@ -397,7 +400,13 @@ impl Cluster {
                 self.writing = Some((epoch, step, 3));
                 None
             }
-            Command::Donate { .. } | Command::DumpDone(_) => None,
+            Command::DumpDone(r) => {
+                if node == self.leader {
+                    self.dumps.push(r);
+                }
+                None
+            }
+            Command::Donate { .. } => None,
             Command::RestartGroup { .. } => panic!("no group restart in these runs"),
             Command::Finish(o) => {
                 if node == self.leader {

@@ -197,7 +197,8 @@ impl Controller {
             && out.ready.orders.is_empty()
             && out.ready.stop.is_none()
             && out.pending.is_empty()
-            && self.sent.is_some();
+            && self.sent.is_some()
+            && self.glanced.as_ref() == Some(&self.glance());
         if quiet {
             debug_assert!(
                 self.sent.as_deref() == Some(&self.mirror()),
@@ -282,6 +283,9 @@ impl Controller {
     fn flush(&mut self, out: &mut Out, state: bool) {
         let mirror = Arc::new(self.mirror());
         let changed = state && self.sent.as_ref() != Some(&mirror);
+        if state {
+            self.glanced = Some(self.glance());
+        }
         if changed {
             self.sent = Some(Arc::clone(&mirror));
             out.ready.mirror = Some(Arc::clone(&mirror));
@@ -678,6 +682,40 @@ impl Controller {
             Input::HostsLost(lost) => !lost.is_empty(),
             Input::Up { .. } | Input::Tick => self.settling.is_some() || self.cut_off.is_some(),
             Input::Event(_) | Input::Followed(_) | Input::Verified { .. } => false,
+        }
+    }
+}
+
+/// What a glance at the state shown to followers sees, cheaply: the parts
+/// that change without a decision (a stage ending as the ranks are seen
+/// past it). The parts as large as the job (every rank's) change only
+/// with a decision.
+#[derive(Debug, Clone, PartialEq)]
+pub(in crate::job) struct Glance {
+    epoch: u64,
+    recovering: bool,
+    activity: String,
+    faults: usize,
+    last_fault: Option<(Option<f64>, Option<u64>)>,
+    last_words: bool,
+    world: usize,
+    resizes: usize,
+    reshaping: bool,
+}
+
+impl Controller {
+    fn glance(&self) -> Glance {
+        let m = &self.machine;
+        Glance {
+            epoch: m.epoch(),
+            recovering: m.recovering(),
+            activity: m.activity(),
+            faults: m.faults().len(),
+            last_fault: m.faults().last().map(|f| (f.recovery_s, f.s_star)),
+            last_words: m.last_words().is_some(),
+            world: m.world_size(),
+            resizes: m.resizes().len(),
+            reshaping: m.reshaping().is_some(),
         }
     }
 }

@@ -312,4 +312,29 @@ proptest! {
         prop_assert_eq!(c.ctl.machine.retired(), &BTreeSet::from([0, 2]));
         prop_assert!(c.faults().iter().all(|f| f.recovery_s.is_some()), "{:#?}", c.faults());
     }
+
+    /// `agentctl dump` on the controller's host: the last words are
+    /// written from the snapshots, every host is shown the job going on,
+    /// and training goes on to the end unchanged.
+    #[test]
+    fn a_dump_is_written_and_training_goes_on(
+        delays in delays(),
+        first in 5u64..40,
+    ) {
+        let mut c = Cluster::new(3, 2, 0, delays);
+        c.run_until("the first steps", 2_000, |c| c.step() >= first);
+        c.input(Input::Event(Event::DumpRequested));
+        c.run_until("the dump", 2_000, |c| !c.dumps.is_empty());
+        let written = c.dumps[0].as_ref().map(|w| w.iteration);
+        prop_assert!(written.is_ok_and(|it| it >= first), "{:?}", c.dumps);
+        c.run_until("the end", 20_000, |c| c.outcome.is_some());
+        prop_assert_eq!(c.outcome, Some(Outcome::Succeeded), "{:?}", c.stop);
+        c.assert_identical();
+        prop_assert!(c.faults().is_empty());
+        // Every host was shown the dump over and the job running.
+        for n in 1..3 {
+            let shown = c.hosts[n].mirror.as_ref().map(|m| m.recovering);
+            prop_assert_eq!(shown, Some(false));
+        }
+    }
 }
