@@ -164,8 +164,12 @@ impl Controller {
             } => true,
             _ => false,
         };
-        if let Some(v) = &facts.view {
-            // A lost host's ranks go only to a standby heard now.
+        // A lost host's ranks go only to a standby heard now: taken on the
+        // inputs that may place them (not on each of thousands of
+        // reports).
+        if let Some(v) = &facts.view
+            && (matches!(input, Input::Tick) || self.may_decide_losses(&input))
+        {
             self.heard = v.live.iter().copied().collect();
         }
         if std::mem::take(&mut self.interrupted) {
