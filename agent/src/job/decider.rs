@@ -37,12 +37,14 @@ pub(super) use crate::coordinator::wire::Inbox;
 pub(super) use hosts::{Handover, LossFacts, OnLoss};
 pub use messages::{Adopt, Down, Give, Mirror, Up, WritePart};
 pub(super) use saves::{FINAL_WAIT, FinalSave, Share};
+pub use shared::{WriteEnd, WriteStart};
 pub use step::{Facts, Input, Ready, Rules, SUCCESSOR_WAIT};
 
 mod hosts;
 mod messages;
 mod minority;
 mod saves;
+mod shared;
 mod step;
 mod unled;
 
@@ -105,7 +107,7 @@ pub struct Controller {
     /// the holders and their verified steps.
     replica_steps: BTreeMap<usize, Vec<(u64, Vec<u64>)>>,
     /// A checkpoint the hosts are writing, each its share.
-    pub(in crate::job) writing: Option<super::lastwords::SharedWrite>,
+    writing: Option<shared::SharedWrite>,
     /// The periodic saves being written, each host its share: the ranks
     /// written of each step.
     pub(in crate::job) saves: BTreeMap<u64, BTreeSet<usize>>,

@@ -32,7 +32,8 @@ mod decider;
 /// the agent (the decision bench): see [`Controller::step`].
 pub mod cluster {
     pub use super::decider::{
-        Adopt, Controller, Down, Facts, Give, Input, Mirror, Ready, Rules, Up, WritePart,
+        Adopt, Controller, Down, Facts, Give, Input, Mirror, Ready, Rules, Up, WriteEnd, WritePart,
+        WriteStart,
     };
 }
 mod device;
@@ -589,9 +590,6 @@ impl Driver<'_> {
             Command::Donate { step, leaving } => {
                 self.donate(sup, step, leaving);
                 None
-            }
-            Command::Write { epoch, step } if self.controls_hosts() => {
-                self.write_shared(epoch, step)
             }
             Command::Write { epoch, step } => {
                 let sources: Vec<persister::OwnedSource> =

@@ -76,6 +76,12 @@ impl Driver<'_> {
                     inputs.push_back(Input::Followed(e));
                 }
             }
+            if let Some(w) = ready.write {
+                inputs.extend(self.start_write(w));
+            }
+            if let Some(end) = ready.commit {
+                inputs.push_back(self.end_write(end));
+            }
         }
     }
 
@@ -249,11 +255,6 @@ impl Driver<'_> {
                 ranks,
                 result,
             } if known => self.ranks_saved(from, step, ranks, result),
-            Up::Wrote { epoch, result } if known => {
-                if let Some(e) = self.share_written(from, epoch, result) {
-                    self.advance(sup, Input::Event(e));
-                }
-            }
             up => self.advance(sup, Input::Up { from, up }),
         }
     }
@@ -345,10 +346,6 @@ impl Driver<'_> {
     pub(super) fn on_hosts_lost(&mut self, sup: &mut Supervisor, lost: Vec<HostLoss>) {
         if lost.is_empty() {
             return;
-        }
-        let gone: Vec<u64> = self.lost.clone();
-        if let Some(e) = self.shares_lost(&gone) {
-            self.feed(sup, e);
         }
         let successor_wait = self.successor_wait();
         let Decider::Follower(f) = &mut self.decider else {

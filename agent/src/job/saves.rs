@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 impl Driver<'_> {
     /// Polls the persister: periodic saves, and the dumps that finished.
-    pub(super) fn poll_persister(&mut self, sup: &Supervisor) -> Option<Event> {
+    pub(super) fn poll_persister(&mut self, sup: &mut Supervisor) -> Option<Event> {
         let sources: HashMap<usize, OwnedSource> = sup
             .ranks()
             .iter()
@@ -39,7 +39,8 @@ impl Driver<'_> {
         }
         let d = done.into_iter().next()?;
         if d.part {
-            return self.share_done(d.epoch, d.result.map(|w| w.seconds));
+            self.share_done(sup, d.epoch, d.result.map(|w| w.seconds));
+            return None;
         }
         Some(Event::Written {
             epoch: d.epoch,

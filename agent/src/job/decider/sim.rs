@@ -27,6 +27,7 @@ use std::time::Duration;
 mod rank;
 mod scenarios;
 mod succession;
+mod writes;
 
 use rank::{Rank, act};
 pub use rank::{fold, reference};
@@ -52,6 +53,9 @@ pub struct Host {
     pub mirror: Option<Mirror>,
     /// The controller's end arrived.
     ended: bool,
+    /// Its share of a checkpoint being written: (epoch, ranks, ticks
+    /// left).
+    share: Option<(u64, Vec<usize>, u32)>,
 }
 
 /// A message in flight: when it arrives, from whom, to whom.
@@ -99,6 +103,8 @@ pub struct Cluster {
     pub stop: Option<String>,
     /// Checkpoint writes in progress: (epoch, step, ticks left).
     writing: Option<(u64, u64, u32)>,
+    /// The checkpoint directories on disk.
+    pub disk: writes::Disk,
     /// Every order sent: (to, what).
     pub sent: Vec<(u64, Down)>,
     /// The answers to `agentctl dump`.
@@ -185,6 +191,7 @@ impl Cluster {
             outcome: None,
             stop: None,
             writing: None,
+            disk: writes::Disk::default(),
             sent: Vec::new(),
             dumps: Vec::new(),
             kept: None,
@@ -302,6 +309,12 @@ impl Cluster {
                 if let Some(e) = self.carry_out(self.leader, c) {
                     inputs.push_back(Input::Followed(e));
                 }
+            }
+            if let Some(w) = ready.write {
+                self.start_write(w);
+            }
+            if let Some(end) = ready.commit {
+                inputs.push_back(self.end_write(end));
             }
         }
     }
@@ -477,6 +490,9 @@ impl Cluster {
                 };
             }
         }
+        if let Some(w) = down.write {
+            self.hosts[node as usize].share = Some((w.epoch, w.ranks, writes::SHARE_TICKS));
+        }
         for c in down.commands {
             if let Some(e) = self.carry_out(node, c) {
                 self.hosts[node as usize].events.push(e);
@@ -548,6 +564,7 @@ impl Cluster {
         }
         self.train();
         self.finish_write();
+        self.write_shares();
         self.deliver();
         self.report();
         self.detect();
@@ -591,25 +608,6 @@ impl Cluster {
             r.slots.insert(0, (r.step, r.sum));
             r.slots.truncate(2);
             self.replicas[rank] = r.slots.clone();
-        }
-    }
-
-    fn finish_write(&mut self) {
-        let Some((epoch, step, left)) = self.writing.take() else {
-            return;
-        };
-        if left > 0 {
-            self.writing = Some((epoch, step, left - 1));
-            return;
-        }
-        let result = Ok(crate::recovery::Written {
-            iteration: step,
-            dir: "/ckpt".into(),
-            written: true,
-            seconds: 0.01,
-        });
-        if self.live(self.leader) {
-            self.input(Input::Followed(Event::Written { epoch, result }));
         }
     }
 

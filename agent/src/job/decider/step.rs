@@ -14,6 +14,7 @@
 //! start) comes back as [`Input::Followed`], and is decided at once.
 
 use super::minority::CutOffVerdict;
+use super::shared::{WriteEnd, WriteStart};
 use super::unled::{UnledVerdict, is_fault};
 use super::{Controller, Down, Give, Handover, LossFacts, Mirror, OnLoss, Routed, Up};
 use crate::coordinator::View;
@@ -123,10 +124,18 @@ pub struct Ready {
     /// The controller stops the job (the outcome, when it is not the last
     /// words' own), and why, in words.
     pub stop: Option<(Option<Outcome>, String)>,
+    /// The hosts are to write a checkpoint, each its share: the driver
+    /// makes its `_tmp` directory and sends the shares (what comes of a
+    /// write it cannot start returns as [`Input::Followed`]).
+    pub write: Option<WriteStart>,
+    /// Every share of that checkpoint is in: the driver commits it (or
+    /// removes it, when a share failed), and returns what came of it as
+    /// [`Input::Followed`].
+    pub commit: Option<WriteEnd>,
 }
 
 impl Ready {
-    fn note(&mut self, level: Level, text: String) {
+    pub(super) fn note(&mut self, level: Level, text: String) {
         self.notes.push(Note {
             level,
             rank: None,
@@ -141,8 +150,8 @@ impl Ready {
 /// sent yet (they go out together, as one order per host, before any
 /// order that must follow them).
 #[derive(Default)]
-struct Out {
-    ready: Ready,
+pub(super) struct Out {
+    pub ready: Ready,
     pending: BTreeMap<u64, Vec<Command>>,
 }
 
@@ -178,7 +187,12 @@ impl Controller {
         }
         match input {
             Input::Event(e) => self.on_event(now, facts, e, &mut out),
-            Input::Followed(e) => self.decide(now, e, &mut out),
+            Input::Followed(e) => {
+                if let Event::Written { epoch, .. } = &e {
+                    self.write_settled(*epoch);
+                }
+                self.decide(now, e, &mut out)
+            }
             Input::Up { from, up } => self.on_up(now, facts, from, up, &mut out),
             Input::Verified {
                 epoch,
@@ -200,6 +214,8 @@ impl Controller {
             && out.ready.here.is_empty()
             && out.ready.orders.is_empty()
             && out.ready.stop.is_none()
+            && out.ready.write.is_none()
+            && out.ready.commit.is_none()
             && out.pending.is_empty()
             && self.sent.is_some()
             && self.glanced.as_ref() == Some(&self.glance());
@@ -268,10 +284,17 @@ impl Controller {
 
     /// The recovery machine decides on `e`; each command goes to the host
     /// of its rank.
-    fn decide(&mut self, now: Duration, e: Event, out: &mut Out) {
+    pub(super) fn decide(&mut self, now: Duration, e: Event, out: &mut Out) {
         let step = self.machine.step(now, e);
         out.ready.notes.extend(step.notes);
         for c in step.commands {
+            if let Command::Write { epoch, step } = c
+                && self.joined()
+            {
+                // Each host writes its share.
+                self.start_write(now, epoch, step, out);
+                continue;
+            }
             for r in self.route(c) {
                 match r {
                     Routed::Here(c) => out.ready.here.push(c),
@@ -325,7 +348,9 @@ impl Controller {
     }
 
     fn on_up(&mut self, now: Duration, facts: &Facts, from: u64, up: Up, out: &mut Out) {
-        if !self.knows(from) {
+        // This host's own share of a checkpoint is counted as any other.
+        let own_share = from == self.node && matches!(up, Up::Wrote { .. });
+        if !self.knows(from) && !own_share {
             out.ready.note(
                 Level::Warn,
                 format!("a report from node {from}, not in the job, refused"),
@@ -397,9 +422,10 @@ impl Controller {
             Up::Ended => {
                 self.ended.insert(from);
             }
-            // Shares of checkpoints are counted where they are committed,
-            // on disk (`super::super::saves` and `lastwords`).
-            Up::Saved { .. } | Up::Wrote { .. } => {}
+            Up::Wrote { epoch, result } => self.share_written(now, from, epoch, result, out),
+            // Shares of periodic saves are counted where they are
+            // committed, on disk (`super::super::saves`).
+            Up::Saved { .. } => {}
         }
     }
 
@@ -411,6 +437,11 @@ impl Controller {
         if lost.is_empty() {
             return;
         }
+        // A checkpoint the hosts write fails with any share of a host lost.
+        let nodes: Vec<u64> = (facts.gone.iter().copied())
+            .chain(lost.iter().map(|l| l.node))
+            .collect();
+        self.shares_lost(now, &nodes, out);
         for loss in lost {
             let lf = LossFacts {
                 acting: facts.acting(),

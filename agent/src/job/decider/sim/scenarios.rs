@@ -337,4 +337,53 @@ proptest! {
             prop_assert_eq!(shown, Some(false));
         }
     }
+
+    /// A partition during a shared save: `agentctl dump` on a job of 3
+    /// hosts of 2 ranks and a standby, and while the hosts write their
+    /// shares host `cut` stops answering past the host timeout (and, in
+    /// some runs, answers again once lost). Nothing on disk claims a
+    /// checkpoint some rank is missing from: the dump is committed with
+    /// every rank's directory, or fails naming the host, its `_tmp`
+    /// directory gone. The host's ranks go to the standby, and the job
+    /// ends as a run without faults.
+    #[test]
+    fn a_partition_during_a_shared_save_commits_nothing_that_is_not_whole(
+        delays in delays(),
+        first in 5u64..30,
+        cut in 1u64..3,
+        after in 0u32..(writes::SHARE_TICKS + 8),
+        thaw in any::<bool>(),
+    ) {
+        let mut c = Cluster::new(3, 2, 1, delays);
+        c.run_until("the first steps", 2_000, |c| c.step() >= first);
+        c.input(Input::Event(Event::DumpRequested));
+        c.run_until("the shares begin", 2_000, |c| c.disk.tmp.is_some());
+        for _ in 0..after {
+            c.tick();
+        }
+        c.freeze(cut, true);
+        c.run_until("the dump's answer", 3_000, |c| !c.dumps.is_empty());
+        match &c.dumps[0] {
+            Ok(w) => {
+                let holds = c.disk.committed.iter().find(|(s, _)| *s == w.iteration);
+                prop_assert!(holds.is_some(), "{:?} {:?}", w, c.disk);
+            }
+            Err(why) => {
+                prop_assert!(why.0.contains(&format!("host {cut}")), "{why}");
+                prop_assert!(c.disk.committed.is_empty(), "{:?}", c.disk);
+                prop_assert!(c.disk.tmp.is_none(), "{:?}", c.disk);
+            }
+        }
+        if thaw {
+            c.run_until("host cut off lost", 3_000, |c| !c.hosts_left().contains(&cut));
+            c.freeze(cut, false);
+        }
+        c.run_until("the end", 20_000, |c| c.outcome.is_some());
+        prop_assert_eq!(c.outcome, Some(Outcome::Succeeded), "{:?} {:#?}", c.stop, c.notes);
+        c.assert_identical();
+        for (step, ranks) in &c.disk.committed {
+            prop_assert_eq!(ranks.len(), 6, "step {} committed with ranks {:?}", step, ranks);
+        }
+        prop_assert_eq!(c.host_of(2 * cut as usize), 3);
+    }
 }
