@@ -22,6 +22,8 @@ mod forkserver;
 mod os;
 mod warm;
 
+#[cfg(test)]
+pub(crate) use os::fake::RecordingOs;
 pub use os::{Os, RealOs};
 
 pub use forkserver::{PythonCommand, check_module};
@@ -558,6 +560,14 @@ impl Supervisor {
         self.signal_standbys(Signal::SIGKILL);
         if let Some(pid) = self.forks.as_ref().and_then(|f| f.pid()) {
             self.os.signal(-pid, Signal::SIGKILL);
+        }
+    }
+
+    /// SIGKILL to `rank`'s worker, if it runs (the machine ends a hung or
+    /// faulty rank this way; its exit comes as any other).
+    pub fn kill(&self, rank: usize) {
+        if let Some(pid) = self.pid(rank) {
+            self.os.signal(pid, Signal::SIGKILL);
         }
     }
 

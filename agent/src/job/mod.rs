@@ -51,6 +51,8 @@ mod setup;
 mod specs;
 mod standby;
 mod takeover;
+#[cfg(test)]
+mod tests;
 mod verify;
 mod warm;
 
@@ -188,8 +190,9 @@ struct Collected {
 struct Driver<'a> {
     cfg: &'a LaunchConfig,
     dir: &'a mut JobDir,
-    /// When this agent started, on the monotonic clock and the wall clock.
-    started: Instant,
+    /// When this agent started, on the monotonic clock (tokio's: paused in
+    /// tests) and the wall clock.
+    started: tokio::time::Instant,
     started_unix_s: f64,
     decider: Decider,
     stores: HashMap<usize, Arc<Store>>,
@@ -241,6 +244,53 @@ struct Driver<'a> {
     /// This host leaves the job (its device is lost), and why: the loop
     /// ends at once, as if the host had vanished.
     leaving: Option<String>,
+}
+
+impl<'a> Driver<'a> {
+    /// The shell of a job whose ranks have registered nothing yet, decided
+    /// by `decider`: no store, no peers, nothing kept.
+    fn new(
+        cfg: &'a LaunchConfig,
+        dir: &'a mut JobDir,
+        decider: Decider,
+        specs_for: SpecsFor<'a>,
+        collected: mpsc::UnboundedSender<Collected>,
+    ) -> Self {
+        let mut d = Self {
+            cfg,
+            dir,
+            started: tokio::time::Instant::now(),
+            started_unix_s: unix_now(),
+            decider,
+            stores: HashMap::new(),
+            maps: HashMap::new(),
+            persister: None,
+            dump_waiters: Vec::new(),
+            collected,
+            outcome: None,
+            stop_reason: None,
+            store: None,
+            oom: OomWatch::default(),
+            group_restart: None,
+            peers: None,
+            lost: Vec::new(),
+            unanswered: HashMap::new(),
+            parked: Default::default(),
+            device_faults: Default::default(),
+            specs_for,
+            adopted: BTreeSet::new(),
+            filled: BTreeSet::new(),
+            donations: std::collections::BTreeMap::new(),
+            filling: HashMap::new(),
+            keeper: None,
+            leaving: None,
+        };
+        let rules = d.rules();
+        if let Decider::Controller(c) = &mut d.decider {
+            c.rules = rules;
+        }
+        d
+    }
 }
 
 async fn run_with(
@@ -330,39 +380,10 @@ async fn run_with(
     let joined = peers.is_some();
     let (decider, interrupted) = decider_for(cfg, dir, resume.as_ref(), joined, sup.ranks());
     let mut peer_rx = peers.as_ref().and_then(|p| p.membership.take_inbox());
-    let mut d = Driver {
-        cfg,
-        dir,
-        started: Instant::now(),
-        started_unix_s: unix_now(),
-        decider,
-        stores: HashMap::new(),
-        maps: HashMap::new(),
-        persister: None,
-        dump_waiters: Vec::new(),
-        collected: collected_tx,
-        outcome: None,
-        stop_reason: None,
-        store,
-        oom: OomWatch::default(),
-        group_restart: None,
-        peers,
-        lost: Vec::new(),
-        unanswered: HashMap::new(),
-        parked: Default::default(),
-        device_faults: Default::default(),
-        specs_for,
-        adopted: BTreeSet::new(),
-        filled: BTreeSet::new(),
-        donations: std::collections::BTreeMap::new(),
-        filling: HashMap::new(),
-        keeper: served.map(|s| kept::Keeper::new(s.state_file, master_port, store_addr)),
-        leaving: None,
-    };
-    let rules = d.rules();
-    if let Decider::Controller(c) = &mut d.decider {
-        c.rules = rules;
-    }
+    let mut d = Driver::new(cfg, dir, decider, specs_for, collected_tx);
+    d.store = store;
+    d.peers = peers;
+    d.keeper = served.map(|s| kept::Keeper::new(s.state_file, master_port, store_addr));
     if let Some(k) = &resume {
         d.resume(&sup, k)?;
         if interrupted {
@@ -567,9 +588,7 @@ impl Driver<'_> {
                 None
             }
             Command::Kill { rank } => {
-                if let Some(pid) = sup.pid(rank) {
-                    crate::supervisor::signal(pid, nix::sys::signal::Signal::SIGKILL);
-                }
+                sup.kill(rank);
                 None
             }
             Command::Respawn { rank, restarts } => match self.restart_rank(sup, rank, restarts) {

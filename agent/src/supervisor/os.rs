@@ -40,7 +40,7 @@ impl Os for RealOs {
 }
 
 #[cfg(test)]
-pub(super) mod fake {
+pub(crate) mod fake {
     //! A recording fake of the OS.
 
     use super::*;
