@@ -23,9 +23,10 @@ mod common;
 #[path = "../tests/common/dcmi.rs"]
 mod dcmi;
 
+use common::launch::Launch;
 use common::median;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const RUNS: usize = 3;
@@ -50,15 +51,11 @@ fn run(dir: &Path, n: usize, dcmi_event: bool) -> f64 {
     let log = dir.join(format!("run-{n}.jsonl"));
     let events = dir.join(format!("events-{n}"));
     std::fs::create_dir_all(&events).unwrap();
-    let mut cmd = Command::new(common::agent());
-    cmd.args(["launch", "--nproc-per-node", "2"])
-        .args(["--enable-high-availability", "--enable-hbmfault-repair"])
-        .arg("--shm-root")
-        .arg(dir)
-        .arg("--dcmi-library")
-        .arg(dcmi::standin())
-        .arg("--")
-        .arg(common::trainer())
+    let launch = Launch::bare(2)
+        .high_availability()
+        .flags(["--enable-hbmfault-repair"])
+        .shm_root(dir)
+        .option("--dcmi-library", dcmi::standin())
         .args(["--model-size", "10m", "--d-model", "1024", "--d-ff", "4096"])
         .args(["--layers", "4", "--global-batch", "4", "--seq-len", "16"])
         .args(["--train-iters", "12", "--log-interval", "1000"])
@@ -66,15 +63,18 @@ fn run(dir: &Path, n: usize, dcmi_event: bool) -> f64 {
         .arg(&log)
         .env("DCMI_STANDIN_DIR", &events)
         .env_remove("ASCEND_RT_VISIBLE_DEVICES")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    if dcmi_event {
-        cmd.env_remove("HATRAIN_FAULT_PLAN");
+        .env("RUST_LOG", "warn");
+    let launch = if dcmi_event {
+        launch.no_fault_plan()
     } else {
-        cmd.env("HATRAIN_FAULT_PLAN", "1:6:forward:uce-params-4096");
-    }
-    let mut child = cmd.spawn().expect("run hatrain-agent");
+        launch.fault_plan("1:6:forward:uce-params-4096")
+    };
+    let mut child = launch
+        .command()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run hatrain-agent");
     let end = Instant::now() + Duration::from_secs(300);
     let at_5 = loop {
         assert!(Instant::now() < end, "no step 5");

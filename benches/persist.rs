@@ -18,10 +18,11 @@
 //! model size.
 
 mod common;
-use common::{agent, median, train_args, trainer};
+use common::launch::Launch;
+use common::{median, train_args};
 use serde_json::Value;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 const ITERS: u64 = 40;
 const FROM: u64 = 5;
@@ -46,20 +47,17 @@ fn run(size: &str, mode: &str, dir: &Path, rep: usize) -> (f64, String) {
         train.extend(["--save".into(), ckpt.display().to_string()]);
         train.extend(["--save-interval".into(), SAVE_INTERVAL.to_string()]);
     }
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nproc-per-node", "2", "--snapshot-slots", "3"])
-        .arg("--job-id")
-        .arg(format!("bench-persist-{}", std::process::id()))
-        .arg("--shm-root")
-        .arg(dir.join("shm"));
+    let mut launch = Launch::bare(2)
+        .option("--snapshot-slots", "3")
+        .job(format!("bench-persist-{}", std::process::id()))
+        .shm_root(dir.join("shm"));
     if mode == "trainer" {
-        c.arg("--trainer-saves");
+        launch = launch.flags(["--trainer-saves"]);
     }
-    let out = c
-        .arg("--")
-        .arg(trainer())
+    let out = launch
         .args(&train)
         .env("RUST_LOG", "info")
+        .command()
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .output()

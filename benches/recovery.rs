@@ -24,32 +24,28 @@
 //!    step K; steps redone; the medians and ratios.
 
 mod common;
-use common::{agent, median, now, steps, train_args, trainer, wait_step, worker_pids};
+use common::launch::Launch;
+use common::{median, now, steps, train_args, wait_step, worker_pids};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 fn launch(nproc: usize, ha: bool, shm: &Path, slices: &str, train: &[String]) -> Child {
-    let mut c = Command::new(agent());
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        &nproc.to_string(),
-        "--stop-grace-secs",
-        "2",
-        "--snapshot-slices",
-        slices,
-    ])
-    .arg("--shm-root")
-    .arg(shm);
+    let mut launch = Launch::bare(nproc)
+        .stop_grace_secs(2)
+        .option("--snapshot-slices", slices)
+        .shm_root(shm);
     if ha {
-        c.args(["--enable-high-availability", "--enable-worker-reboot"]);
+        launch = launch.worker_reboot();
     }
-    c.arg("--").arg(trainer()).args(train);
-    c.env("RUST_LOG", "warn")
+    launch
+        .args(train)
+        .env("RUST_LOG", "warn")
+        .command()
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    c.spawn().expect("start hatrain-agent")
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start hatrain-agent")
 }
 
 fn kill_rank1(child: &Child) -> f64 {

@@ -21,14 +21,15 @@
 //! over runs and the ratio on ÷ off.
 
 mod common;
-use common::{agent, bench_mib, median, train_args, trainer};
+use common::launch::Launch;
+use common::{bench_mib, median, train_args};
 use hatrain_agent::replicator::{self, Replicator, ReplicatorConfig};
 use hatrain_shared::auth::Secret;
 use hatrain_shared::shm::{Geometry, Store};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -150,22 +151,22 @@ fn step_time(dir: &Path, size: &str, replicas: usize) -> f64 {
         .iter()
         .enumerate()
         .map(|(k, addr)| {
-            Command::new(agent())
-                .args(["launch", "--nnodes", "2", "--nproc-per-node", "1"])
-                .args(["--node-rank", &k.to_string(), "--job-id", &job])
-                .args(["--master-addr", "127.0.0.1"])
-                .args(["--master-port", &master.to_string()])
-                .args(["--rdzv-port", &rdzv.to_string()])
-                .args(["--local-addr", addr, "--replicas", &replicas.to_string()])
-                .args(["--enable-high-availability", "--stop-grace-secs", "2"])
-                .arg("--secret-file")
-                .arg(&secret)
-                .arg("--shm-root")
-                .arg(dir.join(format!("host{k}")))
-                .arg("--")
-                .arg(trainer())
+            Launch::bare(1)
+                .job(&job)
+                .stop_grace_secs(2)
+                .high_availability()
+                .shm_root(dir.join(format!("host{k}")))
+                .option("--nnodes", "2")
+                .option("--node-rank", k.to_string())
+                .option("--master-addr", "127.0.0.1")
+                .option("--master-port", master.to_string())
+                .option("--rdzv-port", rdzv.to_string())
+                .option("--local-addr", addr)
+                .option("--replicas", replicas.to_string())
+                .option("--secret-file", &secret)
                 .args(train_args(size, 9, &log, &[]))
                 .env("RUST_LOG", "warn")
+                .command()
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()

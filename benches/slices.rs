@@ -10,9 +10,10 @@
 //! one: (meta + params/N + 2 moments/N) ÷ (meta + params + 2 moments/N).
 
 mod common;
-use common::{agent, train_args, trainer};
+use common::launch::Launch;
+use common::train_args;
 use hatrain_shared::control::Response;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// Snapshot bytes of every rank of one launch.
@@ -22,17 +23,15 @@ fn measure(size: &str, world: usize, slices: &str) -> Vec<u64> {
     let log = dir.path().join("log.jsonl");
     let job = format!("bench-slices-{}", std::process::id());
     // Rank 0 naps at step 2, so the job is still there to be asked.
-    let mut child = Command::new(agent())
-        .args(["launch", "--nproc-per-node", &world.to_string()])
-        .args(["--job-id", &job, "--snapshot-slices", slices])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .arg("--shm-root")
-        .arg(&shm)
-        .arg("--")
-        .arg(trainer())
+    let mut child = Launch::bare(world)
+        .job(&job)
+        .option("--snapshot-slices", slices)
+        .worker_reboot()
+        .shm_root(&shm)
         .args(train_args(size, 3, &log, &[]))
-        .env("HATRAIN_FAULT_PLAN", "0:3:forward:sleep30000")
+        .fault_plan("0:3:forward:sleep30000")
         .env("RUST_LOG", "warn")
+        .command()
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

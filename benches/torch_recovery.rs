@@ -28,7 +28,9 @@ mod common;
 #[allow(dead_code)]
 mod python;
 
-use common::{agent, median, now};
+// `python` builds its command lines with `super::launch`.
+use common::launch::{self, Launch};
+use common::{median, now};
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -108,17 +110,18 @@ fn start(mode: Mode, dir: &Path) -> Child {
             c
         }
         Mode::Reboot | Mode::Preload | Mode::Standby => {
-            let mut c = Command::new(agent());
-            c.args(["launch", "--nproc-per-node", "2", "--stop-grace-secs", "3"])
-                .args(["--enable-high-availability", "--enable-worker-reboot"]);
+            let mut launch = Launch::bare(2).stop_grace_secs(3).worker_reboot();
             if mode == Mode::Standby {
-                c.args(["--warm-standby", "1"]);
+                launch = launch.option("--warm-standby", "1");
             }
             if mode == Mode::Preload {
-                c.args(["--preload", "torch,torch._dynamo"]);
+                launch = launch.option("--preload", "torch,torch._dynamo");
             }
-            c.arg("--").arg(py).args(&args).env("RUST_LOG", "warn");
-            c
+            launch
+                .program(py)
+                .args(&args)
+                .env("RUST_LOG", "warn")
+                .command()
         }
     };
     cmd.current_dir(dir)

@@ -8,13 +8,12 @@
 //! narrow the matrix.
 
 mod common;
+use common::launch::Launch;
 use common::{median, train_args};
-use std::process::Command;
 
 const STEPS: u64 = 7;
 
 fn main() {
-    let (agent, train) = (common::agent(), common::trainer());
     let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "10m,100m".into());
     let ranks = std::env::var("HATRAIN_BENCH_RANKS").unwrap_or_else(|_| "1,2,4".into());
     let dir = tempfile::tempdir().expect("tempdir");
@@ -30,11 +29,10 @@ fn main() {
         for nproc in ranks.split(',') {
             let nproc: usize = nproc.parse().expect("rank count");
             let log = dir.path().join(format!("{size}-{nproc}.jsonl"));
-            let status = Command::new(&agent)
-                .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
-                .arg(&train)
+            let status = Launch::bare(nproc)
                 .args(train_args(size, STEPS, &log, &[]))
                 .env("RUST_LOG", "warn")
+                .command()
                 .status()
                 .expect("run hatrain-agent");
             assert!(status.success(), "{size} × {nproc} failed: {status}");

@@ -10,13 +10,12 @@
 //! line gives the medians.
 
 mod common;
+use common::launch::Launch;
 use common::median;
-use std::process::Command;
 
 const RUNS: usize = 3;
 
 fn main() {
-    let (agent, train) = (common::agent(), common::trainer());
     let dir = tempfile::Builder::new()
         .prefix("hatrain-bench-")
         .tempdir_in("/dev/shm")
@@ -29,18 +28,10 @@ fn main() {
     let (mut recov, mut repair) = (Vec::new(), Vec::new());
     for run in 0..RUNS {
         let log = dir.path().join(format!("uce-{run}.jsonl"));
-        let out = Command::new(&agent)
-            .args([
-                "launch",
-                "--nproc-per-node",
-                "2",
-                "--enable-high-availability",
-                "--enable-hbmfault-repair",
-            ])
-            .arg("--shm-root")
-            .arg(dir.path())
-            .arg("--")
-            .arg(&train)
+        let out = Launch::bare(2)
+            .high_availability()
+            .flags(["--enable-hbmfault-repair"])
+            .shm_root(dir.path())
             .args([
                 "--model-size",
                 "10m",
@@ -63,8 +54,9 @@ fn main() {
             ])
             .arg("--log-jsonl")
             .arg(&log)
-            .env("HATRAIN_FAULT_PLAN", "1:6:forward:uce-params-4096")
+            .fault_plan("1:6:forward:uce-params-4096")
             .env("RUST_LOG", "info")
+            .command()
             .output()
             .expect("run hatrain-agent");
         assert!(

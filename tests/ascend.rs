@@ -79,28 +79,22 @@ impl Run {
         train.extend(["--log-jsonl".into(), self.log().display().to_string()]);
         train.extend(["--save".into(), self.ckpt().display().to_string()]);
         train.extend(["--save-interval".into(), "10".into()]);
-        let mut cmd = Command::new(agent());
-        cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &self.job])
-            .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-            .args(["--snapshot-slots", "3"])
-            .args(ha)
-            .arg("--shm-root")
-            .arg(self.dir.path().join("shm"))
-            .args(&self.agent_args)
-            .arg("--")
-            .arg(trainer())
+        let mut launch = Launch::new(2)
+            .job(&self.job)
+            .option("--snapshot-slots", "3")
+            .flags(ha)
+            .shm_root(self.dir.path().join("shm"))
+            .flags(&self.agent_args)
             .args(train)
             .env("DCMI_STANDIN_DIR", self.events())
-            .env("HATRAIN_FAULT_PLAN", &self.plan)
+            .fault_plan(&self.plan)
             .env_remove("ASCEND_RT_VISIBLE_DEVICES")
             .env_remove("DCMI_STANDIN_SUBSCRIBE")
-            .env_remove("HIGH_AVAILABILITY")
-            .env_remove("RAYON_NUM_THREADS")
-            .env("RUST_LOG", "info");
+            .env_remove("HIGH_AVAILABILITY");
         for (k, v) in env {
-            cmd.env(k, v);
+            launch = launch.env(k, v);
         }
-        cmd
+        launch.command()
     }
 
     /// Waits until rank 0 has completed `step`.

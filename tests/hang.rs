@@ -14,12 +14,11 @@ fn launch(
     plan: &str,
     iters: u64,
 ) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
+    Launch::new(4)
+        .job(job)
+        .worker_reboot()
         // Adaptive bound: 10 × the median step, at least 1.5 s.
-        .args([
+        .flags([
             "--hang-factor",
             "10",
             "--hang-floor-secs",
@@ -27,17 +26,13 @@ fn launch(
             "--hang-startup-grace-secs",
             "60",
         ])
-        .arg("--shm-root")
-        .arg(shm)
-        .arg("--")
-        .arg(trainer())
+        .shm_root(shm)
         .args(s(&["--model-size", "small", "--log-interval", "1000"]))
         .args(["--train-iters".to_string(), iters.to_string()])
         .arg("--log-jsonl")
         .arg(log)
-        .env("HATRAIN_FAULT_PLAN", plan)
-        .env("RUST_LOG", "info");
-    cmd
+        .fault_plan(plan)
+        .command()
 }
 
 #[test]
@@ -183,27 +178,22 @@ fn agentctl_injects_a_hang_and_a_crash() {
 /// A launch of the tiny model on 4 ranks with worker reboot, a 1.5 s hang
 /// floor, a long start-up grace and a short pause timeout.
 fn tiny_launch(job: &str, shm: &std::path::Path, log: &std::path::Path, plan: &str) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .args(["--hang-factor", "10", "--hang-floor-secs", "1.5"])
-        .args([
+    Launch::new(4)
+        .job(job)
+        .worker_reboot()
+        .flags(["--hang-factor", "10", "--hang-floor-secs", "1.5"])
+        .flags([
             "--hang-startup-grace-secs",
             "60",
             "--pause-timeout-secs",
             "3",
         ])
-        .arg("--shm-root")
-        .arg(shm)
-        .arg("--")
-        .arg(trainer())
+        .shm_root(shm)
         .args(tiny_args(40))
         .arg("--log-jsonl")
         .arg(log)
-        .env("HATRAIN_FAULT_PLAN", plan)
-        .env("RUST_LOG", "info");
-    cmd
+        .fault_plan(plan)
+        .command()
 }
 
 #[test]

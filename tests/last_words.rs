@@ -18,26 +18,21 @@ fn train(log: &Path, extra: &[String]) -> Vec<String> {
 }
 
 fn ha_launch(job: &str, shm: &Path, ha: &[&str], train: &[String], plan: Option<&str>) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
+    let launch = Launch::new(4)
+        .job(job)
         // With two slots, snapshots pause while the agent writes a periodic
         // save from one of them, and the newest consistent step can then be
         // older than the step before a crash; three keep them going.
-        .args(["--snapshot-slots", "3"])
-        .args(ha)
-        .arg("--shm-root")
-        .arg(shm)
-        .arg("--")
-        .arg(trainer())
+        .option("--snapshot-slots", "3")
+        .flags(ha)
+        .shm_root(shm)
         .args(train)
-        .env_remove("HIGH_AVAILABILITY")
-        .env("RUST_LOG", "info");
+        .env_remove("HIGH_AVAILABILITY");
     match plan {
-        Some(p) => cmd.env("HATRAIN_FAULT_PLAN", p),
-        None => cmd.env_remove("HATRAIN_FAULT_PLAN"),
-    };
-    cmd
+        Some(p) => launch.fault_plan(p),
+        None => launch.no_fault_plan(),
+    }
+    .command()
 }
 
 fn reference(dir: &Path) -> Vec<serde_json::Value> {
@@ -258,19 +253,16 @@ fn agentctl_answers_during_a_dump_of_the_100m_model_and_a_worker_killed_meanwhil
         "--log-jsonl",
         &log.display().to_string(),
     ]);
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "5"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .args(["--pause-timeout-secs", "120"])
-        .arg("--shm-root")
-        .arg(&shm)
-        .arg("--")
-        .arg(trainer())
+    let cmd = Launch::new(2)
+        .job(&job)
+        .stop_grace_secs(5)
+        .worker_reboot()
+        .option("--pause-timeout-secs", "120")
+        .shm_root(&shm)
         .args(&args)
         .env_remove("HIGH_AVAILABILITY")
-        .env_remove("HATRAIN_FAULT_PLAN")
-        .env("RUST_LOG", "info");
+        .no_fault_plan()
+        .command();
     let mut guard = Job::spawn(cmd, &job);
     let socket = shm.join(&job).join("agent.sock");
     let status = || -> Option<serde_json::Value> {

@@ -89,13 +89,11 @@ fn sigterm_stops_the_workers_cleanly() {
 fn worker_exit_code_is_the_launchers() {
     // A worker command that fails at once with its own code.
     let job = job_id("code");
-    let mut cmd = std::process::Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &job, "--"])
-        .args([
-            "sh",
-            "-c",
-            "if [ \"$RANK\" = 1 ]; then exit 7; fi; sleep 30",
-        ]);
+    let cmd = Launch::bare(2)
+        .job(&job)
+        .program("sh")
+        .args(["-c", "if [ \"$RANK\" = 1 ]; then exit 7; fi; sleep 30"])
+        .command();
     let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(7), "{out:?}");
     assert!(job_pids(&job).is_empty());
@@ -142,12 +140,12 @@ fn job_ids_that_are_not_names_are_refused_before_anything_is_touched() {
         "/abs",
         long.as_str(),
     ] {
-        let out = std::process::Command::new(agent())
-            .args(["launch", "--nproc-per-node", "2", "--job-id", id])
-            .arg("--shm-root")
-            .arg(&root)
-            .args(["--", "true"])
+        let out = Launch::bare(2)
+            .job(id)
+            .shm_root(&root)
+            .program("true")
             .env_remove("HATRAIN_JOB_ID")
+            .command()
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -163,11 +161,11 @@ fn job_ids_that_are_not_names_are_refused_before_anything_is_touched() {
         assert!(!out.status.success(), "agentctl takes {id:?}");
     }
     // The environment is checked the same way.
-    let out = std::process::Command::new(agent())
-        .args(["launch", "--nproc-per-node", "2", "--shm-root"])
-        .arg(&root)
-        .args(["--", "true"])
+    let out = Launch::bare(2)
+        .shm_root(&root)
+        .program("true")
         .env("HATRAIN_JOB_ID", "../victim")
+        .command()
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
@@ -180,11 +178,11 @@ fn an_untrusted_shm_root_or_job_folder_is_refused_and_nothing_is_written_there()
     use std::os::unix::fs::PermissionsExt;
     let d = tempfile::tempdir().unwrap();
     let launch = |root: &std::path::Path, job: &str| {
-        let out = std::process::Command::new(agent())
-            .args(["launch", "--nproc-per-node", "2", "--job-id", job])
-            .arg("--shm-root")
-            .arg(root)
-            .args(["--", "true"])
+        let out = Launch::bare(2)
+            .job(job)
+            .shm_root(root)
+            .program("true")
+            .command()
             .output()
             .unwrap();
         (

@@ -303,19 +303,15 @@ impl Drop for Tmpfs {
 }
 
 fn mapworker_launch(job: &str, root: &Path, worker: &[&str], save: &Path) -> Command {
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nproc-per-node", "2", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .arg("--shm-root")
-        .arg(root)
-        .arg("--")
-        .arg(bin("hatrain-mapworker"))
+    Launch::new(2)
+        .job(job)
+        .worker_reboot()
+        .shm_root(root)
+        .program(bin("hatrain-mapworker"))
         .args(worker)
         .arg("--save")
         .arg(save)
-        .env("RUST_LOG", "info");
-    c
+        .command()
 }
 
 /// The refusal names the root, the bytes needed and free, and the flags;

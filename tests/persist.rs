@@ -40,21 +40,16 @@ fn saving(log: &Path, ckpt: &Path) -> Vec<String> {
 
 /// A 4-rank launch with extra agent flags and an optional fault plan.
 fn launch(job: &str, agent_flags: &[&str], train: &[String], plan: Option<&str>) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(agent_flags)
-        .arg("--")
-        .arg(trainer())
+    let launch = Launch::new(4)
+        .job(job)
+        .flags(agent_flags)
         .args(train)
-        .env_remove("HIGH_AVAILABILITY")
-        .env_remove("RAYON_NUM_THREADS")
-        .env("RUST_LOG", "info");
+        .env_remove("HIGH_AVAILABILITY");
     match plan {
-        Some(p) => cmd.env("HATRAIN_FAULT_PLAN", p),
-        None => cmd.env_remove("HATRAIN_FAULT_PLAN"),
-    };
-    cmd
+        Some(p) => launch.fault_plan(p),
+        None => launch.no_fault_plan(),
+    }
+    .command()
 }
 
 fn run(name: &str, cmd: impl FnOnce(&str) -> Command) -> (String, String) {

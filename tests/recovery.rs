@@ -71,21 +71,16 @@ fn killed_ranks_recover_bit_identically() {
     ]
     .join(";");
     let job = job_id("recover");
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", &job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
+    let cmd = Launch::new(4)
+        .job(&job)
+        .worker_reboot()
         // Three slots: with two, a corrupt newest slot on a rank that is a
         // commit behind the others leaves no common step.
-        .args(["--snapshot-slots", "3"])
-        .arg("--shm-root")
-        .arg(&shm)
-        .arg("--")
-        .arg(trainer())
+        .option("--snapshot-slots", "3")
+        .shm_root(&shm)
         .args(train(&log))
-        .env("HATRAIN_FAULT_PLAN", &plan)
-        .env_remove("RAYON_NUM_THREADS")
-        .env("RUST_LOG", "info");
+        .fault_plan(&plan)
+        .command();
     let mut guard = Job::spawn(cmd, &job);
     let socket = store_dir(&shm, &job).join("agent.sock");
 
@@ -207,17 +202,13 @@ fn killed_ranks_recover_bit_identically() {
 fn a_rank_that_always_crashes_is_given_up_on() {
     let d = tempfile::tempdir().unwrap();
     let job = job_id("always");
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "2", "--job-id", &job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .arg("--shm-root")
-        .arg(d.path())
-        .arg("--")
-        .arg(trainer())
+    let cmd = Launch::new(2)
+        .job(&job)
+        .worker_reboot()
+        .shm_root(d.path())
         .args(tiny_args(20))
-        .env("HATRAIN_FAULT_PLAN", "1:5:forward:kill:*")
-        .env("RUST_LOG", "info");
+        .fault_plan("1:5:forward:kill:*")
+        .command();
     let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + libc::SIGKILL), "{stderr}");
@@ -290,25 +281,20 @@ fn reboot_launch_with(
     plan: &str,
     flags: &[&str],
 ) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(flags)
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .args(["--pause-timeout-secs", "20"])
+    Launch::new(4)
+        .job(job)
+        .flags(flags)
+        .worker_reboot()
+        .option("--pause-timeout-secs", "20")
         // Three slots: a rank whose newest slot is rejected still shares an
         // older step with ranks that committed one step more.
-        .args(["--snapshot-slots", "3"])
-        .arg("--shm-root")
-        .arg(shm)
-        .arg("--")
-        .arg(trainer())
+        .option("--snapshot-slots", "3")
+        .shm_root(shm)
         .args(tiny_args(40))
         .arg("--log-jsonl")
         .arg(log)
-        .env("HATRAIN_FAULT_PLAN", plan)
-        .env("RUST_LOG", "info");
-    cmd
+        .fault_plan(plan)
+        .command()
 }
 
 fn reference_of_4(dir: &std::path::Path) -> String {

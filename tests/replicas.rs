@@ -30,28 +30,23 @@ struct Host {
 
 #[allow(clippy::too_many_arguments)]
 fn node(k: usize, host: &Host, job: &str, ports: (u16, u16), secret: &Path, log: &Path) -> Command {
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nnodes", "2", "--nproc-per-node", "1"])
-        .args(["--node-rank", &k.to_string(), "--job-id", job])
-        .args(["--master-addr", "127.0.0.1"])
-        .args(["--master-port", &ports.0.to_string()])
-        .args(["--rdzv-port", &ports.1.to_string()])
-        .args(["--local-addr", host.addr])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .arg("--enable-high-availability")
-        .arg("--secret-file")
-        .arg(secret)
-        .arg("--shm-root")
-        .arg(&host.shm)
-        .arg("--")
-        .arg(trainer())
+    Launch::new(1)
+        .job(job)
+        .high_availability()
+        .shm_root(&host.shm)
+        .option("--nnodes", "2")
+        .option("--node-rank", k.to_string())
+        .option("--master-addr", "127.0.0.1")
+        .option("--master-port", ports.0.to_string())
+        .option("--rdzv-port", ports.1.to_string())
+        .option("--local-addr", host.addr)
+        .option("--secret-file", secret)
         .args(tiny_args(ITERS))
         .arg("--log-jsonl")
         .arg(log)
-        .env("HATRAIN_FAULT_PLAN", PLAN)
+        .fault_plan(PLAN)
         .env_remove("SLURM_JOB_ID")
-        .env("RUST_LOG", "info");
-    c
+        .command()
 }
 
 /// The newest step that `a` and `b` both hold sealed and verified, and
@@ -217,28 +212,24 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
     train[at + 1] = "24".into();
     let mut agents: Vec<Job> = (0..3)
         .map(|k| {
-            let mut c = Command::new(agent());
-            c.args(["launch", "--nnodes", "3", "--nproc-per-node", "1"])
-                .args(["--node-rank", &k.to_string(), "--job-id", &job])
-                .args(["--master-addr", "127.0.0.1"])
-                .args(["--master-port", &ports.0.to_string()])
-                .args(["--rdzv-port", &ports.1.to_string()])
-                .args(["--local-addr", addrs[k]])
-                .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-                .arg("--enable-high-availability")
-                .arg("--secret-file")
-                .arg(&secret)
-                .arg("--shm-root")
-                .arg(&shm[k])
-                .arg("--")
-                .arg(trainer())
+            let c = Launch::new(1)
+                .job(&job)
+                .high_availability()
+                .shm_root(&shm[k])
+                .option("--nnodes", "3")
+                .option("--node-rank", k.to_string())
+                .option("--master-addr", "127.0.0.1")
+                .option("--master-port", ports.0.to_string())
+                .option("--rdzv-port", ports.1.to_string())
+                .option("--local-addr", addrs[k])
+                .option("--secret-file", &secret)
                 .args(&train)
                 .arg("--log-jsonl")
                 .arg(&log)
                 // Rank 0 naps at step 30: the job stands still meanwhile.
-                .env("HATRAIN_FAULT_PLAN", "0:30:forward:sleep60000")
+                .fault_plan("0:30:forward:sleep60000")
                 .env_remove("SLURM_JOB_ID")
-                .env("RUST_LOG", "info");
+                .command();
             host_job(c, &job, k)
         })
         .collect();

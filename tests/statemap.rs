@@ -15,27 +15,20 @@ use std::time::Duration;
 const WORLD: usize = 3;
 
 fn launch(job: &str, shm: &Path, ckpt: &Path, steps: u64, step_ms: u64) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args([
-        "launch",
-        "--nproc-per-node",
-        &WORLD.to_string(),
-        "--job-id",
-        job,
-    ])
-    .args(["--stop-grace-secs", "3", "--snapshot-slots", "3"])
-    .arg("--enable-high-availability")
-    .arg("--shm-root")
-    .arg(shm)
-    .arg("--")
-    .arg(bin("hatrain-mapworker"))
-    .args(["--steps", &steps.to_string(), "--interval", "5"])
-    .args(["--step-ms", &step_ms.to_string()])
-    .arg("--save")
-    .arg(ckpt)
-    .env_remove("HIGH_AVAILABILITY")
-    .env("RUST_LOG", "info");
-    cmd
+    Launch::bare(WORLD)
+        .job(job)
+        .stop_grace_secs(3)
+        .option("--snapshot-slots", "3")
+        .high_availability()
+        .shm_root(shm)
+        .program(bin("hatrain-mapworker"))
+        .args(["--steps", &steps.to_string(), "--interval", "5"])
+        .args(["--step-ms", &step_ms.to_string()])
+        .arg("--save")
+        .arg(ckpt)
+        .env_remove("HIGH_AVAILABILITY")
+        .env("RUST_LOG", "info")
+        .command()
 }
 
 /// Checks every file of iteration `it` against what the map says: the

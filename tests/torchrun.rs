@@ -492,14 +492,14 @@ while not os.path.exists(go):
     time.sleep(0.05)
 out.write(b"\ndone\n"); out.flush()
 "##;
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nproc-per-node", "2", "--job-id"])
-        .arg(job_id("output"))
-        .args(["--", "python3", "-u", "-c", worker])
+    let mut c = Launch::bare(2)
+        .job(job_id("output"))
+        .program("python3")
+        .args(["-u", "-c", worker])
         .arg(&go)
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
+        .command();
+    c.stdout(Stdio::piped()).stderr(Stdio::null());
     let mut child = c.spawn().unwrap();
     let pid = child.id() as i32;
     let mut stdout = child.stdout.take().unwrap();

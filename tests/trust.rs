@@ -14,21 +14,16 @@ use std::time::{Duration, Instant};
 const ITERS: u64 = 400;
 
 fn launch(job: &str, shm: &Path, log: &Path, plan: &str) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .args(["--pause-timeout-secs", "30"])
-        .arg("--shm-root")
-        .arg(shm)
-        .arg("--")
-        .arg(trainer())
+    Launch::new(4)
+        .job(job)
+        .worker_reboot()
+        .option("--pause-timeout-secs", "30")
+        .shm_root(shm)
         .args(tiny_args(ITERS))
         .arg("--log-jsonl")
         .arg(log)
-        .env("HATRAIN_FAULT_PLAN", plan)
-        .env("RUST_LOG", "info");
-    cmd
+        .fault_plan(plan)
+        .command()
 }
 
 fn reference(dir: &Path) -> String {

@@ -25,19 +25,14 @@ fn launch(
     log: &std::path::Path,
     plan: &str,
 ) -> Command {
-    let mut cmd = Command::new(agent());
-    cmd.args(["launch", "--nproc-per-node", "4", "--job-id", job])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(ha)
-        .arg("--shm-root")
-        .arg(shm)
-        .arg("--")
-        .arg(trainer())
+    Launch::new(4)
+        .job(job)
+        .flags(ha)
+        .shm_root(shm)
         .args(args(log))
-        .env("HATRAIN_FAULT_PLAN", plan)
+        .fault_plan(plan)
         .env_remove("HIGH_AVAILABILITY")
-        .env("RUST_LOG", "info");
-    cmd
+        .command()
 }
 
 fn started_pids(stderr: &str) -> Vec<String> {

@@ -1,10 +1,10 @@
 //! A job of several hosts of one rank each, for the host-loss benchmarks:
 //! their agents, a host vanishing, and the timings read from the log.
 
-use super::{agent, now, steps, trainer, worker_pids};
+use super::{now, steps, worker_pids};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 pub fn free_port() -> u16 {
@@ -122,37 +122,37 @@ impl Launch<'_> {
     }
 
     pub fn start(&self, node: usize) -> Child {
-        let mut c = Command::new(agent());
-        c.args(["launch", "--nnodes", &self.nnodes.to_string()])
-            .args(["--nproc-per-node", "1"])
-            .args(["--node-rank", &node.to_string(), "--job-id", &self.job])
-            .args(["--master-addr", "127.0.0.1"])
-            .args(["--master-port", &self.ports.0.to_string()])
-            .args(["--rdzv-port", &self.ports.1.to_string()])
-            .args(["--local-addr", &format!("127.0.0.{}", node + 1)])
-            .args(["--stop-grace-secs", "2"])
-            .arg("--secret-file")
-            .arg(self.secret)
-            .arg("--shm-root")
-            .arg(self.shm(node));
+        let mut launch = super::launch::Launch::bare(1)
+            .job(&self.job)
+            .stop_grace_secs(2)
+            .shm_root(self.shm(node))
+            .option("--nnodes", self.nnodes.to_string())
+            .option("--node-rank", node.to_string())
+            .option("--master-addr", "127.0.0.1")
+            .option("--master-port", self.ports.0.to_string())
+            .option("--rdzv-port", self.ports.1.to_string())
+            .option("--local-addr", format!("127.0.0.{}", node + 1))
+            .option("--secret-file", self.secret);
         if self.ha {
-            c.args(["--enable-high-availability", "--enable-worker-reboot"])
-                .args(["--standby-nodes", &self.standbys.to_string()])
-                .args(["--snapshot-slots", &self.slots.to_string()])
-                .args(["--pause-timeout-secs", "20"]);
+            launch = launch
+                .worker_reboot()
+                .option("--standby-nodes", self.standbys.to_string())
+                .option("--snapshot-slots", self.slots.to_string())
+                .option("--pause-timeout-secs", "20");
             if node >= self.nnodes {
-                c.arg("--standby");
+                launch = launch.flags(["--standby"]);
             }
-            c.args(self.extra);
+            launch = launch.flags(self.extra);
         }
-        c.arg("--")
-            .arg(trainer())
+        launch
             .args(self.train)
             .env("RUST_LOG", "warn")
             .env_remove("SLURM_JOB_ID")
+            .command()
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(self.log(node)).expect("an agent log"));
-        c.spawn().expect("start hatrain-agent")
+            .stderr(std::fs::File::create(self.log(node)).expect("an agent log"))
+            .spawn()
+            .expect("start hatrain-agent")
     }
 }
 

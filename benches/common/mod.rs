@@ -6,6 +6,9 @@ pub mod costs;
 #[path = "../../tests/common/etcd.rs"]
 pub mod etcd;
 pub mod hosts;
+/// The tests' `hatrain-agent launch` command lines.
+#[path = "../../tests/common/launch.rs"]
+pub mod launch;
 
 use hatrain_trainer::config::ModelConfig;
 use serde_json::Value;

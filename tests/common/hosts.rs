@@ -104,35 +104,24 @@ pub fn reboot_node_at(
     train: &[String],
     extra: &[&str],
 ) -> Command {
-    let mut c = match &at.netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(agent());
-            c
-        }
-        None => Command::new(agent()),
-    };
-    c.args(["launch", "--nnodes", &nodes.to_string()])
-        .args(["--nproc-per-node", &per_node.to_string()])
-        .args(["--node-rank", &k.to_string(), "--job-id", job])
-        .args(["--master-addr", &at.master])
-        .args(["--master-port", &ports.0.to_string()])
-        .args(["--rdzv-port", &ports.1.to_string()])
-        .args(["--local-addr", &at.local])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .arg("--enable-high-availability")
-        .arg("--enable-worker-reboot")
-        .arg("--secret-file")
-        .arg(secret)
-        .arg("--shm-root")
-        .arg(shm)
-        .args(extra)
-        .arg("--")
-        .arg(trainer())
+    let launch = Launch::new(per_node)
+        .job(job)
+        .worker_reboot()
+        .shm_root(shm)
+        .option("--nnodes", nodes.to_string())
+        .option("--node-rank", k.to_string())
+        .option("--master-addr", &at.master)
+        .option("--master-port", ports.0.to_string())
+        .option("--rdzv-port", ports.1.to_string())
+        .option("--local-addr", &at.local)
+        .option("--secret-file", secret)
+        .flags(extra)
         .args(train)
-        .env_remove("SLURM_JOB_ID")
-        .env("RUST_LOG", "info");
-    c
+        .env_remove("SLURM_JOB_ID");
+    match &at.netns {
+        Some(ns) => launch.netns(ns).command(),
+        None => launch.command(),
+    }
 }
 
 /// What the hosts of one test job share: the secret, each host's shm

@@ -6,10 +6,12 @@ pub mod cluster;
 pub mod dcmi;
 pub mod etcd;
 pub mod hosts;
+pub mod launch;
 pub mod python;
 pub mod serve;
 pub mod slurm;
 
+pub use launch::Launch;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -60,41 +62,21 @@ pub fn tiny_args(iters: u64) -> Vec<String> {
     .collect()
 }
 
-/// `hatrain-agent launch --nproc-per-node n -- hatrain-train <args>`.
+/// `hatrain-agent launch --nproc-per-node n --job-id job -- hatrain-train
+/// <args>`, with [`Launch::new`]'s defaults.
 pub fn launch_cmd(nproc: usize, job: &str, train: &[String]) -> Command {
-    let mut c = Command::new(agent());
-    c.args([
-        "launch",
-        "--nproc-per-node",
-        &nproc.to_string(),
-        "--job-id",
-        job,
-    ])
-    .args(["--threads-per-worker", "1", "--stop-grace-secs", "3", "--"])
-    .arg(trainer())
-    .args(train)
-    .env_remove("RAYON_NUM_THREADS")
-    .env("RUST_LOG", "info");
-    c
+    Launch::new(nproc).job(job).args(train).command()
 }
 
-/// `launch` of the reference trainer with worker reboot on, 2 ranks,
-/// `extra` flags before `--`; the environment's job id and thread counts
-/// are left out, so the test's own choices hold.
+/// `launch` of the reference trainer with worker reboot, 2 ranks, `extra`
+/// flags before `--`, and [`Launch::new`]'s defaults: the environment's job
+/// id and thread count are left out, so the test's own choices hold.
 pub fn reboot_pair(extra: &[&str], train: &[String]) -> Command {
-    let mut c = Command::new(agent());
-    c.args(["launch", "--nproc-per-node", "2"])
-        .args(["--threads-per-worker", "1", "--stop-grace-secs", "3"])
-        .args(["--enable-high-availability", "--enable-worker-reboot"])
-        .args(extra)
-        .arg("--")
-        .arg(trainer())
+    Launch::new(2)
+        .worker_reboot()
+        .flags(extra)
         .args(train)
-        .env_remove("RAYON_NUM_THREADS")
-        .env_remove("HATRAIN_JOB_ID")
-        .env_remove("SLURM_JOB_ID")
-        .env("RUST_LOG", "info");
-    c
+        .command()
 }
 
 /// Runs a launch to completion (bounded) and returns its output.

@@ -57,19 +57,17 @@ pub fn launch(nproc: usize, extra: &[&str], args: &[&str], dir: &Path) -> Comman
 /// only the `extra` flags: without high availability, a worker's exit ends
 /// the job, as under torchrun.
 pub fn launch_plain(nproc: usize, extra: &[&str], args: &[&str], dir: &Path) -> Command {
-    let mut c = Command::new(super::agent());
-    c.args(["launch", "--nproc-per-node", &nproc.to_string()])
-        .args(["--stop-grace-secs", "3"])
-        .args(extra)
-        .arg("--")
-        .arg(python())
+    super::launch::Launch::bare(nproc)
+        .stop_grace_secs(3)
+        .flags(extra)
+        .program(python())
         .args(args)
         .current_dir(dir)
         .env_remove("HATRAIN_JOB_ID")
         .env_remove("SLURM_JOB_ID")
         .env_remove("OMP_NUM_THREADS")
-        .env("RUST_LOG", "info");
-    c
+        .env("RUST_LOG", "info")
+        .command()
 }
 
 /// Held by each test of a binary that runs PyTorch jobs: one job at a time
