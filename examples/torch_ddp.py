@@ -1,5 +1,6 @@
-"""A small, deterministic PyTorch DDP job (an MLP with dropout, AdamW, gloo,
-CPU) protected by hatrain.
+"""A small, deterministic PyTorch DDP job (an MLP with dropout, AdamW or
+another optimizer, an optional LR schedule, float32 or bfloat16, gloo, CPU)
+protected by hatrain.
 
     hatrain-agent launch --nproc-per-node 2 --enable-high-availability \\
         --enable-worker-reboot -- python examples/torch_ddp.py --steps 50
@@ -7,9 +8,9 @@ CPU) protected by hatrain.
 It learns a fixed random teacher network from batches drawn per step and
 per rank from a seeded generator, so a run is a pure function of its flags:
 a run with faults ends with the same parameters, bit for bit, as one
-without. Rank 0 (or each rank) logs JSON lines (``--log-jsonl``): ``start``, ``step`` (loss,
-step time), ``resume`` and ``final`` (the SHA-256 of the parameters and the module's
-buffers).
+without. Rank 0 (or each rank) logs JSON lines (``--log-jsonl``): ``start`` (with the
+state's parts and the snapshot's size), ``step`` (loss, step time, learning rate),
+``resume`` and ``final`` (the SHA-256 of the parameters and the module's buffers).
 
 Under a plain ``torchrun`` it runs too (no snapshots); ``--checkpoint DIR
 --checkpoint-interval N`` then saves every N steps with ``torch.save`` and
@@ -41,6 +42,20 @@ ap.add_argument("--step-ms", type=float, default=0, help="extra compute time per
 ap.add_argument("--checkpoint", default=None, help="(plain torchrun) save folder")
 ap.add_argument("--checkpoint-interval", type=int, default=10)
 ap.add_argument("--plain", action="store_true", help="no hatrain: torch.distributed alone")
+ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS := {
+    "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
+    "adam-amsgrad": lambda p, lr: torch.optim.Adam(p, lr=lr, amsgrad=True, weight_decay=1e-4),
+    "sgd-nesterov": lambda p, lr: torch.optim.SGD(p, lr=lr * 10, momentum=0.9, nesterov=True),
+    "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr * 10, lr_decay=1e-3),
+    "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr, momentum=0.5, centered=True),
+    "adamax": lambda p, lr: torch.optim.Adamax(p, lr=lr),
+    "nadam": lambda p, lr: torch.optim.NAdam(p, lr=lr, decoupled_weight_decay=True, weight_decay=1e-4),
+    "radam": lambda p, lr: torch.optim.RAdam(p, lr=lr),
+}))
+ap.add_argument("--scheduler", default="none", choices=["none", "cosine", "step"],
+                help="an LR schedule, stepped after each update")
+ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                help="the parameters' dtype")
 args = ap.parse_args()
 
 torch.set_num_threads(1)
@@ -66,15 +81,22 @@ class MLP(torch.nn.Module):
         return self.head(x)
 
 
-model = MLP(args.inputs, args.hidden, args.layers, args.batchnorm)
+model = MLP(args.inputs, args.hidden, args.layers, args.batchnorm).to(getattr(torch, args.dtype))
 teacher = torch.randn(args.inputs, generator=torch.Generator().manual_seed(args.seed + 1))
-opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
+if args.scheduler == "cosine":
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+elif args.scheduler == "step":
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+else:
+    sched = None
 
 
 def batch(step):
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + rank)
     x = torch.randn(args.batch, args.inputs, generator=g)
-    return x, torch.sin(x @ teacher).unsqueeze(1)
+    dtype = getattr(torch, args.dtype)
+    return x.to(dtype), torch.sin(x @ teacher).unsqueeze(1).to(dtype)
 
 
 log = None
@@ -126,6 +148,8 @@ if args.plain:
         t0 = time.time()
         loss = train_step(ddp, step)
         opt.step()
+        if sched:
+            sched.step()
         if args.step_ms:
             time.sleep(args.step_ms / 1000)
         if args.checkpoint and step % args.checkpoint_interval == 0:
@@ -142,12 +166,13 @@ class Job(hatrain.torch.Job):
         say(event="resume", step=step, epoch=epoch, pid=os.getpid())
 
 
-job = Job(model, opt)
+job = Job(model, opt, schedulers=[sched] if sched else None)
 rank = job.rank
 open_log()
 say(event="start", world_size=world, start_step=job.step_done, pid=os.getpid(), standby=job.standby_pid is not None,
     role_rank=os.environ.get("ROLE_RANK"), error_file=os.environ.get("TORCHELASTIC_ERROR_FILE"),
-    restart_count=os.environ.get("HATRAIN_RESTART_COUNT"), since_start_s=time.time() - t_start)
+    restart_count=os.environ.get("HATRAIN_RESTART_COUNT"), since_start_s=time.time() - t_start,
+    parts=[[p.name, p.dtype_name(), int(p.array.size)] for p in job.rt.parts], snapshot_bytes=job.rt.snapshot_bytes)
 for step in job.steps(args.steps):
     t0 = time.time()
     with job.step():
@@ -156,7 +181,10 @@ for step in job.steps(args.steps):
             time.sleep(args.step_ms / 1000)
         with job.update():
             opt.step()
-        say(event="step", step=step, loss=loss.item(), step_time_s=time.time() - t0, epoch=job.epoch)
+            if sched:
+                sched.step()
+        say(event="step", step=step, loss=loss.item(), step_time_s=time.time() - t0, epoch=job.epoch,
+            lr=opt.param_groups[0]["lr"])
 job.close()
 digest = job.model_digest()
 say(event="final", step=job.step_done, model_sha256=digest)

@@ -76,6 +76,20 @@ class Part:
     name: str
     array: np.ndarray
     replicated: tuple[int, int] | None = None
+    #: The state map's element type when numpy has none for it (``"BF16"``:
+    #: bfloat16 bits held in an ``int16`` or ``uint16`` array); of the
+    #: array's own size.
+    dtype: str | None = None
+
+    def dtype_name(self) -> str:
+        if self.dtype is None:
+            return dtype_name(self.array.dtype)
+        if self.dtype.upper() != "BF16" or self.array.dtype.itemsize != 2:
+            raise ValueError(
+                f"part {self.name!r}: dtype {self.dtype} is given only for bfloat16 bits in a 2-byte array, "
+                f"not {self.array.dtype}"
+            )
+        return "BF16"
 
 
 def _bytes_view(name: str, a: np.ndarray) -> np.ndarray:
@@ -251,7 +265,7 @@ def state_map(parts: Sequence[Part], meta_len: int) -> dict:
     """The state map of a metadata block of ``meta_len`` bytes and ``parts``."""
     out = [{"name": "meta", "dtype": "U8", "len": meta_len}]
     for p in parts:
-        entry = {"name": p.name, "dtype": dtype_name(p.array.dtype), "len": int(p.array.size)}
+        entry = {"name": p.name, "dtype": p.dtype_name(), "len": int(p.array.size)}
         if p.replicated is not None:
             group, index = p.replicated
             entry["sharing"] = {"replicated": {"group": int(group), "index": int(index)}}
@@ -281,7 +295,7 @@ def connect(
     ``commit_halfway(step)``, if given, is called from the commit thread
     when half of a snapshot is copied: a drill's hook for a fault in the
     middle of a commit."""
-    views = [(_bytes_view(p.name, p.array), dtype_name(p.array.dtype)) for p in parts]
+    views = [(_bytes_view(p.name, p.array), p.dtype_name()) for p in parts]
     smap = state_map(parts, meta_len)
     native = _Native.connect(
         rank, json.dumps(smap), views, snapshot_interval, slots, commit_halfway

@@ -15,13 +15,17 @@
             with job.update():                   # the fences; commits on exit
                 opt.step()
 
-``Job`` moves the parameters and the optimizer's state into a few flat
-tensors (the parameters become views into them; nothing else changes for the
-script) and registers those with the host's agent, with their data-parallel
-replication marked: each rank's snapshot then holds only its slice, and a
-restore gathers the rest from the other ranks. The torch, Python and numpy
-RNG states and ``job.extra`` (a JSON-able dict, e.g. a data position) travel
-in each snapshot's metadata block.
+``Job`` moves the parameters, the module's buffers and the optimizer's state
+into a few flat tensors, one per dtype and state key (the tensors become
+views into them; nothing else changes for the script: see
+``hatrain.torchstate``), and registers those with the host's agent, with
+their data-parallel replication marked: each rank's snapshot then holds only
+its slice, and a restore gathers the rest from the other ranks. What is not
+a tensor travels in each snapshot's metadata block: the step, the torch,
+Python and numpy RNG states, the optimizer's parameter groups, the
+schedulers' and the gradient scaler's state, and ``job.extra`` (a JSON-able
+dict, e.g. a data position). A scheduler's ``step()`` (and the scaler's
+``update()``) belongs inside ``job.update()``, after ``optimizer.step()``.
 
 On a fault (a collective that fails because a peer died, a pending
 directive, a repaired memory error) the rank destroys its process group,
@@ -34,9 +38,11 @@ then yields the step after that one again.
 Without an agent (a plain ``torchrun``) the script runs as before: the
 process group comes from ``env://`` and nothing is snapshotted.
 
-Supported optimizers: Adam, AdamW (float32 state) and SGD; parameters must
-be float32 CPU tensors (gloo); the module's float32 and int64 buffers (a
-norm's running statistics) are snapshotted with them.
+Any ``torch.optim.Optimizer`` whose state is tensors and numbers (Adam,
+AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam...): its state is learnt
+from its own ``step()``. Parameters and buffers of any floating or integer
+dtype (bfloat16 and float16 included) are kept in their dtype; they must be
+CPU tensors (gloo) here.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hatrain
 from hatrain.drill import Plan
 from hatrain import npu
+from hatrain.torchstate import State
 
 __all__ = ["Job", "Stopped"]
 
@@ -96,33 +103,13 @@ def _shard(numel: int, world: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < rem else 0)
 
 
-def _flatten(
-    name: str, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One flat tensor of ``dtype`` holding ``tensors``' values, and views of
-    it shaped like each."""
-    for t in tensors:
-        if t.dtype != dtype or t.device.type != "cpu":
-            raise TypeError(
-                f"hatrain.torch snapshots {dtype} CPU tensors here; {name} has {t.dtype} on {t.device}"
-            )
-    total = sum(t.numel() for t in tensors)
-    flat = torch.empty(max(total, 1), dtype=dtype)
-    views, at = [], 0
-    for t in tensors:
-        v = flat[at : at + t.numel()].view_as(t)
-        v.copy_(t.detach())
-        views.append(v)
-        at += t.numel()
-    # Touch every page now, not during the first snapshot.
-    return flat, views
-
-
 class Job:
     """A data-parallel PyTorch job under hatrain (see the module's doc).
 
-    ``extra`` is a JSON-able dict saved with each snapshot and restored with
-    it (say, a data position the script keeps in it). ``ddp_kwargs`` are
+    ``schedulers`` (LR schedulers) and ``scaler`` (a ``torch.amp.GradScaler``)
+    are saved with each snapshot through their ``state_dict()`` and restored
+    with it. ``extra`` is a JSON-able dict saved and restored the same way
+    (say, a data position the script keeps in it). ``ddp_kwargs`` are
     passed to ``DistributedDataParallel``; ``timeout`` (seconds) bounds a
     collective, and so how long a rank waits on a hung (not dead) peer.
     """
@@ -132,6 +119,8 @@ class Job:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        schedulers: list | None = None,
+        scaler=None,
         backend: str = "gloo",
         snapshot_interval: int = 1,
         timeout: float = 120.0,
@@ -157,8 +146,8 @@ class Job:
         self._read_siblings = False
         # The state is moved (and its pages touched) first: a warm standby
         # has done all its start-up when it parks here for a rank.
-        self.flats = self._take_state()
-        self._has_buffers = any(n.startswith("buffers_") for n, _ in self.flats)
+        self.state = State(model, optimizer, schedulers, scaler)
+        self._has_buffers = self.state.has_buffers
         if self.under_agent_env():
             # What exists now (the imported modules, the model, the
             # optimizer) lives as long as the process: frozen, the cycle
@@ -184,10 +173,7 @@ class Job:
         # The parameters and the optimizer's state are the same on every
         # rank; module buffers (a norm's statistics of this rank's batches)
         # are not.
-        parts = [
-            hatrain.Part(n, f.numpy(), replicated=None if n.startswith("buffers_") else rep)
-            for n, f in self.flats
-        ]
+        parts = [f.part(rep) for f in self.state.flats]
         self.rt = hatrain.connect(
             self.rank,
             parts,
@@ -210,74 +196,6 @@ class Job:
 
     # -- state ---------------------------------------------------------------
 
-    def _take_state(self) -> list[tuple[str, torch.Tensor]]:
-        """Moves the parameters and the optimizer's state into flat tensors."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        known = {id(p) for p in params}
-        stray = [n for n, p in self.module.named_parameters() if id(p) not in known and p.requires_grad]
-        if stray:
-            raise ValueError(f"parameters not in the optimizer: {', '.join(stray[:5])}")
-        flat, views = _flatten("the parameters", [p.data for p in params])
-        for p, v in zip(params, views):
-            p.data = v
-        out = [("params", flat)]
-        # The module's buffers (a norm's running statistics, its counters).
-        owned = [(m, n, b) for m in self.module.modules() for n, b in m._buffers.items() if b is not None]
-        for dtype in (torch.float32, torch.int64):
-            mine = [(m, n, b) for m, n, b in owned if b.dtype == dtype]
-            if mine:
-                f, vs = _flatten("module buffers", [b for _, _, b in mine], dtype)
-                for (m, n, _), v in zip(mine, vs):
-                    m._buffers[n] = v
-                out.append((f"buffers_{str(dtype).split('.')[-1]}", f))
-        odd = [f"{n} ({b.dtype})" for _, n, b in owned if b.dtype not in (torch.float32, torch.int64)]
-        if odd:
-            raise TypeError(f"hatrain.torch snapshots float32 and int64 module buffers, not {', '.join(odd[:5])}")
-        opt = self.optimizer
-        if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-            if any(g.get("fused") or g.get("capturable") for g in opt.param_groups):
-                raise ValueError("hatrain.torch: fused or capturable Adam is not supported")
-            names = ["exp_avg", "exp_avg_sq"]
-            if any(g.get("amsgrad") for g in opt.param_groups):
-                names.append("max_exp_avg_sq")
-            bufs = {}
-            for n in names:
-                f, vs = _flatten(n, [torch.zeros_like(p) for p in params])
-                bufs[n] = vs
-                out.append((n, f))
-            steps = torch.zeros(len(params), dtype=torch.float32)
-            for i, p in enumerate(params):
-                old = opt.state.get(p, {})
-                st = {"step": steps[i]}
-                for n in names:
-                    st[n] = bufs[n][i]
-                    if n in old:
-                        st[n].copy_(old[n])
-                if "step" in old:
-                    steps[i] = float(old["step"])
-                opt.state[p] = st
-            out.append(("step", steps))
-        elif isinstance(opt, torch.optim.SGD):
-            if any(g.get("momentum", 0) for g in opt.param_groups):
-                # A zero buffer takes the place of the first step's copy of
-                # the gradient: buf = momentum * 0 + g is g, with no
-                # dampening (torch's default), bit for bit except that a
-                # gradient of -0.0 becomes +0.0.
-                if any(g.get("dampening", 0) for g in opt.param_groups):
-                    raise ValueError("hatrain.torch: SGD with dampening is not supported")
-                f, vs = _flatten("momentum_buffer", [torch.zeros_like(p) for p in params])
-                for p, v in zip(params, vs):
-                    old = opt.state.get(p, {}).get("momentum_buffer")
-                    if old is not None:
-                        v.copy_(old)
-                    opt.state[p] = {"momentum_buffer": v}
-                out.append(("momentum_buffer", f))
-        else:
-            raise TypeError(
-                f"hatrain.torch supports Adam, AdamW and SGD, not {type(opt).__name__}"
-            )
-        return out
-
     def _meta(self, step: int) -> bytes:
         np_state = np.random.get_state()
         meta = {
@@ -286,10 +204,14 @@ class Job:
             "py_rng": random.getstate(),
             "np_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             "extra": self.extra,
+            "state": self.state.meta(),
         }
         raw = json.dumps(meta, separators=(",", ":")).encode()
         if len(raw) + 4 > META_LEN:
-            raise ValueError(f"job.extra is too large: the metadata block holds {META_LEN} bytes")
+            raise ValueError(
+                f"the snapshot's metadata (job.extra, the optimizer's groups, the schedulers) takes {len(raw)} bytes: "
+                f"its block holds {META_LEN - 4}"
+            )
         return len(raw).to_bytes(4, "little") + raw
 
     def _load_meta(self, block: bytes, step: int) -> None:
@@ -306,6 +228,7 @@ class Job:
         name, keys, pos, has_gauss, cached = meta["np_rng"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         self.extra = meta["extra"]
+        self.state.load(meta["state"])
 
     # -- communicator ---------------------------------------------------------
 
@@ -403,14 +326,14 @@ class Job:
         dist.all_reduce(failed)
         if not failed.item():
             return
-        for name, flat in self.flats:
-            if name.startswith("buffers_"):
+        for f in self.state.flats:
+            if not f.replicated:
                 continue
-            n = flat.numel()
+            n = f.tensor.numel()
             for src in range(self.world):
                 a, b = _shard(n, self.world, src)
                 if b > a:
-                    dist.broadcast(flat[a:b], src=src)
+                    dist.broadcast(f.tensor[a:b], src=src)
 
     # -- recovery -------------------------------------------------------------
 
@@ -558,6 +481,8 @@ class Job:
         if self.rt.check_uce() is not None:
             raise _Torn()
         yield
+        # State the optimizer made or replaced goes into its place.
+        self.state.adopt()
         self.plan.hit(s, "update", self.rt)
         if self.rt.check_uce() is not None:
             raise _Torn()
@@ -578,7 +503,6 @@ class Job:
         import hashlib
 
         h = hashlib.sha256()
-        for name, flat in self.flats:
-            if name == "params" or name.startswith("buffers_"):
-                h.update(flat.numpy().tobytes())
+        for f in self.state.digest_parts():
+            h.update(f.part(None).array.tobytes())
         return h.hexdigest()

@@ -1,0 +1,361 @@
+"""A PyTorch job's state as the few flat parts hatrain snapshots.
+
+What is snapshotted is taken from the objects' own structure, never from a
+list of known optimizers:
+
+- the parameters (the optimizer's, then any other of the module's), one
+  flat tensor per dtype; each parameter becomes a view into it;
+- the module's buffers (a norm's statistics, its counters), one flat
+  tensor per dtype;
+- the optimizer's per-parameter state, as its own ``step()`` makes it: one
+  flat tensor per state key and dtype (``exp_avg``, ``momentum_buffer``,
+  ``sum``, ``step``...), each state tensor becoming a view into it, and one
+  float64 tensor per key whose values are numbers;
+- in the metadata (JSON): which parameters have state yet (an optimizer
+  makes it on its first step), the hyperparameters of each parameter group
+  (a scheduler changes them), and the ``state_dict()`` of each scheduler
+  and of a gradient scaler.
+
+The layout is learnt once, at the start, by a step of a copy of the
+optimizer on copies of the parameters with zero gradients (the real
+parameters and optimizer are not touched). After each ``optimizer.step()``
+(:meth:`State.adopt`) a state tensor the optimizer made or replaced is
+copied into its place and the view put back, and numbers are written out;
+a restore rebuilds the optimizer's state from the views (:meth:`State.load`).
+
+Each tensor keeps its dtype everywhere: a bfloat16 tensor is 2 bytes an
+element in the snapshot and in the checkpoint (``BF16``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+import hatrain
+
+#: The dtype each torch dtype is seen as by numpy, and the state map's name.
+_DTYPES = {
+    torch.float32: (torch.float32, "F32"),
+    torch.float64: (torch.float64, "F64"),
+    torch.float16: (torch.float16, "F16"),
+    torch.bfloat16: (torch.int16, "BF16"),
+    torch.int64: (torch.int64, "I64"),
+    torch.int32: (torch.int32, "I32"),
+    torch.int16: (torch.int16, "I16"),
+    torch.int8: (torch.int8, "I8"),
+    torch.uint8: (torch.uint8, "U8"),
+    torch.bool: (torch.uint8, "U8"),
+}
+
+#: Number types an optimizer's state may hold besides tensors.
+_NUMBERS = {"int": int, "float": float, "bool": bool}
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+@dataclass
+class Flat:
+    """One part: a flat tensor holding several tensors' values."""
+
+    name: str
+    tensor: torch.Tensor
+    #: Replicated on every rank of the data-parallel group (DDP's
+    #: parameters and optimizer state), or this rank's own (buffers, a
+    #: sharded optimizer's state).
+    replicated: bool
+
+    def part(self, rep: tuple[int, int] | None) -> hatrain.Part:
+        as_, name = _DTYPES[self.tensor.dtype]
+        array = self.tensor.view(as_).numpy()
+        dtype = "BF16" if name == "BF16" else None
+        return hatrain.Part(self.name, array, replicated=rep if self.replicated else None, dtype=dtype)
+
+
+def flatten(name: str, what: str, tensors: list[torch.Tensor], replicated: bool) -> tuple[Flat, list[torch.Tensor]]:
+    """One flat tensor named ``name`` holding ``tensors``' values (all of one
+    dtype, on the CPU), and views of it shaped like each."""
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise TypeError(f"hatrain.torch snapshots CPU tensors here; {what} has a tensor on {t.device}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"hatrain.torch cannot snapshot {what} of {t.dtype}")
+    total = sum(t.numel() for t in tensors)
+    flat = torch.empty(max(total, 1), dtype=dtype)
+    views, at = [], 0
+    for t in tensors:
+        v = flat[at : at + t.numel()].view(t.shape)
+        v.copy_(t.detach())
+        views.append(v)
+        at += t.numel()
+    return Flat(name, flat, replicated), views
+
+
+def _by_dtype(items: list, dtype_of) -> dict[torch.dtype, list]:
+    out: dict[torch.dtype, list] = {}
+    for it in items:
+        out.setdefault(dtype_of(it), []).append(it)
+    return out
+
+
+def _probe(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict]:
+    """Per parameter, the optimizer's state after one step as its own
+    ``step()`` makes it: key to ``(dtype, shape)`` for a tensor, or the
+    number type's name. Taken from a copy, with zero gradients: the real
+    parameters and optimizer are not touched."""
+    memo = {id(p): torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params}
+    try:
+        probe = copy.deepcopy(optimizer, memo)
+    except Exception as e:  # noqa: BLE001 -- any failure is reported as what it is
+        raise TypeError(f"hatrain.torch cannot copy {type(optimizer).__name__} to learn its state: {e}") from None
+    copies = [memo[id(p)] for p in params]
+    for c in copies:
+        c.grad = torch.zeros_like(c)
+    try:
+        probe.step()
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(
+            f"hatrain.torch learns an optimizer's state from one step of a copy; "
+            f"{type(optimizer).__name__}.step() failed on it: {e}"
+        ) from None
+    out = []
+    for i, c in enumerate(copies):
+        kinds = {}
+        for k, v in probe.state.get(c, {}).items():
+            if isinstance(v, torch.Tensor):
+                kinds[k] = (v.dtype, tuple(v.shape))
+            elif type(v).__name__ in _NUMBERS:
+                kinds[k] = type(v).__name__
+            else:
+                raise TypeError(
+                    f"{type(optimizer).__name__}'s state {k!r} of parameter {i} is a {type(v).__name__}: "
+                    "hatrain.torch snapshots tensors and numbers"
+                )
+        out.append(kinds)
+    return out
+
+
+def _json(what: str, value):
+    """``value`` as JSON, or a clear error naming ``what``."""
+
+    def plain(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return {"tensor": v.item()}
+        if isinstance(v, tuple):
+            return list(v)
+        raise TypeError(f"a value of type {type(v).__name__}")
+
+    try:
+        return json.loads(json.dumps(value, default=plain))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"hatrain.torch keeps {what} in the snapshot's metadata as JSON, and it holds {e}") from None
+
+
+def _restore_value(old, new):
+    """A JSON value put back in the type it had."""
+    if isinstance(old, torch.Tensor) and isinstance(new, dict) and "tensor" in new:
+        old.fill_(new["tensor"])
+        return old
+    if isinstance(old, tuple) and isinstance(new, list):
+        return tuple(new)
+    return new
+
+
+@dataclass
+class _Key:
+    """One state key's tensors of one dtype: the flat part, and per
+    parameter index its view."""
+
+    key: str
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class State:
+    """The parameters, buffers and optimizer state of a job as flat parts
+    (see the module's doc). ``replicated``: every rank of the data-parallel
+    group holds the same parameters and optimizer state (DDP)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedulers: list | None = None,
+        scaler=None,
+        replicated: bool = True,
+    ):
+        self.module = module
+        self.optimizer = optimizer
+        self.schedulers = list(schedulers or [])
+        self.scaler = scaler
+        self.flats: list[Flat] = []
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        seen = {id(p) for p in opt_params}
+        if len(seen) != len(opt_params):
+            raise ValueError("a parameter is in the optimizer twice")
+        # Parameters the optimizer does not update (frozen, or a low
+        # precision copy of master weights it keeps) are state too.
+        others = [p for p in module.parameters() if id(p) not in seen]
+        self.params = opt_params + others
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.names = [names.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(self.params)]
+        self._param_views: list[torch.Tensor] = [None] * len(self.params)
+        for dtype, idx in _by_dtype(list(range(len(self.params))), lambda i: self.params[i].dtype).items():
+            flat, views = flatten(
+                f"params.{_short(dtype)}", "the parameters", [self.params[i].data for i in idx], replicated
+            )
+            for i, v in zip(idx, views):
+                self.params[i].data = v
+                self._param_views[i] = v
+            self.flats.append(flat)
+        owned = [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
+        self.has_buffers = bool(owned)
+        for dtype, mine in _by_dtype(owned, lambda o: o[2].dtype).items():
+            flat, views = flatten(f"buffers.{_short(dtype)}", "the module's buffers", [b for _, _, b in mine], False)
+            for (m, n, _), v in zip(mine, views):
+                m._buffers[n] = v
+            self.flats.append(flat)
+        self._take_optimizer(opt_params, replicated)
+
+    def _take_optimizer(self, params: list[torch.Tensor], replicated: bool) -> None:
+        kinds = _probe(self.optimizer, params)
+        self._tensors: list[_Key] = []
+        # Per number key: its float64 part, the indices holding it, the type.
+        self._numbers: dict[str, tuple[torch.Tensor, dict[int, int], str]] = {}
+        keys = []
+        for kind in kinds:
+            keys.extend(k for k in kind if k not in keys)
+        for key in keys:
+            tensor_idx = [i for i, k in enumerate(kinds) if isinstance(k.get(key), tuple)]
+            number_idx = [i for i, k in enumerate(kinds) if isinstance(k.get(key), str)]
+            for dtype, idx in _by_dtype(tensor_idx, lambda i: kinds[i][key][0]).items():
+                zeros = [torch.zeros(kinds[i][key][1], dtype=dtype) for i in idx]
+                flat, views = flatten(f"state.{key}.{_short(dtype)}", f"optimizer state {key!r}", zeros, replicated)
+                self.flats.append(flat)
+                self._tensors.append(_Key(key, dict(zip(idx, views))))
+            if number_idx:
+                types = {kinds[i][key] for i in number_idx}
+                if len(types) != 1:
+                    raise TypeError(f"optimizer state {key!r} is of several number types: {sorted(types)}")
+                flat = torch.zeros(len(number_idx), dtype=torch.float64)
+                self.flats.append(Flat(f"state.{key}.number", flat, replicated))
+                self._numbers[key] = (flat, {i: j for j, i in enumerate(number_idx)}, types.pop())
+        self._opt_params = params
+        # State the optimizer has already (loaded, or made at its
+        # construction, as Adagrad's) moves into place now.
+        self.adopt()
+
+    # -- after each update ------------------------------------------------------
+
+    def adopt(self) -> None:
+        """After ``optimizer.step()``: a state tensor it made or replaced is
+        copied into its place and the view put back; numbers are written
+        out. Raises on state whose shape or dtype differs from the layout."""
+        state = self.optimizer.state
+        for k in self._tensors:
+            for i, view in k.views.items():
+                st = state.get(self._opt_params[i])
+                cur = None if st is None else st.get(k.key)
+                if cur is None or cur is view:
+                    continue
+                if not isinstance(cur, torch.Tensor) or cur.shape != view.shape or cur.dtype != view.dtype:
+                    raise hatrain.HatrainError(
+                        f"optimizer state {k.key!r} of {self.names[i]} changed its kind "
+                        f"({_describe(cur)}, registered {_describe(view)})"
+                    )
+                view.copy_(cur)
+                st[k.key] = view
+        for key, (flat, at, _) in self._numbers.items():
+            for i, j in at.items():
+                st = state.get(self._opt_params[i])
+                if st is not None and key in st:
+                    flat[j] = float(st[key])
+
+    def meta(self) -> dict:
+        """What is not a tensor: which parameters have which state, the
+        groups' hyperparameters, the schedulers' and the scaler's state."""
+        state = self.optimizer.state
+        present = {}
+        for key in self._keys():
+            have = [i for i, p in enumerate(self._opt_params) if key in state.get(p, {})]
+            present[key] = "all" if len(have) == len(self._opt_params) else have
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        out = {
+            "present": present,
+            "groups": _json("the optimizer's parameter groups", groups),
+            "schedulers": [_json(f"scheduler {type(s).__name__}", s.state_dict()) for s in self.schedulers],
+        }
+        if self.scaler is not None:
+            out["scaler"] = _json("the gradient scaler", self.scaler.state_dict())
+        return out
+
+    def _keys(self) -> list[str]:
+        keys = [k.key for k in self._tensors]
+        keys.extend(self._numbers)
+        return list(dict.fromkeys(keys))
+
+    # -- after a restore --------------------------------------------------------
+
+    def check_params(self) -> None:
+        """Every parameter is still the view the job registered: a model
+        changed since cannot be restored into."""
+        for i, p in enumerate(self.params):
+            v = self._param_views[i]
+            if p.data.data_ptr() != v.data_ptr() or p.shape != v.shape or p.dtype != v.dtype:
+                raise hatrain.HatrainError(
+                    f"parameter {self.names[i]} is not the one the job registered "
+                    f"({_describe(p.data)}, registered {_describe(v)}): the model changed since, "
+                    "and its state cannot be restored into it"
+                )
+
+    def load(self, meta: dict) -> None:
+        """The parts were restored: the optimizer's state is rebuilt from
+        them and ``meta``, as it was when they were snapshotted."""
+        self.check_params()
+        present = meta["present"]
+        have: dict[int, dict] = {}
+        for k in self._tensors:
+            mark = present.get(k.key, [])
+            for i, view in k.views.items():
+                if mark == "all" or i in mark:
+                    have.setdefault(i, {})[k.key] = view
+        for key, (flat, at, kind) in self._numbers.items():
+            mark = present.get(key, [])
+            for i, j in at.items():
+                if mark == "all" or i in mark:
+                    have.setdefault(i, {})[key] = _NUMBERS[kind](flat[j].item())
+        state = self.optimizer.state
+        for i, p in enumerate(self._opt_params):
+            if i in have:
+                state[p] = have[i]
+            else:
+                state.pop(p, None)
+        groups = meta["groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise hatrain.HatrainError(
+                f"the snapshot has {len(groups)} parameter groups, the optimizer {len(self.optimizer.param_groups)}"
+            )
+        for g, saved in zip(self.optimizer.param_groups, groups):
+            for k, v in saved.items():
+                g[k] = _restore_value(g.get(k), v)
+        for s, saved in zip(self.schedulers, meta["schedulers"]):
+            s.load_state_dict(saved)
+        if self.scaler is not None and "scaler" in meta:
+            self.scaler.load_state_dict(meta["scaler"])
+
+    # -- views --------------------------------------------------------------------
+
+    def digest_parts(self) -> list[Flat]:
+        """The parts that are the model (parameters and buffers)."""
+        return [f for f in self.flats if f.name.startswith(("params.", "buffers."))]
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__

@@ -1,0 +1,74 @@
+"""hatrain.torch refuses state it cannot keep, with an error naming it.
+
+Run without an agent (the job is standalone: nothing is snapshotted, but
+the state is taken as under one). Prints ``bad input ok`` at the end; any
+failed check raises.
+"""
+
+import torch
+
+import hatrain
+import hatrain.torch
+from hatrain.torchstate import State
+
+
+def raises(exc, needle, f, *a, **kw):
+    try:
+        f(*a, **kw)
+    except exc as e:
+        assert needle in str(e), f"{exc.__name__} without {needle!r}: {e}"
+        return
+    raise AssertionError(f"expected {exc.__name__} ({needle!r})")
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+class Noted(torch.optim.SGD):
+    """An optimizer whose state holds a string."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["note"] = "not a number"
+
+
+# An optimizer state that is neither a tensor nor a number.
+m = model()
+raises(TypeError, "'note' of parameter 0 is a str: hatrain.torch snapshots tensors and numbers",
+       hatrain.torch.Job, m, Noted(m.parameters(), lr=0.1))
+
+# A parameter on a device the job does not use.
+meta = torch.nn.Linear(4, 4, device="meta")
+raises(TypeError, "CPU tensors here; the parameters has a tensor on meta",
+       hatrain.torch.Job, meta, torch.optim.AdamW(meta.parameters()))
+
+# An optimizer whose step needs a closure cannot be learnt from a step.
+m = model()
+raises(TypeError, "LBFGS.step() failed on it", hatrain.torch.Job, m, torch.optim.LBFGS(m.parameters()))
+
+# A scheduler whose state is not JSON.
+class Odd(torch.optim.lr_scheduler.StepLR):
+    def state_dict(self):
+        return {**super().state_dict(), "table": object()}
+
+
+m = model()
+opt = torch.optim.AdamW(m.parameters())
+raises(TypeError, "keeps scheduler Odd in the snapshot's metadata as JSON, and it holds a value of type object",
+       hatrain.torch.Job, m, opt, schedulers=[Odd(opt, step_size=2)])
+
+# A model changed between registration and a restore.
+m = model()
+opt = torch.optim.AdamW(m.parameters())
+state = State(m, opt)
+saved = state.meta()
+m[0].weight.data = torch.zeros(8, 4)
+raises(hatrain.HatrainError, "parameter 0.weight is not the one the job registered", state.load, saved)
+m[0].weight.data = torch.zeros(3, 3)
+raises(hatrain.HatrainError, "the model changed since", state.load, saved)
+
+print("bad input ok")
