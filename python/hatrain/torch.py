@@ -266,9 +266,19 @@ class Job:
             if gather:
                 with torch.no_grad():
                     self._gather()
-            # After a restore every rank holds the same state already:
-            # DDP's broadcast of rank 0's is skipped.
-            kwargs = {"init_sync": False, **self.ddp_kwargs} if gather else self.ddp_kwargs
+            # DDP sums each gradient bucket around a ring, in an order set by
+            # the bucket's layout, and by default lays its buckets out
+            # again after the first iteration (in the order the gradients
+            # became ready). A DDP module built after a recovery would then
+            # sum its first step's gradients in another order than the run
+            # without faults, and with more than two ranks the sum differs
+            # in its last bits. With unused parameters looked for, DDP keeps
+            # one layout from the start.
+            kwargs = {"find_unused_parameters": True, **self.ddp_kwargs}
+            if gather:
+                # After a restore every rank holds the same state already:
+                # DDP's broadcast of rank 0's is skipped.
+                kwargs["init_sync"] = False
             self.model = DDP(self.module, **kwargs)
         self.rt.set_communicator(self.epoch)
 

@@ -1,0 +1,224 @@
+"""A GPT-style language model trained data-parallel, protected by hatrain.
+
+A decoder-only transformer (GPT-2 blocks: pre-norm causal self-attention
+and a GELU MLP; tied input and output embeddings), bfloat16 autocast over
+float32 weights, AdamW with a linear warm-up and a cosine decay, gradient
+clipping, DDP over gloo. The tokens are synthetic, drawn per step and per
+rank from a seeded generator, so a run is a pure function of its flags: a
+run with faults ends with the same parameters, bit for bit, as one without.
+
+    torchrun --nproc-per-node 2 examples/torch_gpt.py --steps 100
+    hatrain-agent launch --nproc-per-node 2 --enable-high-availability \\
+        --enable-worker-reboot -- python examples/torch_gpt.py --steps 100
+
+Under torchrun it runs without hatrain (``--save DIR --save-interval N``
+then saves with ``torch.distributed.checkpoint`` and resumes from the
+newest save at start, the way a torchrun job recovers); under the agent,
+``hatrain.torch`` snapshots every step and recovers a fault in seconds.
+``--log-jsonl FILE`` (``{rank}`` in it: one per rank) logs ``start``,
+``step`` (loss, learning rate, step time), ``resume`` and ``final`` (the
+SHA-256 of the full parameters).
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int, default=100)
+ap.add_argument("--layers", type=int, default=6)
+ap.add_argument("--width", type=int, default=384)
+ap.add_argument("--heads", type=int, default=6)
+ap.add_argument("--vocab", type=int, default=4096)
+ap.add_argument("--seq", type=int, default=128)
+ap.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+ap.add_argument("--lr", type=float, default=3e-4)
+ap.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
+ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+ap.add_argument("--no-autocast", action="store_true", help="float32 compute (bfloat16 autocast by default)")
+ap.add_argument("--seed", type=int, default=1234)
+ap.add_argument("--save", default=None, help="(torchrun) torch.distributed.checkpoint folder")
+ap.add_argument("--save-interval", type=int, default=10)
+ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of each rank if it has {rank})")
+args = ap.parse_args()
+
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+torch.manual_seed(args.seed)
+under_agent = bool(os.environ.get("HATRAIN_AGENT_SOCKET"))
+t_start = time.time()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.ln2 = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab, seq, width, heads, layers):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, width)
+        self.pos = torch.nn.Embedding(seq, width)
+        self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(width)
+        for m in self.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        # The output projection is the token embedding (tied).
+        return self.ln(x) @ self.tok.weight.t()
+
+
+model = GPT(args.vocab, args.seq, args.width, args.heads, args.layers)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def schedule(step):
+    """Linear warm-up to the peak, then a cosine decay to a tenth of it."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    done = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
+sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+rank = int(os.environ.get("RANK", "0"))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def tokens(step):
+    """The sequences of this rank at ``step``: a seeded draw with a
+    learnable rule (each token follows from the two before it)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + rank)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    x[:, 2:] = (x[:, 1:-1] * 31 + x[:, :-2] * 7) % args.vocab
+    return x[:, :-1], x[:, 1:]
+
+
+def train_step(net, step):
+    x, y = tokens(step)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_autocast):
+        logits = net(x)
+    loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), y.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    return loss
+
+
+log = None
+
+
+def open_log():
+    global log
+    if args.log_jsonl and ("{rank}" in args.log_jsonl or rank == 0):
+        log = open(args.log_jsonl.format(rank=rank), "a", buffering=1)
+
+
+def say(**event):
+    if log:
+        event["unix_s"] = time.time()
+        log.write(json.dumps(event) + "\n")
+
+
+def digest():
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def dcp_state():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "sched": sched.state_dict()}
+
+
+if not under_agent:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if world > 1:
+        dist.init_process_group("gloo")
+    open_log()
+    start = 0
+    if args.save and os.path.isdir(args.save):
+        done = sorted(int(d.split("-")[1]) for d in os.listdir(args.save) if d.startswith("step-"))
+        if done:
+            start = done[-1]
+            state = dcp_state()
+            dcp.load(state, checkpoint_id=os.path.join(args.save, f"step-{start}"))
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            sched.load_state_dict(state["sched"])
+    net = DDP(model) if world > 1 else model
+    say(event="start", world_size=world, start_step=start, pid=os.getpid(), since_start_s=time.time() - t_start)
+    for step in range(start + 1, args.steps + 1):
+        t0 = time.time()
+        loss = train_step(net, step)
+        opt.step()
+        sched.step()
+        if args.save and step % args.save_interval == 0:
+            dcp.save(dcp_state(), checkpoint_id=os.path.join(args.save, f"step-{step}"))
+        say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0)
+    say(event="final", step=args.steps, model_sha256=digest())
+    if world > 1:
+        dist.destroy_process_group()
+    sys.exit(0)
+
+import hatrain.torch  # noqa: E402
+
+
+class Job(hatrain.torch.Job):
+    def on_resume(self, step, epoch):
+        say(event="resume", step=step, epoch=epoch, pid=os.getpid())
+
+
+job = Job(model, opt, schedulers=[sched])
+rank = job.rank
+open_log()
+say(event="start", world_size=world, start_step=job.step_done, pid=os.getpid(), standby=job.standby_pid is not None,
+    since_start_s=time.time() - t_start, snapshot_bytes=job.rt.snapshot_bytes,
+    parts=[[p.name, p.dtype_name(), int(p.array.size)] for p in job.rt.parts])
+for step in job.steps(args.steps):
+    t0 = time.time()
+    with job.step():
+        loss = train_step(job.model, step)
+        with job.update():
+            opt.step()
+            sched.step()
+    say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0,
+        epoch=job.epoch)
+job.close()
+say(event="final", step=job.step_done, model_sha256=digest())
+if rank == 0:
+    print(f"done: step {job.step_done} | parameters sha256 {digest()}")

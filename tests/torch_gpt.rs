@@ -1,0 +1,122 @@
+//! `examples/torch_gpt.py`, a GPT-style model trained as people train one
+//! (bfloat16 autocast, AdamW with warm-up and cosine decay, gradient
+//! clipping, DDP), under a real `hatrain-agent launch`: rank 1 SIGKILLed
+//! in the forward pass, inside the update and halfway through a
+//! snapshot's copy; a memory error in an optimizer moment, repaired in the
+//! same process; a warm standby taking the killed rank's place; 2 ranks
+//! and 4. Each run ends with parameters bit-identical to the run without
+//! faults.
+
+mod common;
+
+use common::python::{example, launch, serial};
+use common::{Job, job_id, read_log, text};
+use std::time::Duration;
+
+/// A small model, so that a run takes seconds on two cores.
+const MODEL: [&str; 12] = [
+    "--steps", "20", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "512", "--seq",
+    "32",
+];
+
+struct Run {
+    logs: Vec<Vec<serde_json::Value>>,
+    output: String,
+}
+
+fn run(ranks: usize, plan: Option<&str>, flags: &[&str]) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.{rank}.jsonl");
+    let script = example("torch_gpt.py");
+    let mut args = vec![
+        script.to_str().unwrap(),
+        "--log-jsonl",
+        log.to_str().unwrap(),
+    ];
+    args.extend(MODEL);
+    let mut cmd = launch(ranks, flags, &args, dir.path());
+    cmd.env_remove("HATRAIN_FAULT_PLAN");
+    if let Some(p) = plan {
+        cmd.env("HATRAIN_FAULT_PLAN", p);
+    }
+    let out = Job::spawn(cmd, &job_id("torch-gpt")).wait_output(Duration::from_secs(300));
+    let output = text(&out);
+    assert!(out.status.success(), "{ranks} ranks, {plan:?}: {output}");
+    let logs = (0..ranks)
+        .map(|r| read_log(&dir.path().join(format!("log.{r}.jsonl"))))
+        .collect();
+    Run { logs, output }
+}
+
+fn events<'a>(log: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::Value> {
+    log.iter().filter(|e| e["event"] == name).collect()
+}
+
+fn digest(log: &[serde_json::Value]) -> String {
+    let f = events(log, "final");
+    assert_eq!(f.len(), 1, "{log:?}");
+    assert_eq!(f[0]["step"], 20);
+    f[0]["model_sha256"].as_str().unwrap().to_string()
+}
+
+/// Every rank of `r` ends with `want`.
+fn assert_identical(r: &Run, want: &str, what: &str) {
+    for log in &r.logs {
+        assert_eq!(digest(log), want, "{what}: {}", r.output);
+    }
+}
+
+/// The digest of a fault-free run of `ranks` ranks (DDP keeps them equal).
+fn clean(ranks: usize) -> (String, Run) {
+    let r = run(ranks, None, &[]);
+    let want = digest(&r.logs[0]);
+    assert_identical(&r, &want, "the clean run");
+    (want, r)
+}
+
+#[test]
+fn the_gpt_example_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby() {
+    let _one_at_a_time = serial();
+    let (want, clean) = clean(2);
+
+    let kills = "1:4:forward:kill:0;1:9:update:kill:1;1:15:commit:kill:2";
+    let r = run(2, Some(kills), &[]);
+    assert_identical(&r, &want, kills);
+    assert_eq!(events(&r.logs[0], "start").len(), 1);
+    assert_eq!(events(&r.logs[1], "start").len(), 4);
+
+    // A memory error in the first Adam moment (a page inside the part,
+    // found by its name): repaired in the same process.
+    let parts: Vec<(String, String, u64)> =
+        serde_json::from_value(events(&clean.logs[1], "start")[0]["parts"].clone()).unwrap();
+    let moment = 1 + parts
+        .iter()
+        .position(|p| p.0 == "state.exp_avg.float32")
+        .unwrap_or_else(|| panic!("no first moment in {parts:?}"));
+    let uce = format!("1:7:forward:uce-{moment}-40000");
+    let r = run(2, Some(&uce), &[]);
+    assert_identical(&r, &want, &uce);
+    assert_eq!(events(&r.logs[1], "start").len(), 1, "{uce}: {}", r.output);
+    assert_eq!(events(&r.logs[1], "resume").len(), 1, "{uce}");
+
+    // A warm standby takes the first killed process's place.
+    let twice = "1:6:forward:kill:0;1:12:update:kill:1";
+    let r = run(2, Some(twice), &["--warm-standby", "1"]);
+    assert_identical(&r, &want, twice);
+    let standby = events(&r.logs[1], "start")
+        .iter()
+        .filter(|e| e["standby"] == true)
+        .count();
+    assert!(standby >= 1, "{twice}: {:?}", r.logs[1]);
+}
+
+#[test]
+fn the_gpt_example_on_four_ranks_comes_back_bit_identical_from_kills() {
+    let _one_at_a_time = serial();
+    let (want, _) = clean(4);
+    let kills = "2:5:forward:kill:0;3:11:update:kill:0;2:16:commit:kill:1";
+    let r = run(4, Some(kills), &[]);
+    assert_identical(&r, &want, kills);
+    assert_eq!(events(&r.logs[2], "start").len(), 3);
+    assert_eq!(events(&r.logs[3], "start").len(), 2);
+}
