@@ -9,9 +9,8 @@
 
 mod common;
 
-use common::python::{example, launch, serial};
-use common::{Job, job_id, read_log, text};
-use std::time::Duration;
+use common::examples::{Example, ExampleRun, events, final_digest};
+use common::python::serial;
 
 /// A small model, so that a run takes seconds on two cores.
 const MODEL: [&str; 12] = [
@@ -19,55 +18,31 @@ const MODEL: [&str; 12] = [
     "32",
 ];
 
-struct Run {
-    logs: Vec<Vec<serde_json::Value>>,
-    output: String,
-}
-
-fn run(ranks: usize, plan: Option<&str>, flags: &[&str]) -> Run {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("log.{rank}.jsonl");
-    let script = example("torch_gpt.py");
-    let mut args = vec![
-        script.to_str().unwrap(),
-        "--log-jsonl",
-        log.to_str().unwrap(),
-    ];
-    args.extend(MODEL);
-    let mut cmd = launch(ranks, flags, &args, dir.path());
-    cmd.env_remove("HATRAIN_FAULT_PLAN");
-    if let Some(p) = plan {
-        cmd.env("HATRAIN_FAULT_PLAN", p);
+fn run(ranks: usize, plan: Option<&str>, flags: &[&str]) -> ExampleRun {
+    Example {
+        script: "torch_gpt.py",
+        ranks,
+        flags,
+        args: &MODEL,
+        plan,
+        env: &[],
     }
-    let out = Job::spawn(cmd, &job_id("torch-gpt")).wait_output(Duration::from_secs(300));
-    let output = text(&out);
-    assert!(out.status.success(), "{ranks} ranks, {plan:?}: {output}");
-    let logs = (0..ranks)
-        .map(|r| read_log(&dir.path().join(format!("log.{r}.jsonl"))))
-        .collect();
-    Run { logs, output }
-}
-
-fn events<'a>(log: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::Value> {
-    log.iter().filter(|e| e["event"] == name).collect()
+    .run()
 }
 
 fn digest(log: &[serde_json::Value]) -> String {
-    let f = events(log, "final");
-    assert_eq!(f.len(), 1, "{log:?}");
-    assert_eq!(f[0]["step"], 20);
-    f[0]["model_sha256"].as_str().unwrap().to_string()
+    final_digest(log, 20)
 }
 
 /// Every rank of `r` ends with `want`.
-fn assert_identical(r: &Run, want: &str, what: &str) {
+fn assert_identical(r: &ExampleRun, want: &str, what: &str) {
     for log in &r.logs {
         assert_eq!(digest(log), want, "{what}: {}", r.output);
     }
 }
 
 /// The digest of a fault-free run of `ranks` ranks (DDP keeps them equal).
-fn clean(ranks: usize) -> (String, Run) {
+fn clean(ranks: usize) -> (String, ExampleRun) {
     let r = run(ranks, None, &[]);
     let want = digest(&r.logs[0]);
     assert_identical(&r, &want, "the clean run");

@@ -9,6 +9,7 @@
 
 mod common;
 
+use common::examples::{Example, ExampleRun, events, final_digest};
 use common::python::{example, launch};
 use common::{Job, job_id, kill, read_log, text, wait_until};
 use std::path::Path;
@@ -16,47 +17,22 @@ use std::time::Duration;
 
 const STEPS: &str = "24";
 
-struct Run {
-    logs: [Vec<serde_json::Value>; 2],
-    output: String,
-}
-
-fn run(plan: Option<&str>, script_args: &[&str]) -> Run {
+fn run(plan: Option<&str>, script_args: &[&str]) -> ExampleRun {
     run_with(plan, script_args, &[])
 }
 
-fn run_with(plan: Option<&str>, script_args: &[&str], env: &[(&str, &Path)]) -> Run {
-    let dir = tempfile::tempdir().unwrap();
-    let script = example("torch_ddp.py");
-    let log = dir.path().join("log.{rank}.jsonl");
-    let mut args = vec![
-        script.to_str().unwrap(),
-        "--steps",
-        STEPS,
-        "--log-jsonl",
-        log.to_str().unwrap(),
-    ];
+fn run_with(plan: Option<&str>, script_args: &[&str], env: &[(&str, &Path)]) -> ExampleRun {
+    let mut args = vec!["--steps", STEPS];
     args.extend(script_args);
-    let mut cmd = launch(2, &[], &args, dir.path());
-    cmd.env_remove("HATRAIN_FAULT_PLAN");
-    if let Some(p) = plan {
-        cmd.env("HATRAIN_FAULT_PLAN", p);
+    Example {
+        script: "torch_ddp.py",
+        ranks: 2,
+        flags: &[],
+        args: &args,
+        plan,
+        env,
     }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = Job::spawn(cmd, &job_id("torch-ha")).wait_output(Duration::from_secs(240));
-    let output = text(&out);
-    assert!(out.status.success(), "{plan:?}: {output}");
-    let read = |r: usize| read_log(&Path::new(dir.path()).join(format!("log.{r}.jsonl")));
-    Run {
-        logs: [read(0), read(1)],
-        output,
-    }
-}
-
-fn events<'a>(log: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::Value> {
-    log.iter().filter(|e| e["event"] == name).collect()
+    .run()
 }
 
 /// The parameters' digest of the fault-free run with the default flags,
@@ -72,10 +48,7 @@ fn clean_digest() -> &'static str {
 }
 
 fn digest(log: &[serde_json::Value]) -> String {
-    let f = events(log, "final");
-    assert_eq!(f.len(), 1, "{log:?}");
-    assert_eq!(f[0]["step"], 24);
-    f[0]["model_sha256"].as_str().unwrap().to_string()
+    final_digest(log, 24)
 }
 
 #[test]

@@ -11,10 +11,10 @@
 
 mod common;
 
-use common::python::{example, launch, python, script, serial};
-use common::{Job, job_id, read_log, text};
+use common::examples::{Example, ExampleRun, events, final_digest};
+use common::python::{python, script, serial};
+use common::text;
 use std::process::Command;
-use std::time::Duration;
 
 const STEPS: &str = "24";
 /// Rank 1 is killed at step 5 in the forward pass, at step 11 inside the
@@ -22,53 +22,28 @@ const STEPS: &str = "24";
 /// next process of that rank.
 const THREE_KILLS: &str = "1:5:forward:kill:0;1:11:update:kill:1;1:17:commit:kill:2";
 
-struct Run {
-    logs: [Vec<serde_json::Value>; 2],
-    output: String,
-}
-
-fn run(plan: Option<&str>, script_args: &[&str]) -> Run {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("log.{rank}.jsonl");
-    let script = example("torch_ddp.py");
-    let mut args = vec![
-        script.to_str().unwrap(),
-        "--steps",
-        STEPS,
-        "--log-jsonl",
-        log.to_str().unwrap(),
-    ];
+fn run(plan: Option<&str>, script_args: &[&str]) -> ExampleRun {
+    let mut args = vec!["--steps", STEPS];
     args.extend(script_args);
-    let mut cmd = launch(2, &[], &args, dir.path());
-    cmd.env_remove("HATRAIN_FAULT_PLAN");
-    if let Some(p) = plan {
-        cmd.env("HATRAIN_FAULT_PLAN", p);
+    Example {
+        script: "torch_ddp.py",
+        ranks: 2,
+        flags: &[],
+        args: &args,
+        plan,
+        env: &[],
     }
-    let out = Job::spawn(cmd, &job_id("torch-optim")).wait_output(Duration::from_secs(240));
-    let output = text(&out);
-    assert!(out.status.success(), "{script_args:?} {plan:?}: {output}");
-    let read = |r: usize| read_log(&dir.path().join(format!("log.{r}.jsonl")));
-    Run {
-        logs: [read(0), read(1)],
-        output,
-    }
-}
-
-fn events<'a>(log: &'a [serde_json::Value], name: &str) -> Vec<&'a serde_json::Value> {
-    log.iter().filter(|e| e["event"] == name).collect()
+    .run()
 }
 
 fn digest(log: &[serde_json::Value]) -> String {
-    let f = events(log, "final");
-    assert_eq!(f.len(), 1, "{log:?}");
-    assert_eq!(f[0]["step"], 24);
-    f[0]["model_sha256"].as_str().unwrap().to_string()
+    final_digest(log, 24)
 }
 
 /// A fault-free run and one with three kills of rank 1 end with the same
 /// parameters and buffers on each rank (a norm's statistics are each
 /// rank's own); rank 1 resumed three times, rank 0 in one process.
-fn three_kills_end_bit_identical(args: &[&str]) -> Run {
+fn three_kills_end_bit_identical(args: &[&str]) -> ExampleRun {
     let clean = run(None, args);
     let r = run(Some(THREE_KILLS), args);
     for (log, want) in r.logs.iter().zip(&clean.logs) {

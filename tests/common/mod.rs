@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod dcmi;
 pub mod etcd;
+pub mod examples;
 pub mod hosts;
 pub mod launch;
 pub mod python;
