@@ -9,30 +9,18 @@
 
 mod common;
 
-use common::examples::{Example, ExampleRun, events, final_digest};
+use common::examples::{DDP_STEPS, ExampleRun, events, final_digest, torch_ddp};
 use common::python::{example, launch};
 use common::{Job, job_id, kill, read_log, text, wait_until};
 use std::path::Path;
 use std::time::Duration;
 
-const STEPS: &str = "24";
-
 fn run(plan: Option<&str>, script_args: &[&str]) -> ExampleRun {
-    run_with(plan, script_args, &[])
+    torch_ddp(plan, script_args, &[])
 }
 
 fn run_with(plan: Option<&str>, script_args: &[&str], env: &[(&str, &Path)]) -> ExampleRun {
-    let mut args = vec!["--steps", STEPS];
-    args.extend(script_args);
-    Example {
-        script: "torch_ddp.py",
-        ranks: 2,
-        flags: &[],
-        args: &args,
-        plan,
-        env,
-    }
-    .run()
+    torch_ddp(plan, script_args, env)
 }
 
 /// The parameters' digest of the fault-free run with the default flags,
@@ -48,7 +36,7 @@ fn clean_digest() -> &'static str {
 }
 
 fn digest(log: &[serde_json::Value]) -> String {
-    final_digest(log, 24)
+    final_digest(log, DDP_STEPS)
 }
 
 #[test]
@@ -325,10 +313,11 @@ fn a_second_rank_killed_at_a_seeded_moment_of_the_first_recovery_ends_bit_identi
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("log.{rank}.jsonl");
         let script = example("torch_ddp.py");
+        let steps = DDP_STEPS.to_string();
         let args = [
             script.to_str().unwrap(),
             "--steps",
-            STEPS,
+            &steps,
             "--step-ms",
             "30",
             "--log-jsonl",

@@ -11,33 +11,22 @@
 
 mod common;
 
-use common::examples::{Example, ExampleRun, events, final_digest};
+use common::examples::{DDP_STEPS, ExampleRun, events, final_digest, torch_ddp};
 use common::python::{python, script, serial};
 use common::text;
 use std::process::Command;
 
-const STEPS: &str = "24";
 /// Rank 1 is killed at step 5 in the forward pass, at step 11 inside the
 /// update, at step 17 halfway through the snapshot's copy: each in the
 /// next process of that rank.
 const THREE_KILLS: &str = "1:5:forward:kill:0;1:11:update:kill:1;1:17:commit:kill:2";
 
 fn run(plan: Option<&str>, script_args: &[&str]) -> ExampleRun {
-    let mut args = vec!["--steps", STEPS];
-    args.extend(script_args);
-    Example {
-        script: "torch_ddp.py",
-        ranks: 2,
-        flags: &[],
-        args: &args,
-        plan,
-        env: &[],
-    }
-    .run()
+    torch_ddp(plan, script_args, &[])
 }
 
 fn digest(log: &[serde_json::Value]) -> String {
-    final_digest(log, 24)
+    final_digest(log, DDP_STEPS)
 }
 
 /// A fault-free run and one with three kills of rank 1 end with the same

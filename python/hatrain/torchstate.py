@@ -255,12 +255,16 @@ class State:
     def adopt(self) -> None:
         """After ``optimizer.step()``: a state tensor it made or replaced is
         copied into its place and the view put back; numbers are written
-        out. Raises on state whose shape or dtype differs from the layout."""
+        out; which parameters have which state is noted for the metadata.
+        Raises on state whose shape or dtype differs from the layout."""
         state = self.optimizer.state
+        have: dict[str, list[int]] = {key: [] for key in self._keys()}
         for k in self._tensors:
             for i, view in k.views.items():
                 st = state.get(self._opt_params[i])
                 cur = None if st is None else st.get(k.key)
+                if cur is not None:
+                    have[k.key].append(i)
                 if cur is None or cur is view:
                     continue
                 if not isinstance(cur, torch.Tensor) or cur.shape != view.shape or cur.dtype != view.dtype:
@@ -275,18 +279,16 @@ class State:
                 st = state.get(self._opt_params[i])
                 if st is not None and key in st:
                     flat[j] = float(st[key])
+                    have[key].append(i)
+        n = len(self._opt_params)
+        self._present = {key: "all" if len(idx) == n else sorted(idx) for key, idx in have.items()}
 
     def meta(self) -> dict:
         """What is not a tensor: which parameters have which state, the
         groups' hyperparameters, the schedulers' and the scaler's state."""
-        state = self.optimizer.state
-        present = {}
-        for key in self._keys():
-            have = [i for i, p in enumerate(self._opt_params) if key in state.get(p, {})]
-            present[key] = "all" if len(have) == len(self._opt_params) else have
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         out = {
-            "present": present,
+            "present": self._present,
             "groups": _json("the optimizer's parameter groups", groups),
             "schedulers": [_json(f"scheduler {type(s).__name__}", s.state_dict()) for s in self.schedulers],
         }
@@ -318,6 +320,7 @@ class State:
         them and ``meta``, as it was when they were snapshotted."""
         self.check_params()
         present = meta["present"]
+        self._present = dict(present)
         have: dict[int, dict] = {}
         for k in self._tensors:
             mark = present.get(k.key, [])

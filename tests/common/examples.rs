@@ -72,3 +72,23 @@ pub fn final_digest(log: &[serde_json::Value], steps: u64) -> String {
     assert_eq!(f[0]["step"], steps);
     f[0]["model_sha256"].as_str().unwrap().to_string()
 }
+
+/// `examples/torch_ddp.py` on 2 ranks for 24 steps ([`DDP_STEPS`]), with
+/// the script's `args`, a fault plan and environment.
+pub fn torch_ddp(plan: Option<&str>, args: &[&str], env: &[(&str, &Path)]) -> ExampleRun {
+    let steps = DDP_STEPS.to_string();
+    let mut all = vec!["--steps", steps.as_str()];
+    all.extend(args);
+    Example {
+        script: "torch_ddp.py",
+        ranks: 2,
+        flags: &[],
+        args: &all,
+        plan,
+        env,
+    }
+    .run()
+}
+
+/// The steps [`torch_ddp`] runs.
+pub const DDP_STEPS: u64 = 24;

@@ -105,12 +105,9 @@ impl Driver<'_> {
             }
         }
         let why = self.write_part(own?).err()?;
-        Some(Input::Up {
-            from: me,
-            up: Up::Wrote {
-                epoch,
-                result: Err(why),
-            },
+        Some(Input::Wrote {
+            epoch,
+            result: Err(why),
         })
     }
 
@@ -171,13 +168,9 @@ impl Driver<'_> {
         epoch: u64,
         result: Result<f64, WriteFailed>,
     ) {
-        let up = Up::Wrote { epoch, result };
         match &self.decider {
-            Decider::Controller(c) => {
-                let from = c.node;
-                self.advance(sup, Input::Up { from, up });
-            }
-            Decider::Follower(_) => self.send_up(&up),
+            Decider::Controller(_) => self.advance(sup, Input::Wrote { epoch, result }),
+            Decider::Follower(_) => self.send_up(&Up::Wrote { epoch, result }),
         }
     }
 }

@@ -35,6 +35,7 @@ use crate::config::{LaunchConfig, LaunchError};
 use crate::job::{Kept, Served};
 use crate::notify;
 use hatrain_shared::ident::JobId;
+use statedir::{StateFiles, abandon, lock_state_dir, make_private_dir};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -46,6 +47,8 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use wire::{JobSummary, PROTOCOL, Registration, Reply, ToAgent};
+
+mod statedir;
 
 /// The host agent's socket: `/run/hatrain/agent.sock` for root, else
 /// `$XDG_RUNTIME_DIR/hatrain/agent.sock` (`None` without it).
@@ -705,73 +708,6 @@ fn status(state: &Shared) {
     notify::status(&line);
 }
 
-fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, ServeError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join(".lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&path)
-        .map_err(|source| ServeError::Bind {
-            path: path.clone(),
-            source,
-        })?;
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        .map_err(|_| ServeError::StateBusy(dir.to_path_buf()))
-}
-
-/// A job's files in the state folder, in a folder of its own: the
-/// registration its first rank made, and what the job keeps ([`Kept`]).
-#[derive(Debug, Clone)]
-struct StateFiles {
-    dir: PathBuf,
-    registration: PathBuf,
-    kept: PathBuf,
-}
-
-impl StateFiles {
-    fn of(dir: &Path, job: &str) -> Self {
-        let dir = dir.join(job);
-        Self {
-            registration: dir.join("registration.json"),
-            kept: dir.join("kept.json"),
-            dir,
-        }
-    }
-
-    fn write_registration(&self, reg: &Registration) -> std::io::Result<()> {
-        make_private_dir(&self.dir)?;
-        let json = serde_json::to_vec(reg).map_err(std::io::Error::other)?;
-        crate::job::write_atomic(&self.registration, &json)
-    }
-
-    fn remove(&self) {
-        let _ = std::fs::remove_file(&self.registration);
-        let _ = std::fs::remove_file(&self.kept);
-        let _ = std::fs::remove_file(self.kept.with_extension("json.tmp"));
-        let _ = std::fs::remove_file(self.registration.with_extension("json.tmp"));
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
-fn make_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)?;
-    hatrain_shared::trust::check(
-        dir,
-        hatrain_shared::trust::Kind::Dir,
-        hatrain_shared::trust::me(),
-    )
-    .map(|_| ())
-    .map_err(|e| std::io::Error::other(e.to_string()))
-}
-
 /// Takes up the jobs the agent before this one ran: each waits for its
 /// shims to come back, for the gather timeout.
 fn recover(state: &Shared) {
@@ -825,16 +761,4 @@ fn recover(state: &Shared) {
         }
     }
     status(state);
-}
-
-/// Removes what is left of a job that cannot be re-adopted: its state
-/// files and its shared-memory folder.
-fn abandon(state_dir: &Path, shm_root: &Path, job: &str) {
-    StateFiles::of(state_dir, job).remove();
-    if let Ok(id) = JobId::new(job) {
-        match crate::jobdir::JobDir::open(shm_root, &id) {
-            Ok(dir) => dir.remove(),
-            Err(e) => tracing::warn!(job, error = %e, "its shared memory is left"),
-        }
-    }
 }

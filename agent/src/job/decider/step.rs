@@ -45,6 +45,12 @@ pub enum Input {
         steps: Vec<(usize, Vec<u64>)>,
         replicas: Vec<(usize, Vec<u64>)>,
     },
+    /// This host's share of the checkpoint the hosts write under `epoch`
+    /// is written (the seconds it took), or failed.
+    Wrote {
+        epoch: u64,
+        result: Result<f64, crate::recovery::WriteFailed>,
+    },
     /// Hosts this agent stopped hearing, all known at once (so that a
     /// host lost with the holder of its replicas is named so).
     HostsLost(Vec<HostLoss>),
@@ -203,6 +209,9 @@ impl Controller {
                     self.on_event(now, facts, e, &mut out);
                 }
             }
+            Input::Wrote { epoch, result } => {
+                self.share_written(now, self.node, epoch, result, &mut out)
+            }
             Input::HostsLost(lost) => self.on_hosts_lost(now, facts, lost, &mut out),
             Input::Tick => self.on_tick(now, facts, &mut out),
         }
@@ -348,9 +357,7 @@ impl Controller {
     }
 
     fn on_up(&mut self, now: Duration, facts: &Facts, from: u64, up: Up, out: &mut Out) {
-        // This host's own share of a checkpoint is counted as any other.
-        let own_share = from == self.node && matches!(up, Up::Wrote { .. });
-        if !self.knows(from) && !own_share {
+        if !self.knows(from) {
             out.ready.note(
                 Level::Warn,
                 format!("a report from node {from}, not in the job, refused"),
@@ -716,7 +723,9 @@ impl Controller {
         match input {
             Input::HostsLost(lost) => !lost.is_empty(),
             Input::Up { .. } | Input::Tick => self.settling.is_some() || self.cut_off.is_some(),
-            Input::Event(_) | Input::Followed(_) | Input::Verified { .. } => false,
+            Input::Event(_) | Input::Followed(_) | Input::Verified { .. } | Input::Wrote { .. } => {
+                false
+            }
         }
     }
 }

@@ -80,16 +80,13 @@ impl Cluster {
             if let Some((_, written)) = self.disk.tmp.as_mut() {
                 written.extend(&ranks);
             }
-            let up = Up::Wrote {
-                epoch,
-                result: Ok(0.01),
-            };
+            let result = Ok(0.01);
             if node == self.leader {
                 if self.agent.is_some() {
-                    self.input(Input::Up { from: node, up });
+                    self.input(Input::Wrote { epoch, result });
                 }
             } else {
-                self.send(node, self.leader, Msg::Up(up));
+                self.send(node, self.leader, Msg::Up(Up::Wrote { epoch, result }));
             }
         }
     }
