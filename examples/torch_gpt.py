@@ -3,9 +3,13 @@
 A decoder-only transformer (GPT-2 blocks: pre-norm causal self-attention
 and a GELU MLP; tied input and output embeddings), bfloat16 autocast over
 float32 weights, AdamW with a linear warm-up and a cosine decay, gradient
-clipping, DDP over gloo. The tokens are synthetic, drawn per step and per
-rank from a seeded generator, so a run is a pure function of its flags: a
-run with faults ends with the same parameters, bit for bit, as one without.
+clipping, over gloo, sharded with FSDP2 (``fully_shard`` on each block and
+the root: each rank holds a shard of the parameters and of the AdamW
+moments); ``--zero`` for DDP with a ``ZeroRedundancyOptimizer`` (each rank
+updates and keeps the moments of its own parameters), ``--ddp`` for plain
+DDP. The tokens are synthetic, drawn per step and per rank from a seeded
+generator, so a run is a pure function of its flags: a run with faults
+ends with the same parameters, bit for bit, as one without.
 
     torchrun --nproc-per-node 2 examples/torch_gpt.py --steps 100
     hatrain-agent launch --nproc-per-node 2 --enable-high-availability \\
@@ -29,7 +33,12 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=100)
@@ -44,10 +53,15 @@ ap.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up"
 ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
 ap.add_argument("--no-autocast", action="store_true", help="float32 compute (bfloat16 autocast by default)")
 ap.add_argument("--seed", type=int, default=1234)
+how = ap.add_mutually_exclusive_group()
+how.add_argument("--zero", action="store_true", help="DDP with a ZeroRedundancyOptimizer (FSDP2 by default)")
+how.add_argument("--ddp", action="store_true", help="plain DDP (FSDP2 by default)")
 ap.add_argument("--save", default=None, help="(torchrun) torch.distributed.checkpoint folder")
 ap.add_argument("--save-interval", type=int, default=10)
 ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of each rank if it has {rank})")
 args = ap.parse_args()
+if args.zero and args.save:
+    ap.error("--save (torch.distributed.checkpoint) takes FSDP2 or DDP here, not --zero")
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 torch.manual_seed(args.seed)
@@ -96,8 +110,37 @@ class GPT(torch.nn.Module):
         return self.ln(x) @ self.tok.weight.t()
 
 
+rank = int(os.environ.get("RANK", "0"))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+fsdp = not (args.zero or args.ddp)
+if under_agent:
+    import hatrain.torch
+
+    class Job(hatrain.torch.Job):
+        def on_resume(self, step, epoch):
+            say(event="resume", step=step, epoch=epoch, pid=os.getpid())
+
+    # The process group first (FSDP2's mesh and ZeRO are made over it);
+    # a warm standby parks here until it has a rank.
+    job = Job()
+    rank = job.rank
+elif world > 1 or fsdp:
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
 model = GPT(args.vocab, args.seq, args.width, args.heads, args.layers)
-opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+if fsdp:
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+if args.zero:
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+else:
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
 
 
 def schedule(step):
@@ -109,8 +152,6 @@ def schedule(step):
 
 
 sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-rank = int(os.environ.get("RANK", "0"))
-world = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def tokens(step):
@@ -149,9 +190,12 @@ def say(**event):
 
 
 def digest():
+    """The SHA-256 of the full parameters (FSDP's shards gathered: every
+    rank calls it)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        full = p.full_tensor() if fsdp else p
+        h.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -163,13 +207,9 @@ def dcp_state():
 
 
 if not under_agent:
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if world > 1:
-        dist.init_process_group("gloo")
     open_log()
     start = 0
     if args.save and os.path.isdir(args.save):
@@ -180,7 +220,7 @@ if not under_agent:
             dcp.load(state, checkpoint_id=os.path.join(args.save, f"step-{start}"))
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             sched.load_state_dict(state["sched"])
-    net = DDP(model) if world > 1 else model
+    net = DDP(model) if world > 1 and not fsdp else model
     say(event="start", world_size=world, start_step=start, pid=os.getpid(), since_start_s=time.time() - t_start)
     for step in range(start + 1, args.steps + 1):
         t0 = time.time()
@@ -191,20 +231,11 @@ if not under_agent:
             dcp.save(dcp_state(), checkpoint_id=os.path.join(args.save, f"step-{step}"))
         say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0)
     say(event="final", step=args.steps, model_sha256=digest())
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(0)
 
-import hatrain.torch  # noqa: E402
-
-
-class Job(hatrain.torch.Job):
-    def on_resume(self, step, epoch):
-        say(event="resume", step=step, epoch=epoch, pid=os.getpid())
-
-
-job = Job(model, opt, schedulers=[sched])
-rank = job.rank
+job.register(model, opt, schedulers=[sched])
 open_log()
 say(event="start", world_size=world, start_step=job.step_done, pid=os.getpid(), standby=job.standby_pid is not None,
     since_start_s=time.time() - t_start, snapshot_bytes=job.rt.snapshot_bytes,
@@ -218,7 +249,8 @@ for step in job.steps(args.steps):
             sched.step()
     say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0,
         epoch=job.epoch)
+final = digest()
 job.close()
-say(event="final", step=job.step_done, model_sha256=digest())
+say(event="final", step=job.step_done, model_sha256=final)
 if rank == 0:
-    print(f"done: step {job.step_done} | parameters sha256 {digest()}")
+    print(f"done: step {job.step_done} | parameters sha256 {final}")

@@ -1,11 +1,12 @@
 //! `examples/torch_gpt.py`, a GPT-style model trained as people train one
 //! (bfloat16 autocast, AdamW with warm-up and cosine decay, gradient
-//! clipping, DDP), under a real `hatrain-agent launch`: rank 1 SIGKILLed
-//! in the forward pass, inside the update and halfway through a
-//! snapshot's copy; a memory error in an optimizer moment, repaired in the
-//! same process; a warm standby taking the killed rank's place; 2 ranks
-//! and 4. Each run ends with parameters bit-identical to the run without
-//! faults.
+//! clipping), sharded with FSDP2 and, with `--zero`, as DDP with a
+//! `ZeroRedundancyOptimizer`, under a real `hatrain-agent launch`: a rank
+//! SIGKILLed in the forward pass, inside the update and halfway through a
+//! snapshot's copy; a memory error in an optimizer moment (a shard of the
+//! rank's own), repaired in the same process; a warm standby taking the
+//! killed rank's place; 2 ranks and 4. Each run ends with the full
+//! parameters bit-identical to the run without faults.
 
 mod common;
 
@@ -18,12 +19,16 @@ const MODEL: [&str; 12] = [
     "32",
 ];
 
+/// A run of `ranks` ranks; `flags` holds the example's own (`--zero`)
+/// and the agent's (those after).
 fn run(ranks: usize, plan: Option<&str>, flags: &[&str]) -> ExampleRun {
+    let (mine, agent): (Vec<&str>, Vec<&str>) = flags.iter().partition(|f| **f == "--zero");
+    let args: Vec<&str> = MODEL.iter().copied().chain(mine).collect();
     Example {
         script: "torch_gpt.py",
         ranks,
-        flags,
-        args: &MODEL,
+        flags: &agent,
+        args: &args,
         plan,
         env: &[],
     }
@@ -41,21 +46,23 @@ fn assert_identical(r: &ExampleRun, want: &str, what: &str) {
     }
 }
 
-/// The digest of a fault-free run of `ranks` ranks (DDP keeps them equal).
-fn clean(ranks: usize) -> (String, ExampleRun) {
-    let r = run(ranks, None, &[]);
+/// The digest of a fault-free run of `ranks` ranks (every rank logs the
+/// full parameters' digest).
+fn clean(ranks: usize, flags: &[&str]) -> (String, ExampleRun) {
+    let r = run(ranks, None, flags);
     let want = digest(&r.logs[0]);
     assert_identical(&r, &want, "the clean run");
     (want, r)
 }
 
-#[test]
-fn the_gpt_example_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby() {
+/// Kills, a memory error in the first Adam moment and a warm standby, at 2
+/// ranks, with `flags` choosing the sharding.
+fn two_ranks(flags: &[&str]) {
     let _one_at_a_time = serial();
-    let (want, clean) = clean(2);
+    let (want, clean) = clean(2, flags);
 
     let kills = "1:4:forward:kill:0;1:9:update:kill:1;1:15:commit:kill:2";
-    let r = run(2, Some(kills), &[]);
+    let r = run(2, Some(kills), flags);
     assert_identical(&r, &want, kills);
     assert_eq!(events(&r.logs[0], "start").len(), 1);
     assert_eq!(events(&r.logs[1], "start").len(), 4);
@@ -69,14 +76,15 @@ fn the_gpt_example_comes_back_bit_identical_from_kills_a_memory_error_and_a_stan
         .position(|p| p.0 == "state.exp_avg.float32")
         .unwrap_or_else(|| panic!("no first moment in {parts:?}"));
     let uce = format!("1:7:forward:uce-{moment}-40000");
-    let r = run(2, Some(&uce), &[]);
+    let r = run(2, Some(&uce), flags);
     assert_identical(&r, &want, &uce);
     assert_eq!(events(&r.logs[1], "start").len(), 1, "{uce}: {}", r.output);
     assert_eq!(events(&r.logs[1], "resume").len(), 1, "{uce}");
 
     // A warm standby takes the first killed process's place.
     let twice = "1:6:forward:kill:0;1:12:update:kill:1";
-    let r = run(2, Some(twice), &["--warm-standby", "1"]);
+    let standby: Vec<&str> = flags.iter().copied().chain(["--warm-standby", "1"]).collect();
+    let r = run(2, Some(twice), &standby);
     assert_identical(&r, &want, twice);
     let standby = events(&r.logs[1], "start")
         .iter()
@@ -85,13 +93,33 @@ fn the_gpt_example_comes_back_bit_identical_from_kills_a_memory_error_and_a_stan
     assert!(standby >= 1, "{twice}: {:?}", r.logs[1]);
 }
 
-#[test]
-fn the_gpt_example_on_four_ranks_comes_back_bit_identical_from_kills() {
+/// Kills of ranks 2 and 3 at 4 ranks.
+fn four_ranks(flags: &[&str]) {
     let _one_at_a_time = serial();
-    let (want, _) = clean(4);
+    let (want, _) = clean(4, flags);
     let kills = "2:5:forward:kill:0;3:11:update:kill:0;2:16:commit:kill:1";
-    let r = run(4, Some(kills), &[]);
+    let r = run(4, Some(kills), flags);
     assert_identical(&r, &want, kills);
-    assert_eq!(events(&r.logs[2], "start").len(), 3);
-    assert_eq!(events(&r.logs[3], "start").len(), 2);
+    assert_eq!(events(&r.logs[2], "start").len(), 3, "{kills}: {}", r.output);
+}
+
+#[test]
+fn the_gpt_example_sharded_by_fsdp2_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby() {
+    two_ranks(&[]);
+}
+
+#[test]
+fn the_gpt_example_with_a_zero_optimizer_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby()
+{
+    two_ranks(&["--zero"]);
+}
+
+#[test]
+fn the_gpt_example_sharded_by_fsdp2_on_four_ranks_comes_back_bit_identical_from_kills() {
+    four_ranks(&[]);
+}
+
+#[test]
+fn the_gpt_example_with_a_zero_optimizer_on_four_ranks_comes_back_bit_identical_from_kills() {
+    four_ranks(&["--zero"]);
 }

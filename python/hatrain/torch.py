@@ -38,6 +38,22 @@ then yields the step after that one again.
 Without an agent (a plain ``torchrun``) the script runs as before: the
 process group comes from ``env://`` and nothing is snapshotted.
 
+A sharded job makes the process group first, then shards its model
+(FSDP2's ``fully_shard``) or builds its ``ZeroRedundancyOptimizer``, then
+registers::
+
+    job = hatrain.torch.Job()
+    mesh = init_device_mesh("cpu", (job.world,))
+    ...fully_shard(block, mesh=mesh)...; fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    job.register(model, opt, schedulers=[sched])
+
+Under the agent that first group is a stand-in (torch's ``fake`` backend:
+the right size and rank, no data passed); the real one is made at
+registration, or for a replacement once the agent says where the job
+resumes, and FSDP's and the optimizer's references are pointed at it
+(``_build``). What each rank snapshots for each layout: ``hatrain.torchstate``.
+
 Any ``torch.optim.Optimizer`` whose state is tensors and numbers (Adam,
 AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam...): its state is learnt
 from its own ``step()``. Parameters and buffers of any floating or integer
@@ -58,6 +74,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from typing import Iterator
 
 import numpy as np
@@ -116,8 +133,8 @@ class Job:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         schedulers: list | None = None,
         scaler=None,
@@ -129,24 +146,96 @@ class Job:
         fault_wait: float = 30.0,
     ):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.module = model
-        self.optimizer = optimizer
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.snapshot_interval = snapshot_interval
         self.extra = dict(extra or {})
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.fault_wait = fault_wait
         self.step_done = 0
         self.epoch = 0
         self.total = None
-        self.model: torch.nn.Module = model
+        self.module = self.model = None
+        self.optimizer = None
+        self.state = None
         self._current = None
         self._updated = None
         self._failed = False
         self._read_siblings = False
+        self._built = False
+        self.standby_pid = None
+        if model is None:
+            if optimizer is not None or schedulers is not None or scaler is not None:
+                raise TypeError("Job(): the optimizer, schedulers and scaler are given with the model (or to register())")
+            # The group first: the script shards its model and builds its
+            # optimizer over it, then registers them.
+            self._take_rank()
+            self._group_first()
+        else:
+            self.register(model, optimizer, schedulers=schedulers, scaler=scaler)
+
+    def _take_rank(self) -> None:
+        """A warm standby parks here until it is given a rank's place."""
+        self.standby_pid = os.getpid() if hatrain.standby() is not None else None
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.plan = Plan(self.rank)
+
+    def _group_first(self) -> None:
+        """The process group a script shards its model over (FSDP2's device
+        mesh, a ``ZeroRedundancyOptimizer``), before it registers them.
+        Under the agent it is a stand-in of the same size and rank that
+        passes no data: the real one is made at registration (or, for a
+        replacement, once the agent says which step the job resumes), and
+        FSDP's and the optimizer's references are pointed at it then."""
+        if dist.is_initialized():
+            raise hatrain.HatrainError("hatrain.torch.Job() makes the process group: it is made already")
+        if self.under_agent_env():
+            # The fake backend registers itself with its module.
+            from torch.testing._internal.distributed import fake_pg
+
+            dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=self.rank, world_size=self.world)
+        elif "MASTER_ADDR" in os.environ:
+            dist.init_process_group(self.backend, timeout=self.timeout)
+        else:
+            # A plain ``python script.py``: a group of one.
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._group_early = True
+
+    def register(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        schedulers: list | None = None,
+        scaler=None,
+    ) -> "Job":
+        """Registers the model (a plain module for DDP and for a
+        ``ZeroRedundancyOptimizer``, or one ``fully_shard`` sharded) and its
+        optimizer with the agent, and builds the job's process group (and
+        DDP module) when the job starts afresh. Returns the job."""
+        if self.state is not None:
+            raise hatrain.HatrainError("the job has a model registered already")
+        self.module = self.model = model
+        self.optimizer = optimizer
+        early = getattr(self, "_group_early", False)
         # The state is moved (and its pages touched) first: a warm standby
         # has done all its start-up when it parks here for a rank.
-        self.state = State(model, optimizer, schedulers, scaler)
+        self.state = State(model, optimizer, schedulers, scaler, world=self.world)
+        self.layout = self.state.layout
+        if self.layout == "fsdp":
+            from torch.distributed.fsdp import FSDPModule
+
+            if not isinstance(model, FSDPModule):
+                raise hatrain.HatrainError(
+                    "an FSDP job registers its root module, on which fully_shard was called last "
+                    f"(this {type(model).__name__} is not sharded itself)"
+                )
+        if self.layout != "ddp" and not early:
+            raise hatrain.HatrainError(
+                f"a {self.layout.upper()} job starts with `job = hatrain.torch.Job()` (the process group), "
+                "then shards its model or builds its optimizer, then `job.register(model, optimizer)`"
+            )
         self._has_buffers = self.state.has_buffers
         if self.under_agent_env():
             # What exists now (the imported modules, the model, the
@@ -160,25 +249,24 @@ class Job:
             # report them leaked).
             gc.freeze()
             atexit.register(gc.unfreeze)
-        self.standby_pid = os.getpid() if hatrain.standby() is not None else None
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.plan = Plan(self.rank)
+        if not early:
+            self._take_rank()
         if self.under_agent_env() and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
             raise hatrain.HatrainError(
                 "hatrain.torch runs a job on one host: its process group meets in a file of the "
                 f"agent's job folder (WORLD_SIZE {self.world}, LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')})"
             )
         rep = (self.world, self.rank) if self.world > 1 else None
-        # The parameters and the optimizer's state are the same on every
-        # rank; module buffers (a norm's statistics of this rank's batches)
-        # are not.
+        # What every rank of the data-parallel group holds the same (DDP's
+        # parameters and optimizer state) is marked replicated; the rest
+        # (module buffers, a sharded optimizer's state, FSDP's shards) is
+        # the rank's own.
         parts = [f.part(rep) for f in self.state.flats]
         self.rt = hatrain.connect(
             self.rank,
             parts,
             META_LEN,
-            snapshot_interval=snapshot_interval,
+            snapshot_interval=self.snapshot_interval,
             # The drill's hook only when the plan has a fault there: it runs
             # Python on the commit thread.
             commit_halfway=(lambda s: self.plan.hit(s, "commit", self.rt)) if self.plan.has("commit") else None,
@@ -193,6 +281,7 @@ class Job:
             self.epoch = epoch or 0
             self._build()
             self.rt.commit(0, self.epoch, self._meta(0), of="start")
+        return self
 
     # -- state ---------------------------------------------------------------
 
@@ -248,24 +337,32 @@ class Job:
     def _build(self, gather: bool = False) -> None:
         """The process group and the DDP module of ``self.epoch``; with
         ``gather``, the restored slices are gathered in between (before DDP,
-        whose construction broadcasts rank 0's parameters)."""
-        if self.world > 1 or self.under_agent:
-            if self.under_agent:
-                store = self._store(self.epoch)
-                if gather:
-                    self._meet(store)
-                dist.init_process_group(
-                    self.backend,
-                    store=store,
-                    rank=self.rank,
-                    world_size=self.world,
-                    timeout=self.timeout,
-                )
-            else:
-                dist.init_process_group(self.backend, timeout=self.timeout)
+        whose construction broadcasts rank 0's parameters). FSDP's and a
+        ``ZeroRedundancyOptimizer``'s references to the group are pointed
+        at the new one."""
+        if self.under_agent:
+            # The group a sharded job was set up on, a stand-in or the
+            # last epoch's, goes first.
+            self._destroy()
+            store = self._store(self.epoch)
             if gather:
-                with torch.no_grad():
-                    self._gather()
+                self._meet(store)
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world,
+                timeout=self.timeout,
+            )
+        elif self.world > 1 and not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=self.timeout)
+        self._built = True
+        if gather:
+            with torch.no_grad():
+                self._gather()
+        if self.layout == "fsdp":
+            self._repoint_fsdp()
+        elif self.world > 1 or self.under_agent:
             # DDP sums each gradient bucket around a ring, in an order set by
             # the bucket's layout, and by default lays its buckets out
             # again after the first iteration (in the order the gradients
@@ -280,7 +377,45 @@ class Job:
                 # DDP's broadcast of rank 0's is skipped.
                 kwargs["init_sync"] = False
             self.model = DDP(self.module, **kwargs)
+            if self.layout == "zero":
+                self.optimizer.process_group = dist.group.WORLD
         self.rt.set_communicator(self.epoch)
+
+    def _fsdp_groups(self) -> list:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [
+            g
+            for m in self.module.modules()
+            if isinstance(m, FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups
+        ]
+
+    def _fsdp_mesh_infos(self) -> list:
+        return [
+            info
+            for g in self._fsdp_groups()
+            for info in (g.mesh_info, g.post_forward_mesh_info)
+            if info is not None
+        ]
+
+    def _repoint_fsdp(self) -> None:
+        """FSDP2 keeps the process group of each parameter group's mesh at
+        ``fully_shard``: each is pointed at the group the mesh now names
+        (the default group, made again under this epoch). What a failed
+        step left (unsharded parameters, a half-run forward or backward,
+        collectives of the old group) is reset first."""
+        for g in self._fsdp_groups():
+            # The old group's collectives are not waited for: it is gone.
+            g._all_gather_result = None
+        for info in self._fsdp_mesh_infos():
+            if hasattr(info, "shard_process_group"):
+                info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+            if hasattr(info, "replicate_process_group"):
+                info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
+        if self.module._get_fsdp_state()._is_root is not None:
+            # (None: no forward ran yet, there is nothing to reset.)
+            self.module.reset_iter_state()
 
     def _meet(self, store) -> None:
         """Waits at ``store`` until every rank of the epoch has arrived,
@@ -300,6 +435,17 @@ class Job:
         gradient hooks on the parameters go when it is collected: see
         ``_recover``)."""
         self.model = self.module
+        # FSDP and a ZeroRedundancyOptimizer hold the group: they let go of
+        # it, so that it is closed now (its peers' collectives fail at
+        # once, instead of waiting out their timeout on a group that still
+        # exists).
+        if getattr(self, "layout", None) == "fsdp":
+            for info in self._fsdp_mesh_infos():
+                for attr in ("shard_process_group", "replicate_process_group"):
+                    if hasattr(info, attr):
+                        setattr(info, attr, None)
+        elif getattr(self, "layout", None) == "zero":
+            self.optimizer.process_group = None
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -348,7 +494,7 @@ class Job:
     # -- recovery -------------------------------------------------------------
 
     def _recover(self) -> None:
-        built = self.model is not self.module
+        built, self._built = self._built, False
         self._destroy()
         # The old DDP module may be held in reference cycles (through the
         # failed step's traceback); it must be gone, with its hooks, before
@@ -460,6 +606,13 @@ class Job:
             if uce is False or not (uce or self._is_fault(e)):
                 raise
             self._failed = True
+            # The failed step's frames hold the process group (a collective
+            # called from Python, as FSDP's are, has it in its locals), and
+            # the exception lives on until this block is left: with their
+            # locals cleared, the group is closed when it is destroyed, and
+            # the other ranks' collectives fail at once instead of at their
+            # timeout.
+            traceback.clear_frames(e.__traceback__)
             self._recover()
 
     def _npu_uce(self, e: BaseException) -> bool | None:

@@ -25,6 +25,19 @@ a restore rebuilds the optimizer's state from the views (:meth:`State.load`).
 
 Each tensor keeps its dtype everywhere: a bfloat16 tensor is 2 bytes an
 element in the snapshot and in the checkpoint (``BF16``).
+
+Three data-parallel layouts (:func:`layout`):
+
+- ``ddp``: every rank holds the same parameters and optimizer state; both
+  are marked replicated, and each rank's snapshot holds a slice of them.
+- ``zero`` (``torch.distributed.optim.ZeroRedundancyOptimizer``): the
+  parameters are replicated as with DDP; the optimizer state is that of
+  the rank's own parameters (its local optimizer's), the rank's own.
+- ``fsdp`` (FSDP2, ``fully_shard``): the parameters and the optimizer
+  state are DTensor shards, each rank's own. FSDP keeps the parameters'
+  shards in its own buffers, so they are copied into their part after
+  each update and back after a restore; the optimizer's state tensors are
+  made DTensors over views of their parts, with no copy.
 """
 
 from __future__ import annotations
@@ -36,6 +49,11 @@ from dataclasses import dataclass, field
 import torch
 
 import hatrain
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = ()
 
 #: The dtype each torch dtype is seen as by numpy, and the state map's name.
 _DTYPES = {
@@ -57,6 +75,37 @@ _NUMBERS = {"int": int, "float": float, "bool": bool}
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).split(".")[-1]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _zero(optimizer) -> bool:
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:
+        return False
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def layout(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """How a job's state is spread over its ranks: ``fsdp`` (the
+    parameters are DTensor shards: FSDP2), ``zero`` (a
+    ``ZeroRedundancyOptimizer``: each rank updates its own parameters) or
+    ``ddp`` (every rank holds all of it)."""
+    dtensors = [isinstance(p, DTensor) for p in module.parameters()]
+    if any(dtensors):
+        if not all(dtensors):
+            raise TypeError(
+                "some of the model's parameters are DTensors and some are not: hatrain.torch takes a model "
+                "sharded whole (fully_shard on its root)"
+            )
+        if _zero(optimizer):
+            raise TypeError("a ZeroRedundancyOptimizer over FSDP-sharded parameters: choose one of the two")
+        return "fsdp"
+    return "zero" if _zero(optimizer) else "ddp"
 
 
 @dataclass
@@ -81,6 +130,7 @@ def flatten(name: str, what: str, tensors: list[torch.Tensor], replicated: bool)
     """One flat tensor named ``name`` holding ``tensors``' values (all of one
     dtype, on the CPU), and views of it shaped like each."""
     dtype = tensors[0].dtype
+    tensors = [_local(t) for t in tensors]
     for t in tensors:
         if t.device.type != "cpu":
             raise TypeError(f"hatrain.torch snapshots CPU tensors here; {what} has a tensor on {t.device}")
@@ -128,8 +178,16 @@ def _probe(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list
     for i, c in enumerate(copies):
         kinds = {}
         for k, v in probe.state.get(c, {}).items():
-            if isinstance(v, torch.Tensor):
-                kinds[k] = (v.dtype, tuple(v.shape))
+            if isinstance(v, DTensor):
+                if v.shape != c.shape or v.placements != c.placements:
+                    raise TypeError(
+                        f"{type(optimizer).__name__}'s state {k!r} of parameter {i} is a DTensor of another "
+                        f"shape or sharding than its parameter ({tuple(v.shape)} {v.placements}, the parameter "
+                        f"{tuple(c.shape)} {c.placements}): hatrain.torch takes state sharded as its parameter"
+                    )
+                kinds[k] = (v.dtype, tuple(v.to_local().shape), True)
+            elif isinstance(v, torch.Tensor):
+                kinds[k] = (v.dtype, tuple(v.shape), False)
             elif type(v).__name__ in _NUMBERS:
                 kinds[k] = type(v).__name__
             else:
@@ -170,16 +228,17 @@ def _restore_value(old, new):
 @dataclass
 class _Key:
     """One state key's tensors of one dtype: the flat part, and per
-    parameter index its view."""
+    parameter index its view (for DTensor state, of this rank's shard)."""
 
     key: str
     views: dict[int, torch.Tensor] = field(default_factory=dict)
+    dtensor: bool = False
 
 
 class State:
     """The parameters, buffers and optimizer state of a job as flat parts
-    (see the module's doc). ``replicated``: every rank of the data-parallel
-    group holds the same parameters and optimizer state (DDP)."""
+    (see the module's doc). ``world``: the ranks of the data-parallel group
+    (what is replicated is marked so when there are several)."""
 
     def __init__(
         self,
@@ -187,12 +246,13 @@ class State:
         optimizer: torch.optim.Optimizer,
         schedulers: list | None = None,
         scaler=None,
-        replicated: bool = True,
+        world: int = 1,
     ):
         self.module = module
         self.optimizer = optimizer
         self.schedulers = list(schedulers or [])
         self.scaler = scaler
+        self.layout = layout(module, optimizer)
         self.flats: list[Flat] = []
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         seen = {id(p) for p in opt_params}
@@ -204,13 +264,21 @@ class State:
         self.params = opt_params + others
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = [names.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(self.params)]
+        # FSDP keeps each parameter's shard in a buffer of its own: the
+        # shards are copied into their part (``stage``), not made views.
+        staged = self.layout == "fsdp"
+        replicated = world > 1 and not staged
         self._param_views: list[torch.Tensor] = [None] * len(self.params)
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dtype, idx in _by_dtype(list(range(len(self.params))), lambda i: self.params[i].dtype).items():
             flat, views = flatten(
                 f"params.{_short(dtype)}", "the parameters", [self.params[i].data for i in idx], replicated
             )
             for i, v in zip(idx, views):
-                self.params[i].data = v
+                if staged:
+                    self._staged.append((self.params[i], v))
+                else:
+                    self.params[i].data = v
                 self._param_views[i] = v
             self.flats.append(flat)
         owned = [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
@@ -220,10 +288,17 @@ class State:
             for (m, n, _), v in zip(mine, views):
                 m._buffers[n] = v
             self.flats.append(flat)
-        self._take_optimizer(opt_params, replicated)
+        # A ZeroRedundancyOptimizer's state is its local optimizer's, of
+        # this rank's own parameters; its parameter groups (which the
+        # schedulers change) are its own, copied to the local ones at each
+        # step.
+        inner = optimizer.optim if self.layout == "zero" else optimizer
+        inner_params = [p for g in inner.param_groups for p in g["params"]]
+        self._take_optimizer(inner, inner_params, world > 1 and self.layout == "ddp")
 
-    def _take_optimizer(self, params: list[torch.Tensor], replicated: bool) -> None:
-        kinds = _probe(self.optimizer, params)
+    def _take_optimizer(self, inner: torch.optim.Optimizer, params: list[torch.Tensor], replicated: bool) -> None:
+        self._inner = inner
+        kinds = _probe(inner, params)
         self._tensors: list[_Key] = []
         # Per number key: its float64 part, the indices holding it, the type.
         self._numbers: dict[str, tuple[torch.Tensor, dict[int, int], str]] = {}
@@ -233,11 +308,13 @@ class State:
         for key in keys:
             tensor_idx = [i for i, k in enumerate(kinds) if isinstance(k.get(key), tuple)]
             number_idx = [i for i, k in enumerate(kinds) if isinstance(k.get(key), str)]
-            for dtype, idx in _by_dtype(tensor_idx, lambda i: kinds[i][key][0]).items():
+            groups = _by_dtype(tensor_idx, lambda i: (kinds[i][key][0], kinds[i][key][2]))
+            for (dtype, dtensor), idx in groups.items():
                 zeros = [torch.zeros(kinds[i][key][1], dtype=dtype) for i in idx]
-                flat, views = flatten(f"state.{key}.{_short(dtype)}", f"optimizer state {key!r}", zeros, replicated)
+                name = f"state.{key}.{_short(dtype)}"
+                flat, views = flatten(name, f"optimizer state {key!r}", zeros, replicated)
                 self.flats.append(flat)
-                self._tensors.append(_Key(key, dict(zip(idx, views))))
+                self._tensors.append(_Key(key, dict(zip(idx, views)), dtensor))
             if number_idx:
                 types = {kinds[i][key] for i in number_idx}
                 if len(types) != 1:
@@ -245,19 +322,30 @@ class State:
                 flat = torch.zeros(len(number_idx), dtype=torch.float64)
                 self.flats.append(Flat(f"state.{key}.number", flat, replicated))
                 self._numbers[key] = (flat, {i: j for j, i in enumerate(number_idx)}, types.pop())
+        names = {id(p): n for p, n in zip(self.params, self.names)}
         self._opt_params = params
+        self._opt_names = [names.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(params)]
         # State the optimizer has already (loaded, or made at its
         # construction, as Adagrad's) moves into place now.
         self.adopt()
+
+    def _held(self, key: _Key, i: int, view: torch.Tensor) -> torch.Tensor:
+        """What the optimizer's state holds for ``view``: the view itself,
+        or for a parameter sharded by FSDP a DTensor over it (no copy)."""
+        if not key.dtensor:
+            return view
+        p = self._opt_params[i]
+        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     # -- after each update ------------------------------------------------------
 
     def adopt(self) -> None:
         """After ``optimizer.step()``: a state tensor it made or replaced is
         copied into its place and the view put back; numbers are written
-        out; which parameters have which state is noted for the metadata.
-        Raises on state whose shape or dtype differs from the layout."""
-        state = self.optimizer.state
+        out; FSDP's parameter shards are copied into their part; which
+        parameters have which state is noted for the metadata. Raises on
+        state whose shape or dtype differs from the layout."""
+        state = self._inner.state
         have: dict[str, list[int]] = {key: [] for key in self._keys()}
         for k in self._tensors:
             for i, view in k.views.items():
@@ -265,21 +353,32 @@ class State:
                 cur = None if st is None else st.get(k.key)
                 if cur is not None:
                     have[k.key].append(i)
-                if cur is None or cur is view:
+                if cur is None:
                     continue
-                if not isinstance(cur, torch.Tensor) or cur.shape != view.shape or cur.dtype != view.dtype:
+                local = _local(cur) if isinstance(cur, torch.Tensor) else cur
+                if local is view or (isinstance(local, torch.Tensor) and local.data_ptr() == view.data_ptr()):
+                    continue
+                if (
+                    not isinstance(cur, torch.Tensor)
+                    or isinstance(cur, DTensor) != k.dtensor
+                    or local.shape != view.shape
+                    or local.dtype != view.dtype
+                ):
                     raise hatrain.HatrainError(
-                        f"optimizer state {k.key!r} of {self.names[i]} changed its kind "
+                        f"optimizer state {k.key!r} of {self._opt_names[i]} changed its kind "
                         f"({_describe(cur)}, registered {_describe(view)})"
                     )
-                view.copy_(cur)
-                st[k.key] = view
+                view.copy_(local)
+                st[k.key] = self._held(k, i, view)
         for key, (flat, at, _) in self._numbers.items():
             for i, j in at.items():
                 st = state.get(self._opt_params[i])
                 if st is not None and key in st:
                     flat[j] = float(st[key])
                     have[key].append(i)
+        with torch.no_grad():
+            for p, view in self._staged:
+                view.copy_(_local(p))
         n = len(self._opt_params)
         self._present = {key: "all" if len(idx) == n else sorted(idx) for key, idx in have.items()}
 
@@ -304,11 +403,19 @@ class State:
     # -- after a restore --------------------------------------------------------
 
     def check_params(self) -> None:
-        """Every parameter is still the view the job registered: a model
-        changed since cannot be restored into."""
+        """Every parameter is still the one the job registered (for
+        FSDP's, of the same shard shape): a model changed since cannot be
+        restored into."""
+        current = {id(p) for p in self.module.parameters()}
         for i, p in enumerate(self.params):
             v = self._param_views[i]
-            if p.data.data_ptr() != v.data_ptr() or p.shape != v.shape or p.dtype != v.dtype:
+            local = _local(p.data)
+            same = local.shape == v.shape and local.dtype == v.dtype and id(p) in current
+            if self._staged:
+                same = same and isinstance(p, DTensor)
+            else:
+                same = same and local.data_ptr() == v.data_ptr()
+            if not same:
                 raise hatrain.HatrainError(
                     f"parameter {self.names[i]} is not the one the job registered "
                     f"({_describe(p.data)}, registered {_describe(v)}): the model changed since, "
@@ -316,9 +423,13 @@ class State:
                 )
 
     def load(self, meta: dict) -> None:
-        """The parts were restored: the optimizer's state is rebuilt from
-        them and ``meta``, as it was when they were snapshotted."""
+        """The parts were restored: FSDP's parameter shards are copied back
+        and the optimizer's state is rebuilt from them and ``meta``, as it
+        was when they were snapshotted."""
         self.check_params()
+        with torch.no_grad():
+            for p, view in self._staged:
+                _local(p).copy_(view)
         present = meta["present"]
         self._present = dict(present)
         have: dict[int, dict] = {}
@@ -326,13 +437,13 @@ class State:
             mark = present.get(k.key, [])
             for i, view in k.views.items():
                 if mark == "all" or i in mark:
-                    have.setdefault(i, {})[k.key] = view
+                    have.setdefault(i, {})[k.key] = self._held(k, i, view)
         for key, (flat, at, kind) in self._numbers.items():
             mark = present.get(key, [])
             for i, j in at.items():
                 if mark == "all" or i in mark:
                     have.setdefault(i, {})[key] = _NUMBERS[kind](flat[j].item())
-        state = self.optimizer.state
+        state = self._inner.state
         for i, p in enumerate(self._opt_params):
             if i in have:
                 state[p] = have[i]
@@ -354,7 +465,8 @@ class State:
     # -- views --------------------------------------------------------------------
 
     def digest_parts(self) -> list[Flat]:
-        """The parts that are the model (parameters and buffers)."""
+        """The parts that are the model (parameters and buffers; with FSDP,
+        this rank's shards)."""
         return [f for f in self.flats if f.name.startswith(("params.", "buffers."))]
 
 

@@ -71,4 +71,21 @@ raises(hatrain.HatrainError, "parameter 0.weight is not the one the job register
 m[0].weight.data = torch.zeros(3, 3)
 raises(hatrain.HatrainError, "the model changed since", state.load, saved)
 
+# A model sharded in part (FSDP2 on a block, not on the root), and a
+# sharded model registered without making the job's group first.
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+m = model()
+fully_shard(m[0], mesh=mesh)
+raises(TypeError, "some of the model's parameters are DTensors and some are not",
+       State, m, torch.optim.AdamW(m.parameters()))
+fully_shard(m, mesh=mesh)
+raises(hatrain.HatrainError, "starts with `job = hatrain.torch.Job()`",
+       hatrain.torch.Job, m, torch.optim.AdamW(m.parameters()))
+dist.destroy_process_group()
+
 print("bad input ok")
