@@ -83,7 +83,11 @@ fn two_ranks(flags: &[&str]) {
 
     // A warm standby takes the first killed process's place.
     let twice = "1:6:forward:kill:0;1:12:update:kill:1";
-    let standby: Vec<&str> = flags.iter().copied().chain(["--warm-standby", "1"]).collect();
+    let standby: Vec<&str> = flags
+        .iter()
+        .copied()
+        .chain(["--warm-standby", "1"])
+        .collect();
     let r = run(2, Some(twice), &standby);
     assert_identical(&r, &want, twice);
     let standby = events(&r.logs[1], "start")
@@ -100,17 +104,23 @@ fn four_ranks(flags: &[&str]) {
     let kills = "2:5:forward:kill:0;3:11:update:kill:0;2:16:commit:kill:1";
     let r = run(4, Some(kills), flags);
     assert_identical(&r, &want, kills);
-    assert_eq!(events(&r.logs[2], "start").len(), 3, "{kills}: {}", r.output);
+    assert_eq!(
+        events(&r.logs[2], "start").len(),
+        3,
+        "{kills}: {}",
+        r.output
+    );
 }
 
 #[test]
-fn the_gpt_example_sharded_by_fsdp2_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby() {
+fn the_gpt_example_sharded_by_fsdp2_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby()
+ {
     two_ranks(&[]);
 }
 
 #[test]
 fn the_gpt_example_with_a_zero_optimizer_comes_back_bit_identical_from_kills_a_memory_error_and_a_standby()
-{
+ {
     two_ranks(&["--zero"]);
 }
 
