@@ -12,8 +12,15 @@ pub fn set_up(name: &str) -> PathBuf {
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../scripts")
         .join(name);
+    // The wheel takes the agent's binaries the tests run (built by cargo
+    // for them) instead of building release ones.
+    let bins = super::agent();
     let out = Command::new("bash")
         .arg(&script)
+        .env(
+            "HATRAIN_AGENT_BINS",
+            bins.parent().expect("the agent's folder"),
+        )
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("run scripts/{name}: {e}"));
