@@ -28,7 +28,9 @@ mod common;
 #[allow(dead_code)]
 mod python;
 
-// `python` builds its command lines with `super::launch`.
+// `python` builds its command lines with `super::launch` and finds the
+// agent with `super::agent`.
+use common::agent;
 use common::launch::{self, Launch};
 use common::{median, now};
 use serde_json::Value;
