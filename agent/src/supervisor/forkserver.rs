@@ -431,15 +431,19 @@ impl ForkServer {
             let (gate_r, gate_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
             let fds = [out_w.as_raw_fd(), err_w.as_raw_fd(), gate_r.as_raw_fd()];
             let pid = reaper.spawn_with(exits, || {
-                sendmsg::<()>(
-                    sock.as_raw_fd(),
-                    &[IoSlice::new(&request)],
-                    &[ControlMessage::ScmRights(&fds)],
-                    MsgFlags::empty(),
-                    None,
-                )?;
+                // A signal to the agent (a worker's exit) interrupts a
+                // call here: it is made again.
+                retry_eintr(|| {
+                    sendmsg::<()>(
+                        sock.as_raw_fd(),
+                        &[IoSlice::new(&request)],
+                        &[ControlMessage::ScmRights(&fds)],
+                        MsgFlags::empty(),
+                        None,
+                    )
+                })?;
                 let mut buf = vec![0u8; MAX_REPLY];
-                let n = recv(sock.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+                let n = retry_eintr(|| recv(sock.as_raw_fd(), &mut buf, MsgFlags::empty()))?;
                 if n == 0 {
                     return Err(std::io::Error::other("the fork server closed its socket"));
                 }
@@ -546,6 +550,16 @@ fn request(spec: &super::WorkerSpec) -> Result<Vec<u8>, ForkServerError> {
         Target::Module(m) => req["module"] = m.into(),
     }
     Ok(req.to_string().into_bytes())
+}
+
+/// `call`, made again while a signal interrupts it.
+fn retry_eintr<T>(mut call: impl FnMut() -> nix::Result<T>) -> nix::Result<T> {
+    loop {
+        match call() {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => return other,
+        }
+    }
 }
 
 #[cfg(test)]
