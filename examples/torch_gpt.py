@@ -18,10 +18,14 @@ ends with the same parameters, bit for bit, as one without.
 Under torchrun it runs without hatrain (``--save DIR --save-interval N``
 then saves with ``torch.distributed.checkpoint`` and resumes from the
 newest save at start, the way a torchrun job recovers); under the agent,
-``hatrain.torch`` snapshots every step and recovers a fault in seconds.
+``hatrain.torch`` snapshots every step and recovers a fault in seconds, and
+with ``--save DIR`` the agent writes the checkpoints, from shared memory.
+``--load DIR`` (under torchrun, with no hatrain) starts from a checkpoint
+the agent wrote (its save folder's newest, or an iteration's ``dcp``
+folder), read by ``torch.distributed.checkpoint`` alone, at any world size.
 ``--log-jsonl FILE`` (``{rank}`` in it: one per rank) logs ``start``,
 ``step`` (loss, learning rate, step time), ``resume`` and ``final`` (the
-SHA-256 of the full parameters).
+SHA-256 of the full parameters and of the full AdamW state).
 """
 
 import argparse
@@ -56,12 +60,13 @@ ap.add_argument("--seed", type=int, default=1234)
 how = ap.add_mutually_exclusive_group()
 how.add_argument("--zero", action="store_true", help="DDP with a ZeroRedundancyOptimizer (FSDP2 by default)")
 how.add_argument("--ddp", action="store_true", help="plain DDP (FSDP2 by default)")
-ap.add_argument("--save", default=None, help="(torchrun) torch.distributed.checkpoint folder")
+ap.add_argument("--save", default=None, help="checkpoint folder (torchrun: DCP saves; under the agent: the agent's)")
 ap.add_argument("--save-interval", type=int, default=10)
+ap.add_argument("--load", default=None, help="(torchrun) start from a checkpoint the agent wrote")
 ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of each rank if it has {rank})")
 args = ap.parse_args()
-if args.zero and args.save:
-    ap.error("--save (torch.distributed.checkpoint) takes FSDP2 or DDP here, not --zero")
+if args.zero and (args.save or args.load) and not os.environ.get("HATRAIN_AGENT_SOCKET"):
+    ap.error("--save and --load (torch.distributed.checkpoint) take FSDP2 or DDP here, not --zero")
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 torch.manual_seed(args.seed)
@@ -122,7 +127,7 @@ if under_agent:
 
     # The process group first (FSDP2's mesh and ZeRO are made over it);
     # a warm standby parks here until it has a rank.
-    job = Job()
+    job = Job(save=args.save, save_interval=args.save_interval)
     rank = job.rank
 elif world > 1 or fsdp:
     if "MASTER_ADDR" in os.environ:
@@ -199,6 +204,47 @@ def digest():
     return h.hexdigest()
 
 
+def optim_digest():
+    """The SHA-256 of the full optimizer state tensors (every rank calls
+    it); None with a ZeroRedundancyOptimizer (each rank holds a part)."""
+    if args.zero:
+        return None
+    h = hashlib.sha256()
+    for p in model.parameters():
+        st = opt.state.get(p, {})
+        for k in sorted(st):
+            v = st[k]
+            if isinstance(v, torch.Tensor):
+                full = v.full_tensor() if hasattr(v, "full_tensor") else v
+                h.update(full.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_agent_checkpoint(path):
+    """Loads a checkpoint the agent wrote (its save folder's newest
+    iteration, or an iteration's ``dcp`` folder) with
+    ``torch.distributed.checkpoint`` alone; returns its step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.exists(tracker):
+        with open(tracker) as f:
+            path = os.path.join(path, f"iter_{int(f.read().strip()):07d}", "dcp")
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": {"state": osd["state"]}}, storage_reader=HuggingFaceStorageReader(path))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    # What is not a tensor: in each rank's meta.json beside.
+    with open(os.path.join(path, "rank_00000-meta.json")) as f:
+        meta = json.load(f)["torch"]
+    for g, saved in zip(opt.param_groups, meta["state"]["groups"]):
+        for k, v in saved.items():
+            g[k] = tuple(v) if isinstance(v, list) else v
+    sched.load_state_dict(meta["state"]["schedulers"][0])
+    return meta["step"]
+
+
 def dcp_state():
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -220,6 +266,8 @@ if not under_agent:
             dcp.load(state, checkpoint_id=os.path.join(args.save, f"step-{start}"))
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             sched.load_state_dict(state["sched"])
+    if args.load and start == 0:
+        start = load_agent_checkpoint(args.load)
     net = DDP(model) if world > 1 and not fsdp else model
     say(event="start", world_size=world, start_step=start, pid=os.getpid(), since_start_s=time.time() - t_start)
     for step in range(start + 1, args.steps + 1):
@@ -230,7 +278,7 @@ if not under_agent:
         if args.save and step % args.save_interval == 0:
             dcp.save(dcp_state(), checkpoint_id=os.path.join(args.save, f"step-{step}"))
         say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0)
-    say(event="final", step=args.steps, model_sha256=digest())
+    say(event="final", step=max(start, args.steps), model_sha256=digest(), optim_sha256=optim_digest())
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(0)
@@ -249,8 +297,8 @@ for step in job.steps(args.steps):
             sched.step()
     say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0,
         epoch=job.epoch)
-final = digest()
+final, final_optim = digest(), optim_digest()
 job.close()
-say(event="final", step=job.step_done, model_sha256=final)
+say(event="final", step=job.step_done, model_sha256=final, optim_sha256=final_optim)
 if rank == 0:
     print(f"done: step {job.step_done} | parameters sha256 {final}")

@@ -19,4 +19,10 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" "numpy" >&2
 fi
+# torch.distributed.checkpoint reads safetensors checkpoints (the agent's,
+# for a PyTorch job) with the safetensors package.
+if ! "$VENV/bin/python" -c "import safetensors" 2>/dev/null; then
+    echo "torch-venv: installing safetensors into $VENV (once)" >&2
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check "safetensors" >&2
+fi
 echo "$VENV/bin/python"

@@ -56,6 +56,8 @@ pub fn map(rank: usize, world: usize, dir: &Path, interval: u64) -> StateMap {
         name: name.into(),
         part,
         range,
+        shape: None,
+        offsets: None,
     };
     StateMap {
         parts: vec![
@@ -108,6 +110,7 @@ pub fn map(rank: usize, world: usize, dir: &Path, interval: u64) -> StateMap {
                     ),
                 },
             ],
+            linked: None,
         }),
     }
 }

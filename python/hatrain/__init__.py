@@ -261,8 +261,11 @@ def standby() -> tuple[int, int, int] | None:
     return place
 
 
-def state_map(parts: Sequence[Part], meta_len: int) -> dict:
-    """The state map of a metadata block of ``meta_len`` bytes and ``parts``."""
+def state_map(parts: Sequence[Part], meta_len: int, checkpoint: dict | None = None) -> dict:
+    """The state map of a metadata block of ``meta_len`` bytes and ``parts``,
+    with ``checkpoint`` (a checkpoint layout, as the state map's
+    ``CheckpointMap``: part 0 is the metadata block, part ``i + 1`` is
+    ``parts[i]``) when the agent is to write this job's checkpoints."""
     out = [{"name": "meta", "dtype": "U8", "len": meta_len}]
     for p in parts:
         entry = {"name": p.name, "dtype": p.dtype_name(), "len": int(p.array.size)}
@@ -270,7 +273,10 @@ def state_map(parts: Sequence[Part], meta_len: int) -> dict:
             group, index = p.replicated
             entry["sharing"] = {"replicated": {"group": int(group), "index": int(index)}}
         out.append(entry)
-    return {"parts": out}
+    smap = {"parts": out}
+    if checkpoint is not None:
+        smap["checkpoint"] = checkpoint
+    return smap
 
 
 def connect(
@@ -280,6 +286,7 @@ def connect(
     snapshot_interval: int = 1,
     slots: int = 3,
     commit_halfway=None,
+    checkpoint: dict | None = None,
 ) -> Runtime:
     """Registers ``rank`` and its state with the host's agent (inert
     without one). ``parts`` are snapshotted without a copy; each commit also
@@ -294,9 +301,13 @@ def connect(
 
     ``commit_halfway(step)``, if given, is called from the commit thread
     when half of a snapshot is copied: a drill's hook for a fault in the
-    middle of a commit."""
+    middle of a commit.
+
+    ``checkpoint``, if given, is the layout of this rank's checkpoints (see
+    ``state_map``): the agent writes them from the snapshots, periodically,
+    at the last step and as last words."""
     views = [(_bytes_view(p.name, p.array), p.dtype_name()) for p in parts]
-    smap = state_map(parts, meta_len)
+    smap = state_map(parts, meta_len, checkpoint)
     native = _Native.connect(
         rank, json.dumps(smap), views, snapshot_interval, slots, commit_halfway
     )

@@ -129,6 +129,8 @@ class Job:
     (say, a data position the script keeps in it). ``ddp_kwargs`` are
     passed to ``DistributedDataParallel``; ``timeout`` (seconds) bounds a
     collective, and so how long a rank waits on a hung (not dead) peer.
+    ``save`` (a folder) and ``save_interval``: the agent writes the job's
+    checkpoints there (see ``_checkpoint_map``).
     """
 
     def __init__(
@@ -144,8 +146,12 @@ class Job:
         extra: dict | None = None,
         ddp_kwargs: dict | None = None,
         fault_wait: float = 30.0,
+        save: str | os.PathLike | None = None,
+        save_interval: int = 0,
     ):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.save = os.path.abspath(save) if save is not None else None
+        self.save_interval = save_interval
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout)
         self.snapshot_interval = snapshot_interval
@@ -270,6 +276,7 @@ class Job:
             # The drill's hook only when the plan has a fault there: it runs
             # Python on the commit thread.
             commit_halfway=(lambda s: self.plan.hit(s, "commit", self.rt)) if self.plan.has("commit") else None,
+            checkpoint=self._checkpoint_map(),
         )
         self.under_agent = self.rt.start[0] != "standalone"
         kind, epoch = self.rt.start
@@ -284,6 +291,37 @@ class Job:
         return self
 
     # -- state ---------------------------------------------------------------
+
+    def _checkpoint_map(self) -> dict | None:
+        """With ``save``, the layout of this rank's checkpoints: the agent
+        writes them (every ``save_interval`` steps, at the last step, and
+        as last words) as ``save/iter_NNNNNNN/rank_NNNNN/state.safetensors``
+        with the rank's ``meta.json``, every rank's files also linked into
+        ``save/iter_NNNNNNN/dcp/``: a folder that
+        ``torch.distributed.checkpoint.HuggingFaceStorageReader`` loads,
+        at this world size or another, with no hatrain (see
+        ``State.checkpoint_tensors`` for the names). Each ``meta.json``
+        carries the snapshot's metadata (the step, the RNG states, the
+        optimizer's groups, the schedulers', ``extra``) as ``torch``."""
+        if self.save is None:
+            return None
+        tensors = self.state.checkpoint_tensors(self.world, self.rank)
+        if not tensors:
+            raise hatrain.HatrainError(
+                f"rank {self.rank} has no tensor to write into a checkpoint of {self.world} ranks "
+                "(fewer tensors than ranks): leave `save` out"
+            )
+        return {
+            "dir": self.save,
+            "interval": int(self.save_interval),
+            "world_size": self.world,
+            "files": [{"name": "state.safetensors", "tensors": tensors}],
+            "fields": [
+                {"name": "layout", "value": {"const": self.layout}},
+                {"name": "torch", "value": {"json": {"part": 0}}},
+            ],
+            "linked": "dcp",
+        }
 
     def _meta(self, step: int) -> bytes:
         np_state = np.random.get_state()

@@ -233,6 +233,7 @@ class _Key:
     key: str
     views: dict[int, torch.Tensor] = field(default_factory=dict)
     dtensor: bool = False
+    flat: Flat | None = None
 
 
 class State:
@@ -269,6 +270,7 @@ class State:
         staged = self.layout == "fsdp"
         replicated = world > 1 and not staged
         self._param_views: list[torch.Tensor] = [None] * len(self.params)
+        self._param_flat: list[Flat] = [None] * len(self.params)
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dtype, idx in _by_dtype(list(range(len(self.params))), lambda i: self.params[i].dtype).items():
             flat, views = flatten(
@@ -280,12 +282,17 @@ class State:
                 else:
                     self.params[i].data = v
                 self._param_views[i] = v
+                self._param_flat[i] = flat
             self.flats.append(flat)
+        buffer_names = {id(b): n for n, b in module.named_buffers(remove_duplicate=False)}
         owned = [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
         self.has_buffers = bool(owned)
+        #: Per buffer: its name in the module's state dict, flat part, view.
+        self._buffers: list[tuple[str, Flat, torch.Tensor]] = []
         for dtype, mine in _by_dtype(owned, lambda o: o[2].dtype).items():
             flat, views = flatten(f"buffers.{_short(dtype)}", "the module's buffers", [b for _, _, b in mine], False)
-            for (m, n, _), v in zip(mine, views):
+            for (m, n, b), v in zip(mine, views):
+                self._buffers.append((buffer_names.get(id(b), n), flat, v))
                 m._buffers[n] = v
             self.flats.append(flat)
         # A ZeroRedundancyOptimizer's state is its local optimizer's, of
@@ -314,7 +321,7 @@ class State:
                 name = f"state.{key}.{_short(dtype)}"
                 flat, views = flatten(name, f"optimizer state {key!r}", zeros, replicated)
                 self.flats.append(flat)
-                self._tensors.append(_Key(key, dict(zip(idx, views)), dtensor))
+                self._tensors.append(_Key(key, dict(zip(idx, views)), dtensor, flat))
             if number_idx:
                 types = {kinds[i][key] for i in number_idx}
                 if len(types) != 1:
@@ -462,12 +469,70 @@ class State:
         if self.scaler is not None and "scaler" in meta:
             self.scaler.load_state_dict(meta["scaler"])
 
+    # -- checkpoints ----------------------------------------------------------------
+
+    def checkpoint_tensors(self, world: int, rank: int) -> list[dict]:
+        """The tensors this rank writes into its checkpoint file, as the
+        state map's ``TensorMap``s (part ``i + 1`` is ``flats[i]``), named as
+        ``torch.distributed.checkpoint`` names a state dict
+        ``{"model": model_state_dict, "optim": optimizer_state_dict}`` of
+        ``get_state_dict``: ``model.<name>``, ``optim.state.<name>.<key>``.
+        A DTensor's shard is written by each rank with its place in the
+        whole (``offsets``); every other tensor once, by one rank (a
+        replicated one is read from the ranks' slices). Numbers in the
+        optimizer's state are not tensors and are not written."""
+        index = {id(f): i + 1 for i, f in enumerate(self.flats)}
+        out: list[dict] = []
+        turn = [0]
+
+        def add(name: str, flat: Flat, view: torch.Tensor, shard=None, mine: bool = False) -> None:
+            start = (view.data_ptr() - flat.tensor.data_ptr()) // flat.tensor.element_size()
+            entry = {
+                "name": name,
+                "part": index[id(flat)],
+                "range": {"start": start, "end": start + view.numel()},
+                "shape": list(view.shape),
+            }
+            if shard is not None:
+                entry["offsets"] = _global_offsets(shard)
+            elif not mine:
+                # A whole tensor every rank holds: one writes it, in turn.
+                mine = turn[0] % world == rank
+                turn[0] += 1
+            if shard is not None or mine:
+                out.append(entry)
+
+        for i, p in enumerate(self.params):
+            add(f"model.{self.names[i]}", self._param_flat[i], self._param_views[i], shard=_dtensor(p))
+        for name, flat, view in self._buffers:
+            add(f"model.{name}", flat, view)
+        for k in self._tensors:
+            for i, view in k.views.items():
+                p = self._opt_params[i]
+                name = f"optim.state.{self._opt_names[i]}.{k.key}"
+                # A ZeroRedundancyOptimizer's rank holds its own parameters'
+                # state alone: it writes it.
+                add(name, k.flat, view, shard=_dtensor(p) if k.dtensor else None, mine=self.layout == "zero")
+        return out
+
     # -- views --------------------------------------------------------------------
 
     def digest_parts(self) -> list[Flat]:
         """The parts that are the model (parameters and buffers; with FSDP,
         this rank's shards)."""
         return [f for f in self.flats if f.name.startswith(("params.", "buffers."))]
+
+
+def _dtensor(t):
+    return t if isinstance(t, DTensor) else None
+
+
+def _global_offsets(t) -> list[int]:
+    """Where a DTensor's shard on this rank lies in the whole tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [int(o) for o in offsets]
 
 
 def _describe(t) -> str:

@@ -290,16 +290,24 @@ pub fn begin_save(save: &Path, iteration: u64) -> Result<PathBuf> {
 /// between the hash and the write, so the data is read from memory once.
 const WRITE_PIECE: usize = 1 << 20;
 
-/// One tensor to write: name, dtype, element count and its bytes.
+/// One tensor to write: name, dtype, shape, where it lies in the tensor it
+/// is a shard of (if it is one), and its bytes.
 struct TensorBytes<'a> {
     name: &'a str,
     dtype: crate::statemap::Dtype,
+    shape: Vec<u64>,
+    offsets: Option<&'a [u64]>,
     bytes: &'a [u8],
 }
 
-/// Writes a safetensors file of 1-D tensors straight from the slices (no
-/// serialised copy of the data), hashing in the same pass, and fsyncs it.
-/// Returns its size and digest.
+/// The safetensors metadata key under which `torch.distributed.checkpoint`
+/// reads each tensor's place in the whole (`saved_offsets`).
+pub const DCP_SHARDING_INFO: &str = "DCP_SHARDING_INFO";
+
+/// Writes a safetensors file straight from the slices (no serialised copy
+/// of the data), hashing in the same pass, and fsyncs it. When a tensor is
+/// a shard, the file's metadata gives every tensor's offsets
+/// ([`DCP_SHARDING_INFO`]). Returns its size and digest.
 fn write_tensor_file(path: &Path, tensors: &[TensorBytes<'_>]) -> Result<FileDigest> {
     use safetensors::tensor::{Metadata, TensorInfo};
     let bad = |detail: String| CheckpointError::BadTensorFile {
@@ -313,13 +321,31 @@ fn write_tensor_file(path: &Path, tensors: &[TensorBytes<'_>]) -> Result<FileDig
             t.name.to_string(),
             TensorInfo {
                 dtype: t.dtype.safetensors(),
-                shape: vec![t.bytes.len() / t.dtype.size()],
+                shape: t.shape.iter().map(|&d| d as usize).collect(),
                 data_offsets: (offset, offset + t.bytes.len()),
             },
         ));
         offset += t.bytes.len();
     }
-    let meta = Metadata::new(None, infos).map_err(|e| bad(e.to_string()))?;
+    let sharding = tensors.iter().any(|t| t.offsets.is_some()).then(|| {
+        let info: serde_json::Map<String, serde_json::Value> = tensors
+            .iter()
+            .map(|t| {
+                let at = t
+                    .offsets
+                    .map_or_else(|| vec![0; t.shape.len()], <[u64]>::to_vec);
+                (
+                    t.name.to_string(),
+                    serde_json::json!({ "saved_offsets": at }),
+                )
+            })
+            .collect();
+        std::collections::HashMap::from([(
+            DCP_SHARDING_INFO.to_string(),
+            serde_json::Value::Object(info).to_string(),
+        )])
+    });
+    let meta = Metadata::new(sharding, infos).map_err(|e| bad(e.to_string()))?;
     let mut header = serde_json::to_vec(&meta).map_err(|e| bad(e.to_string()))?;
     // The safetensors format pads the header with spaces to 8-byte alignment.
     header.resize(header.len().next_multiple_of(8), b' ');
@@ -430,6 +456,8 @@ pub fn write_rank(
             views.push(TensorBytes {
                 name: &t.name,
                 dtype,
+                shape: t.dims(),
+                offsets: t.offsets.as_deref(),
                 bytes: &v.bytes[r],
             });
         }
@@ -467,7 +495,37 @@ pub fn write_rank(
     obj.push(("files", serde_json::to_value(&files).map_err(json_err)?));
     let json = serde_json::to_vec_pretty(&Ordered(obj)).map_err(json_err)?;
     write_synced(&path, &json)?;
-    fsync_dir(&dir)
+    fsync_dir(&dir)?;
+    if let Some(linked) = &ck.linked {
+        link_rank(
+            &dir,
+            &tmp_dir.join(linked),
+            rank,
+            ck.files.iter().map(|f| f.name.as_str()),
+        )?;
+    }
+    Ok(())
+}
+
+/// Links rank `rank`'s files (in `dir`) and its `meta.json` into `linked`,
+/// each as `rank_NNNNN-<name>`, and fsyncs that folder.
+fn link_rank<'a>(
+    dir: &Path,
+    linked: &Path,
+    rank: usize,
+    files: impl Iterator<Item = &'a str>,
+) -> Result<()> {
+    fs::create_dir_all(linked).map_err(io_err(linked))?;
+    for name in files.chain([META_FILE]) {
+        let to = linked.join(format!("rank_{rank:05}-{name}"));
+        match fs::remove_file(&to) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&to)(e)),
+        }
+        fs::hard_link(dir.join(name), &to).map_err(io_err(&to))?;
+    }
+    fsync_dir(linked)
 }
 
 /// Step 3 of a save: checks that all `world_size` ranks wrote their shard,
@@ -619,8 +677,8 @@ pub fn read_verified(dir: &Path, meta: &RankMeta, file: &str) -> Result<Vec<u8>>
     Ok(bytes)
 }
 
-/// The bytes of 1-D tensor `name` of `len` elements of `dtype` in a
-/// verified safetensors file.
+/// The bytes of tensor `name` of `len` elements of `dtype` in a verified
+/// safetensors file.
 pub fn tensor_bytes<'a>(
     path: &Path,
     bytes: &'a [u8],
@@ -636,9 +694,11 @@ pub fn tensor_bytes<'a>(
     let t = st
         .tensor(name)
         .map_err(|e| bad(format!("tensor {name:?}: {e}")))?;
-    if t.dtype() != dtype.safetensors() || t.shape() != [len] {
+    // Any shape of `len` elements (a tensor is written with its own).
+    let elements = t.shape().iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    if t.dtype() != dtype.safetensors() || elements != Some(len) {
         return Err(bad(format!(
-            "tensor {name:?} is {:?}{:?}, expected {dtype:?}[{len}]",
+            "tensor {name:?} is {:?}{:?}, expected {dtype:?} of {len} elements",
             t.dtype(),
             t.shape(),
         )));

@@ -135,6 +135,9 @@ impl Part {
     }
 }
 
+/// Most dimensions a checkpoint tensor may have.
+pub const MAX_DIMS: usize = 8;
+
 /// One tensor of a checkpoint file: elements `range` of part `part`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -142,6 +145,25 @@ pub struct TensorMap {
     pub name: String,
     pub part: usize,
     pub range: Range<u64>,
+    /// Its shape in the file (row-major, `range`'s elements); one
+    /// dimension when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+    /// Where this piece lies in the whole tensor it is a shard of, one
+    /// offset per dimension of `shape` (`torch.distributed.checkpoint`'s
+    /// `saved_offsets`). A file with any tensor that has offsets says, in
+    /// its safetensors metadata, each tensor's (`DCP_SHARDING_INFO`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offsets: Option<Vec<u64>>,
+}
+
+impl TensorMap {
+    /// The shape it is written with.
+    pub fn dims(&self) -> Vec<u64> {
+        self.shape
+            .clone()
+            .unwrap_or_else(|| vec![self.range.end.saturating_sub(self.range.start)])
+    }
 }
 
 /// One file of a checkpoint rank directory (a safetensors file).
@@ -160,6 +182,9 @@ pub enum FieldValue {
     Const(serde_json::Value),
     /// A little-endian u64 at byte `offset` of part `part` of the snapshot.
     U64 { part: usize, offset: u64 },
+    /// The JSON document at the start of part `part` (a `U8` part), after
+    /// its length as a little-endian u32: a worker's own metadata block.
+    Json { part: usize },
 }
 
 /// One named `meta.json` field.
@@ -182,6 +207,13 @@ pub struct CheckpointMap {
     pub world_size: usize,
     pub files: Vec<FileMap>,
     pub fields: Vec<MetaField>,
+    /// A folder of the checkpoint's iteration in which every rank's files
+    /// are also linked (hard links, `rank_NNNNN-<file>`, and each rank's
+    /// `meta.json` as `rank_NNNNN-meta.json`), for readers that take one
+    /// folder of safetensors files, such as
+    /// `torch.distributed.checkpoint.HuggingFaceStorageReader`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub linked: Option<String>,
 }
 
 /// What a rank's snapshot holds and how it maps to a checkpoint.
@@ -416,6 +448,40 @@ impl StateMap {
                         t.name, f.name, t.range, part.name, part.len
                     ));
                 }
+                if let Some(shape) = &t.shape {
+                    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+                    if shape.len() > MAX_DIMS || elements != Some(t.range.end - t.range.start) {
+                        return bad(format!(
+                            "tensor {:?} of {:?}: shape {shape:?} does not hold its {} elements \
+                             (at most {MAX_DIMS} dimensions)",
+                            t.name,
+                            f.name,
+                            t.range.end - t.range.start
+                        ));
+                    }
+                }
+                if let Some(offsets) = &t.offsets
+                    && offsets.len() != t.dims().len()
+                {
+                    return bad(format!(
+                        "tensor {:?} of {:?}: {} offsets for {} dimensions",
+                        t.name,
+                        f.name,
+                        offsets.len(),
+                        t.dims().len()
+                    ));
+                }
+            }
+        }
+        if let Some(linked) = &ck.linked {
+            name_ok("linked folder", linked)?;
+            let plain = std::path::Path::new(linked)
+                .file_name()
+                .is_some_and(|n| n == linked.as_str());
+            if !plain || linked.starts_with('.') || linked.starts_with("rank_") {
+                return bad(format!(
+                    "linked folder {linked:?} must be a plain name, not hidden, not rank_*"
+                ));
             }
         }
         for (i, m) in ck.fields.iter().enumerate() {
@@ -428,6 +494,17 @@ impl StateMap {
             }
             if ck.fields[..i].iter().any(|n| n.name == m.name) {
                 return bad(format!("meta field {:?} is named twice", m.name));
+            }
+            if let FieldValue::Json { part } = m.value
+                && self
+                    .parts
+                    .get(part)
+                    .is_none_or(|p| p.dtype != Dtype::U8 || p.len < 4)
+            {
+                return bad(format!(
+                    "meta field {:?}: part {part} is not a U8 part that can hold a JSON block",
+                    m.name
+                ));
             }
             if let FieldValue::U64 { part, offset } = m.value {
                 let fits = self
@@ -446,7 +523,8 @@ impl StateMap {
     }
 
     /// Reads field `value` from a snapshot's parts (validated map); `None`
-    /// when the word is outside what the views hold.
+    /// when the word is outside what the views hold, or the JSON block is
+    /// not one.
     pub fn field(&self, value: &FieldValue, parts: &[PartView<'_>]) -> Option<serde_json::Value> {
         match value {
             FieldValue::Const(v) => Some(v.clone()),
@@ -460,6 +538,19 @@ impl StateMap {
                     .and_then(|b| <[u8; 8]>::try_from(b).ok())
                     .map(u64::from_le_bytes)?;
                 Some(serde_json::Value::from(word))
+            }
+            FieldValue::Json { part } => {
+                let view = parts.get(*part)?;
+                if view.first != 0 {
+                    return None;
+                }
+                let len = view
+                    .bytes
+                    .get(..4)
+                    .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                    .map(u32::from_le_bytes)?;
+                let doc = view.bytes.get(4..4usize.checked_add(len as usize)?)?;
+                serde_json::from_slice(doc).ok()
             }
         }
     }
@@ -511,12 +602,15 @@ mod tests {
                         name: "w".into(),
                         part: 1,
                         range: 5..10,
+                        shape: None,
+                        offsets: None,
                     }],
                 }],
                 fields: vec![MetaField {
                     name: "seed".into(),
                     value: FieldValue::U64 { part: 0, offset: 8 },
                 }],
+                linked: None,
             }),
         }
     }
@@ -643,8 +737,9 @@ mod tests {
                 parts,
                 checkpoint: Some(CheckpointMap {
                     dir: "/d".into(), interval: 1, world_size: 1,
-                    files: vec![FileMap { name: "f".into(), tensors: vec![TensorMap { name: "t".into(), part: last, range: start..start + len }] }],
+                    files: vec![FileMap { name: "f".into(), tensors: vec![TensorMap { name: "t".into(), part: last, range: start..start + len, shape: None, offsets: None }] }],
                     fields: vec![MetaField { name: "x".into(), value: FieldValue::U64 { part: 0, offset } }],
+                    linked: None,
                 }),
             };
             if m.validate().is_ok() {

@@ -74,6 +74,8 @@ pub fn state_map(
         name: name.into(),
         part,
         range: range.start as u64..range.end as u64,
+        shape: None,
+        offsets: None,
     };
     let field = |name: &str, value| MetaField {
         name: name.into(),
@@ -117,6 +119,7 @@ pub fn state_map(
             ),
             field("args", constant(args)),
         ],
+        linked: None,
     });
     StateMap { parts, checkpoint }
 }

@@ -43,12 +43,15 @@ pub(super) fn map() -> StateMap {
                     name: "w".into(),
                     part: 1,
                     range: 0..N,
+                    shape: None,
+                    offsets: None,
                 }],
             }],
             fields: vec![MetaField {
                 name: "stamp".into(),
                 value: FieldValue::U64 { part: 0, offset: 0 },
             }],
+            linked: None,
         }),
     }
 }

@@ -36,6 +36,8 @@ fn map(world: usize, n: u64) -> StateMap {
                         name: "half".into(),
                         part: 1,
                         range: 0..n / 2,
+                        shape: None,
+                        offsets: None,
                     }],
                 },
                 FileMap {
@@ -44,6 +46,8 @@ fn map(world: usize, n: u64) -> StateMap {
                         name: "all".into(),
                         part: 1,
                         range: 0..n,
+                        shape: None,
+                        offsets: None,
                     }],
                 },
             ],
@@ -57,6 +61,7 @@ fn map(world: usize, n: u64) -> StateMap {
                     value: FieldValue::U64 { part: 0, offset: 0 },
                 },
             ],
+            linked: None,
         }),
     }
 }
@@ -111,7 +116,133 @@ fn written_ranks_read_back_with_their_fields_in_order() {
     assert_eq!(all, bytemuck::cast_slice::<f32, u8>(&want));
     let a = read_verified(&dir, &meta, "a.safetensors").unwrap();
     let e = tensor_bytes(&dir.join("a.safetensors"), &a, "half", Dtype::F32, 10).unwrap_err();
-    assert!(e.to_string().contains("expected F32[10]"), "{e}");
+    assert!(e.to_string().contains("expected F32 of 10 elements"), "{e}");
+}
+
+/// Rank `rank` of 2 holding rows `2 * rank..2 * rank + 2` of a 4 × 3
+/// tensor, a whole 0-dimensional one, and a JSON metadata block.
+fn sharded_map() -> StateMap {
+    let mut m = map(2, 7);
+    let ck = m.checkpoint.as_mut().unwrap();
+    ck.files = vec![FileMap {
+        name: "model.safetensors".into(),
+        tensors: vec![
+            TensorMap {
+                name: "model.w".into(),
+                part: 1,
+                range: 0..6,
+                shape: Some(vec![2, 3]),
+                offsets: Some(vec![0, 0]),
+            },
+            TensorMap {
+                name: "optim.step".into(),
+                part: 1,
+                range: 6..7,
+                shape: Some(vec![]),
+                offsets: None,
+            },
+        ],
+    }];
+    ck.fields = vec![MetaField {
+        name: "torch".into(),
+        value: FieldValue::Json { part: 0 },
+    }];
+    ck.linked = Some("dcp".into());
+    m.parts[0].len = 32;
+    m
+}
+
+#[test]
+fn shards_keep_their_shape_and_offsets_and_every_rank_is_linked_into_one_folder() {
+    let d = tempfile::tempdir().unwrap();
+    let tmp = begin_save(d.path(), 5).unwrap();
+    for rank in 0..2usize {
+        let mut m = sharded_map();
+        let t = &mut m.checkpoint.as_mut().unwrap().files[0].tensors[0];
+        t.offsets = Some(vec![2 * rank as u64, 0]);
+        let doc = format!("{{\"rank\":{rank}}}");
+        let mut meta = (doc.len() as u32).to_le_bytes().to_vec();
+        meta.extend(doc.as_bytes());
+        meta.resize(32, 0);
+        let w: Vec<f32> = (0..7).map(|i| (10 * rank + i) as f32).collect();
+        let parts = [
+            PartView::whole(&meta),
+            PartView::whole(bytemuck::cast_slice(&w)),
+        ];
+        write_rank(&tmp, &m, rank, 5, &parts).unwrap();
+    }
+    commit_save(d.path(), 5, 2).unwrap();
+    let it = iter_dir(d.path(), 5);
+    let meta = read_rank_meta(&it, 1, 2).unwrap();
+    assert_eq!(meta.fields["torch"], serde_json::json!({"rank": 1}));
+    for rank in 0..2usize {
+        let linked = it
+            .join("dcp")
+            .join(format!("rank_{rank:05}-model.safetensors"));
+        let bytes = fs::read(&linked).unwrap();
+        assert_eq!(
+            bytes,
+            fs::read(rank_dir(&it, rank).join("model.safetensors")).unwrap()
+        );
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("model.w").unwrap().shape(), [2, 3]);
+        assert_eq!(st.tensor("optim.step").unwrap().shape(), [0usize; 0]);
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let info: serde_json::Value =
+            serde_json::from_str(&header.metadata().as_ref().unwrap()[DCP_SHARDING_INFO]).unwrap();
+        assert_eq!(
+            info["model.w"]["saved_offsets"],
+            serde_json::json!([2 * rank, 0])
+        );
+        assert_eq!(info["optim.step"]["saved_offsets"], serde_json::json!([]));
+        assert!(
+            it.join("dcp")
+                .join(format!("rank_{rank:05}-meta.json"))
+                .is_file()
+        );
+    }
+}
+
+#[test]
+fn shapes_offsets_json_fields_and_linked_folders_are_checked() {
+    let refused = |f: &dyn Fn(&mut CheckpointMap), needle: &str| {
+        let mut m = sharded_map();
+        f(m.checkpoint.as_mut().unwrap());
+        let e = m.validate().unwrap_err().to_string();
+        assert!(e.contains(needle), "{needle:?} not in {e}");
+    };
+    refused(
+        &|c| c.files[0].tensors[0].shape = Some(vec![4, 3]),
+        "does not hold its 6 elements",
+    );
+    refused(
+        &|c| c.files[0].tensors[0].shape = Some(vec![1; 9]),
+        "does not hold",
+    );
+    refused(
+        &|c| c.files[0].tensors[0].offsets = Some(vec![0]),
+        "1 offsets for 2 dimensions",
+    );
+    refused(
+        &|c| c.fields[0].value = FieldValue::Json { part: 1 },
+        "not a U8 part",
+    );
+    refused(&|c| c.linked = Some("../up".into()), "must be a plain name");
+    refused(
+        &|c| c.linked = Some("rank_00001".into()),
+        "must be a plain name",
+    );
+    sharded_map().validate().unwrap();
+}
+
+proptest! {
+    /// A JSON field read from arbitrary bytes is a value or nothing.
+    #[test]
+    fn a_json_field_of_any_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let m = sharded_map();
+        let w = [0u8; 28];
+        let _ = m.field(&FieldValue::Json { part: 0 }, &[PartView::whole(&bytes), PartView::whole(&w)]);
+    }
 }
 
 #[test]
