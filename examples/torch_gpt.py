@@ -20,9 +20,10 @@ then saves with ``torch.distributed.checkpoint`` and resumes from the
 newest save at start, the way a torchrun job recovers); under the agent,
 ``hatrain.torch`` snapshots every step and recovers a fault in seconds, and
 with ``--save DIR`` the agent writes the checkpoints, from shared memory.
-``--load DIR`` (under torchrun, with no hatrain) starts from a checkpoint
-the agent wrote (its save folder's newest, or an iteration's ``dcp``
-folder), read by ``torch.distributed.checkpoint`` alone, at any world size.
+``--load DIR`` starts from a checkpoint the agent wrote (its save folder's
+newest, or an iteration's ``dcp`` folder), at any world size: under
+torchrun read by ``torch.distributed.checkpoint`` alone (no hatrain), under
+the agent by ``hatrain.torch``.
 ``--log-jsonl FILE`` (``{rank}`` in it: one per rank) logs ``start``,
 ``step`` (loss, learning rate, step time), ``resume`` and ``final`` (the
 SHA-256 of the full parameters and of the full AdamW state).
@@ -62,7 +63,7 @@ how.add_argument("--zero", action="store_true", help="DDP with a ZeroRedundancyO
 how.add_argument("--ddp", action="store_true", help="plain DDP (FSDP2 by default)")
 ap.add_argument("--save", default=None, help="checkpoint folder (torchrun: DCP saves; under the agent: the agent's)")
 ap.add_argument("--save-interval", type=int, default=10)
-ap.add_argument("--load", default=None, help="(torchrun) start from a checkpoint the agent wrote")
+ap.add_argument("--load", default=None, help="start from a checkpoint the agent wrote")
 ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of each rank if it has {rank})")
 args = ap.parse_args()
 if args.zero and (args.save or args.load) and not os.environ.get("HATRAIN_AGENT_SOCKET"):
@@ -118,6 +119,9 @@ class GPT(torch.nn.Module):
 rank = int(os.environ.get("RANK", "0"))
 world = int(os.environ.get("WORLD_SIZE", "1"))
 fsdp = not (args.zero or args.ddp)
+# The model is built (seeded: the same on every rank) before anything that
+# needs the rank: a warm standby has it built when it is given one.
+model = GPT(args.vocab, args.seq, args.width, args.heads, args.layers)
 if under_agent:
     import hatrain.torch
 
@@ -125,9 +129,9 @@ if under_agent:
         def on_resume(self, step, epoch):
             say(event="resume", step=step, epoch=epoch, pid=os.getpid())
 
-    # The process group first (FSDP2's mesh and ZeRO are made over it);
-    # a warm standby parks here until it has a rank.
-    job = Job(save=args.save, save_interval=args.save_interval)
+    # The process group next (FSDP2's mesh and ZeRO are made over it); a
+    # warm standby parks here until it has a rank.
+    job = Job(save=args.save, save_interval=args.save_interval, load=args.load)
     rank = job.rank
 elif world > 1 or fsdp:
     if "MASTER_ADDR" in os.environ:
@@ -135,7 +139,6 @@ elif world > 1 or fsdp:
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
-model = GPT(args.vocab, args.seq, args.width, args.heads, args.layers)
 if fsdp:
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:

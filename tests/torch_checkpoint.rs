@@ -8,7 +8,11 @@
 //! - the last one, at 2 ranks and at 3: every parameter and every AdamW
 //!   state tensor equals the training run's at its end (their SHA-256);
 //! - the one of step 10, at 2 ranks, trained on to step 20: the same
-//!   parameters as the run that never stopped.
+//!   parameters as the run that never stopped;
+//!
+//! and the same step-10 checkpoint loaded by `hatrain.torch` (`--load`
+//! under the agent) and trained on to step 20 under the agent ends there
+//! too.
 
 mod common;
 
@@ -125,9 +129,30 @@ fn a_checkpoint_the_agent_wrote_loads_with_torch_distributed_checkpoint_alone_at
 
     // The checkpoint of step 10, trained on to step 20 without hatrain,
     // ends where the agent's run did.
-    let logs = load_with_torchrun(2, &save.path().join("iter_0000010/dcp"));
+    let step10 = save.path().join("iter_0000010/dcp");
+    let logs = load_with_torchrun(2, &step10);
     for log in &logs {
         assert_eq!(events(log, "start")[0]["start_step"], 10, "{log:?}");
         assert_eq!(last(log), want, "step 10 loaded and trained on to 20");
+    }
+
+    // hatrain.torch starts a job from it.
+    let args: Vec<&str> = MODEL
+        .iter()
+        .copied()
+        .chain(["--load", step10.to_str().unwrap()])
+        .collect();
+    let resumed = Example {
+        script: "torch_gpt.py",
+        ranks: 2,
+        flags: &[],
+        args: &args,
+        plan: None,
+        env: &[],
+    }
+    .run();
+    for log in &resumed.logs {
+        assert_eq!(events(log, "start")[0]["start_step"], 10, "{log:?}");
+        assert_eq!(last(log), want, "step 10 loaded by hatrain.torch");
     }
 }

@@ -130,7 +130,8 @@ class Job:
     passed to ``DistributedDataParallel``; ``timeout`` (seconds) bounds a
     collective, and so how long a rank waits on a hung (not dead) peer.
     ``save`` (a folder) and ``save_interval``: the agent writes the job's
-    checkpoints there (see ``_checkpoint_map``).
+    checkpoints there (see ``_checkpoint_map``). ``load``: a job that
+    starts afresh starts from the checkpoint there (``_load_checkpoint``).
     """
 
     def __init__(
@@ -148,10 +149,12 @@ class Job:
         fault_wait: float = 30.0,
         save: str | os.PathLike | None = None,
         save_interval: int = 0,
+        load: str | os.PathLike | None = None,
     ):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.save = os.path.abspath(save) if save is not None else None
         self.save_interval = save_interval
+        self.load = os.fspath(load) if load is not None else None
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout)
         self.snapshot_interval = snapshot_interval
@@ -169,6 +172,10 @@ class Job:
         self._failed = False
         self._read_siblings = False
         self._built = False
+        #: Whether the group was made before the model was registered.
+        self._group_early = False
+        #: ``ddp``, ``zero`` or ``fsdp`` once registered (``torchstate.layout``).
+        self.layout = None
         self.standby_pid = None
         if model is None:
             if optimizer is not None or schedulers is not None or scaler is not None:
@@ -224,7 +231,7 @@ class Job:
             raise hatrain.HatrainError("the job has a model registered already")
         self.module = self.model = model
         self.optimizer = optimizer
-        early = getattr(self, "_group_early", False)
+        early = self._group_early
         # The state is moved (and its pages touched) first: a warm standby
         # has done all its start-up when it parks here for a rank.
         self.state = State(model, optimizer, schedulers, scaler, world=self.world)
@@ -287,8 +294,46 @@ class Job:
         if not self._awaiting:
             self.epoch = epoch or 0
             self._build()
-            self.rt.commit(0, self.epoch, self._meta(0), of="start")
+            if self.load is not None:
+                self.step_done = self._load_checkpoint()
+            self.rt.commit(self.step_done, self.epoch, self._meta(self.step_done), of="start")
         return self
+
+    def _load_checkpoint(self) -> int:
+        """The job starts from the checkpoint at ``load`` (a save folder the
+        agent wrote into: its newest iteration; or an iteration's ``dcp``
+        folder), read with ``torch.distributed.checkpoint`` at this world
+        size, whatever the one it was written at. Returns its step."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = self.load
+        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+        try:
+            if os.path.exists(tracker):
+                with open(tracker) as f:
+                    path = os.path.join(path, f"iter_{int(f.read().strip()):07d}", "dcp")
+            own = os.path.join(path, f"rank_{self.rank:05d}-meta.json")
+            with open(own if os.path.exists(own) else os.path.join(path, "rank_00000-meta.json")) as f:
+                meta = json.load(f)["torch"]
+        except (OSError, ValueError, KeyError) as e:
+            raise hatrain.HatrainError(f"{self.load} is not a checkpoint hatrain wrote for a PyTorch job: {e}") from None
+        if self.layout == "zero":
+            raise hatrain.HatrainError(
+                "a ZeroRedundancyOptimizer's state cannot be loaded by torch.distributed.checkpoint: "
+                f"{self.load} is not loaded"
+            )
+        msd, osd = get_state_dict(self.module, self.optimizer)
+        dcp_load({"model": msd, "optim": {"state": osd["state"]}}, storage_reader=HuggingFaceStorageReader(path))
+        with torch.no_grad():
+            set_state_dict(self.module, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+            # The loaded state moves into its parts (FSDP's shards are
+            # copied in), then is rebuilt from them as after a restore.
+            self.state.adopt()
+            self._apply_meta(meta)
+        print(f"rank {self.rank}: started from step {meta['step']} of {path}", file=sys.stderr, flush=True)
+        return int(meta["step"])
 
     # -- state ---------------------------------------------------------------
 
@@ -349,6 +394,11 @@ class Job:
             raise hatrain.HatrainError(f"the snapshot of step {step} has a malformed metadata block: {e}") from None
         if meta.get("step") != step:
             raise hatrain.HatrainError(f"the snapshot of step {step} holds step {meta.get('step')}")
+        self._apply_meta(meta)
+
+    def _apply_meta(self, meta: dict) -> None:
+        """The RNG states, ``extra`` and the optimizer's, schedulers' and
+        scaler's state of a snapshot's (or checkpoint's) metadata."""
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(meta["torch_rng"])), dtype=torch.uint8))
         v, state, gauss = meta["py_rng"]
         random.setstate((v, tuple(state), gauss))
@@ -477,12 +527,12 @@ class Job:
         # it, so that it is closed now (its peers' collectives fail at
         # once, instead of waiting out their timeout on a group that still
         # exists).
-        if getattr(self, "layout", None) == "fsdp":
+        if self.layout == "fsdp":
             for info in self._fsdp_mesh_infos():
                 for attr in ("shard_process_group", "replicate_process_group"):
                     if hasattr(info, attr):
                         setattr(info, attr, None)
-        elif getattr(self, "layout", None) == "zero":
+        elif self.layout == "zero":
             self.optimizer.process_group = None
         if dist.is_initialized():
             with contextlib.suppress(Exception):
