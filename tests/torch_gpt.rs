@@ -104,12 +104,10 @@ fn four_ranks(flags: &[&str]) {
     let kills = "2:5:forward:kill:0;3:11:update:kill:0;2:16:commit:kill:1";
     let r = run(4, Some(kills), flags);
     assert_identical(&r, &want, kills);
-    assert_eq!(
-        events(&r.logs[2], "start").len(),
-        3,
-        "{kills}: {}",
-        r.output
-    );
+    // Rank 2 was killed twice (a rank the agent had to kill as well, one
+    // that did not pause in time, would be started once more).
+    let starts = events(&r.logs[2], "start").len();
+    assert!(starts >= 3, "{kills}: {starts} starts: {}", r.output);
 }
 
 #[test]
