@@ -15,6 +15,8 @@ state's parts and the snapshot's size), ``step`` (loss, step time, learning rate
 Under a plain ``torchrun`` it runs too (no snapshots); ``--checkpoint DIR
 --checkpoint-interval N`` then saves every N steps with ``torch.save`` and
 resumes from the newest save at start, the way a torchrun job recovers.
+Under the agent, ``--save DIR --save-interval N``: the agent writes the
+job's checkpoints (``hatrain.torch.Job(save=...)``).
 """
 
 import argparse
@@ -41,6 +43,8 @@ ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of 
 ap.add_argument("--step-ms", type=float, default=0, help="extra compute time per step")
 ap.add_argument("--checkpoint", default=None, help="(plain torchrun) save folder")
 ap.add_argument("--checkpoint-interval", type=int, default=10)
+ap.add_argument("--save", default=None, help="(under the agent) the agent's checkpoint folder")
+ap.add_argument("--save-interval", type=int, default=10)
 ap.add_argument("--plain", action="store_true", help="no hatrain: torch.distributed alone")
 ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS := {
     "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
@@ -166,7 +170,7 @@ class Job(hatrain.torch.Job):
         say(event="resume", step=step, epoch=epoch, pid=os.getpid())
 
 
-job = Job(model, opt, schedulers=[sched] if sched else None)
+job = Job(model, opt, schedulers=[sched] if sched else None, save=args.save, save_interval=args.save_interval)
 rank = job.rank
 open_log()
 say(event="start", world_size=world, start_step=job.step_done, pid=os.getpid(), standby=job.standby_pid is not None,

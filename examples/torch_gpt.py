@@ -24,6 +24,12 @@ with ``--save DIR`` the agent writes the checkpoints, from shared memory.
 newest, or an iteration's ``dcp`` folder), at any world size: under
 torchrun read by ``torch.distributed.checkpoint`` alone (no hatrain), under
 the agent by ``hatrain.torch``.
+``--device cuda`` (or ``npu``) trains on the rank's accelerator (its
+``LOCAL_RANK``-th, modulo the devices there are) over NCCL (HCCL; or
+``--backend``); hatrain then copies the state to the
+host after each update, overlapped with the next step. ``--stage`` runs
+that path on the CPU. ``--deterministic`` asks torch for deterministic
+kernels (on a GPU, what makes two runs bit-identical).
 ``--log-jsonl FILE`` (``{rank}`` in it: one per rank) logs ``start``,
 ``step`` (loss, learning rate, step time), ``resume`` and ``final`` (the
 SHA-256 of the full parameters and of the full AdamW state).
@@ -64,6 +70,10 @@ how.add_argument("--ddp", action="store_true", help="plain DDP (FSDP2 by default
 ap.add_argument("--save", default=None, help="checkpoint folder (torchrun: DCP saves; under the agent: the agent's)")
 ap.add_argument("--save-interval", type=int, default=10)
 ap.add_argument("--load", default=None, help="start from a checkpoint the agent wrote")
+ap.add_argument("--device", default="cpu", help="cpu, cuda or npu (the LOCAL_RANK-th, modulo the devices there are)")
+ap.add_argument("--backend", default=None, help="the process group's (by default gloo on cpu, nccl on cuda, hccl on npu)")
+ap.add_argument("--stage", action="store_true", help="under the agent: stage the state through host copies on the CPU too")
+ap.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
 ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of each rank if it has {rank})")
 args = ap.parse_args()
 if args.zero and (args.save or args.load) and not os.environ.get("HATRAIN_AGENT_SOCKET"):
@@ -71,6 +81,17 @@ if args.zero and (args.save or args.load) and not os.environ.get("HATRAIN_AGENT_
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 torch.manual_seed(args.seed)
+if args.deterministic:
+    torch.use_deterministic_algorithms(True)
+if args.device == "cpu":
+    device = torch.device("cpu")
+else:
+    if args.device == "npu":
+        import torch_npu  # noqa: F401 -- registers the device
+    module = torch.get_device_module(args.device)
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) % module.device_count())
+    module.set_device(device)
+backend = args.backend or {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 under_agent = bool(os.environ.get("HATRAIN_AGENT_SOCKET"))
 t_start = time.time()
 
@@ -109,7 +130,7 @@ class GPT(torch.nn.Module):
                 torch.nn.init.zeros_(m.bias)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             x = b(x)
         # The output projection is the token embedding (tied).
@@ -121,7 +142,7 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 fsdp = not (args.zero or args.ddp)
 # The model is built (seeded: the same on every rank) before anything that
 # needs the rank: a warm standby has it built when it is given one.
-model = GPT(args.vocab, args.seq, args.width, args.heads, args.layers)
+model = GPT(args.vocab, args.seq, args.width, args.heads, args.layers).to(device)
 if under_agent:
     import hatrain.torch
 
@@ -131,16 +152,17 @@ if under_agent:
 
     # The process group next (FSDP2's mesh and ZeRO are made over it); a
     # warm standby parks here until it has a rank.
-    job = Job(save=args.save, save_interval=args.save_interval, load=args.load)
+    job = Job(save=args.save, save_interval=args.save_interval, load=args.load, device=device, backend=backend,
+              stage=True if args.stage else None)
     rank = job.rank
 elif world > 1 or fsdp:
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 if fsdp:
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -168,12 +190,13 @@ def tokens(step):
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + rank)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     x[:, 2:] = (x[:, 1:-1] * 31 + x[:, :-2] * 7) % args.vocab
+    x = x.to(device)
     return x[:, :-1], x[:, 1:]
 
 
 def train_step(net, step):
     x, y = tokens(step)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_autocast):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_autocast):
         logits = net(x)
     loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), y.reshape(-1))
     opt.zero_grad()
@@ -203,7 +226,7 @@ def digest():
     h = hashlib.sha256()
     for p in model.parameters():
         full = p.full_tensor() if fsdp else p
-        h.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -219,7 +242,7 @@ def optim_digest():
             v = st[k]
             if isinstance(v, torch.Tensor):
                 full = v.full_tensor() if hasattr(v, "full_tensor") else v
-                h.update(full.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -289,7 +312,7 @@ if not under_agent:
 job.register(model, opt, schedulers=[sched])
 open_log()
 say(event="start", world_size=world, start_step=job.step_done, pid=os.getpid(), standby=job.standby_pid is not None,
-    since_start_s=time.time() - t_start, snapshot_bytes=job.rt.snapshot_bytes,
+    since_start_s=time.time() - t_start, snapshot_bytes=job.rt.snapshot_bytes, staged=job.state.staged,
     parts=[[p.name, p.dtype_name(), int(p.array.size)] for p in job.rt.parts])
 for step in job.steps(args.steps):
     t0 = time.time()

@@ -5,8 +5,10 @@
 //! SIGKILLed in the forward pass, inside the update and halfway through a
 //! snapshot's copy; a memory error in an optimizer moment (a shard of the
 //! rank's own), repaired in the same process; a warm standby taking the
-//! killed rank's place; 2 ranks and 4. Each run ends with the full
-//! parameters bit-identical to the run without faults.
+//! killed rank's place; 2 ranks and 4; the path of a state on an
+//! accelerator (host copies staged after each update) run on the CPU.
+//! Each run ends with the full parameters bit-identical to the run without
+//! faults.
 
 mod common;
 
@@ -19,10 +21,12 @@ const MODEL: [&str; 12] = [
     "32",
 ];
 
-/// A run of `ranks` ranks; `flags` holds the example's own (`--zero`)
-/// and the agent's (those after).
+/// A run of `ranks` ranks; `flags` holds the example's own (`--zero`,
+/// `--ddp`, `--stage`) and the agent's (the others).
 fn run(ranks: usize, plan: Option<&str>, flags: &[&str]) -> ExampleRun {
-    let (mine, agent): (Vec<&str>, Vec<&str>) = flags.iter().partition(|f| **f == "--zero");
+    let (mine, agent): (Vec<&str>, Vec<&str>) = flags
+        .iter()
+        .partition(|f| ["--zero", "--ddp", "--stage"].contains(*f));
     let args: Vec<&str> = MODEL.iter().copied().chain(mine).collect();
     Example {
         script: "torch_gpt.py",
@@ -67,19 +71,7 @@ fn two_ranks(flags: &[&str]) {
     assert_eq!(events(&r.logs[0], "start").len(), 1);
     assert_eq!(events(&r.logs[1], "start").len(), 4);
 
-    // A memory error in the first Adam moment (a page inside the part,
-    // found by its name): repaired in the same process.
-    let parts: Vec<(String, String, u64)> =
-        serde_json::from_value(events(&clean.logs[1], "start")[0]["parts"].clone()).unwrap();
-    let moment = 1 + parts
-        .iter()
-        .position(|p| p.0 == "state.exp_avg.float32")
-        .unwrap_or_else(|| panic!("no first moment in {parts:?}"));
-    let uce = format!("1:7:forward:uce-{moment}-40000");
-    let r = run(2, Some(&uce), flags);
-    assert_identical(&r, &want, &uce);
-    assert_eq!(events(&r.logs[1], "start").len(), 1, "{uce}: {}", r.output);
-    assert_eq!(events(&r.logs[1], "resume").len(), 1, "{uce}");
+    repaired_in_place(&clean, &want, flags);
 
     // A warm standby takes the first killed process's place.
     let twice = "1:6:forward:kill:0;1:12:update:kill:1";
@@ -95,6 +87,43 @@ fn two_ranks(flags: &[&str]) {
         .filter(|e| e["standby"] == true)
         .count();
     assert!(standby >= 1, "{twice}: {:?}", r.logs[1]);
+}
+
+/// A memory error in rank 1's first Adam moment (a page inside the part,
+/// found by its name in `clean`'s log), with `flags`: repaired in the same
+/// process, bit-identical to `want`.
+fn repaired_in_place(clean: &ExampleRun, want: &str, flags: &[&str]) {
+    let parts: Vec<(String, String, u64)> =
+        serde_json::from_value(events(&clean.logs[1], "start")[0]["parts"].clone()).unwrap();
+    let moment = 1 + parts
+        .iter()
+        .position(|p| p.0 == "state.exp_avg.float32")
+        .unwrap_or_else(|| panic!("no first moment in {parts:?}"));
+    let uce = format!("1:7:forward:uce-{moment}-40000");
+    let r = run(2, Some(&uce), flags);
+    assert_identical(&r, want, &uce);
+    assert_eq!(events(&r.logs[1], "start").len(), 1, "{uce}: {}", r.output);
+    assert_eq!(events(&r.logs[1], "resume").len(), 1, "{uce}");
+}
+
+/// The path of a state on an accelerator, run on the CPU (`--stage`: the
+/// agent snapshots host copies, copied after each update and back after a
+/// restore): kills at three instants and a memory error in a host copy end
+/// bit-identical to the run with neither faults nor staging.
+fn staged(flags: &[&str]) {
+    let _one_at_a_time = serial();
+    let (want, clean) = clean(2, flags);
+    let with: Vec<&str> = flags.iter().copied().chain(["--stage"]).collect();
+    let kills = "1:4:forward:kill:0;1:9:update:kill:1;1:15:commit:kill:2";
+    let r = run(2, Some(kills), &with);
+    assert_identical(&r, &want, kills);
+    assert_eq!(events(&r.logs[1], "start").len(), 4, "{}", r.output);
+    for log in &r.logs {
+        for start in events(log, "start") {
+            assert_eq!(start["staged"], true, "{start}");
+        }
+    }
+    repaired_in_place(&clean, &want, &with);
 }
 
 /// Kills of ranks 2 and 3 at 4 ranks.
@@ -130,4 +159,10 @@ fn the_gpt_example_sharded_by_fsdp2_on_four_ranks_comes_back_bit_identical_from_
 #[test]
 fn the_gpt_example_with_a_zero_optimizer_on_four_ranks_comes_back_bit_identical_from_kills() {
     four_ranks(&["--zero"]);
+}
+
+#[test]
+fn the_gpt_example_staged_through_host_copies_comes_back_bit_identical_with_fsdp2_and_ddp() {
+    staged(&[]);
+    staged(&["--ddp"]);
 }

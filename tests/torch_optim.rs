@@ -6,7 +6,8 @@
 //! ends with parameters bit-identical to the same run without faults. The
 //! state is learnt from each optimizer's own structure; no line of
 //! hatrain is written per optimizer. A bfloat16 model is snapshotted in
-//! bfloat16 (2 bytes an element). Bad input is refused with an error that
+//! bfloat16 (2 bytes an element), and so is the agent's checkpoint of it.
+//! Bad input is refused with an error that
 //! names it.
 
 mod common;
@@ -144,6 +145,75 @@ fn a_bfloat16_model_is_snapshotted_in_bfloat16_and_comes_back_bit_identical() {
             + 64 * 1024;
         assert_eq!(start["snapshot_bytes"].as_u64(), Some(want), "{parts:?}");
     }
+
+    // The agent's checkpoint of the same run: each tensor in its dtype,
+    // a bfloat16 one 2 bytes an element, the parameters all bfloat16.
+    let save = tempfile::tempdir().unwrap();
+    let dir = save.path().to_str().unwrap();
+    run(
+        None,
+        &[
+            "--dtype",
+            "bfloat16",
+            "--batchnorm",
+            "--optimizer",
+            "adamw",
+            "--save",
+            dir,
+        ],
+    );
+    let mut tensors = Vec::new();
+    for rank in 0..2 {
+        let file = save.path().join(format!(
+            "iter_{DDP_STEPS:07}/rank_{rank:05}/state.safetensors"
+        ));
+        tensors.extend(safetensors_entries(&std::fs::read(&file).unwrap()));
+    }
+    let mut bf16_params = 0;
+    for (name, dtype, numel, bytes) in &tensors {
+        let size = match dtype.as_str() {
+            "BF16" => 2,
+            "F32" => 4,
+            "I64" => 8,
+            other => panic!("{name}: dtype {other}"),
+        };
+        assert_eq!(*bytes, numel * size, "{name} {dtype}");
+        if name.starts_with("model.")
+            && !name.contains(".running_")
+            && !name.ends_with("num_batches_tracked")
+        {
+            assert_eq!(dtype, "BF16", "{name}");
+            bf16_params += numel;
+        }
+        if name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") {
+            assert_eq!(dtype, "BF16", "{name}");
+        }
+    }
+    // Every parameter is written once, by one of the two ranks.
+    assert_eq!(bf16_params, params, "{tensors:?}");
+}
+
+/// `(name, dtype, elements, bytes)` of each tensor of a safetensors file
+/// (an 8-byte little-endian header length, then the JSON header).
+fn safetensors_entries(file: &[u8]) -> Vec<(String, String, u64, u64)> {
+    let len = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&file[8..8 + len]).unwrap();
+    header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, t)| {
+            let numel = t["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .product();
+            let at = t["data_offsets"].as_array().unwrap();
+            let bytes = at[1].as_u64().unwrap() - at[0].as_u64().unwrap();
+            (name, t["dtype"].as_str().unwrap().to_string(), numel, bytes)
+        })
+        .collect()
 }
 
 #[test]

@@ -287,6 +287,7 @@ def connect(
     slots: int = 3,
     commit_halfway=None,
     checkpoint: dict | None = None,
+    before_copy=None,
 ) -> Runtime:
     """Registers ``rank`` and its state with the host's agent (inert
     without one). ``parts`` are snapshotted without a copy; each commit also
@@ -301,7 +302,10 @@ def connect(
 
     ``commit_halfway(step)``, if given, is called from the commit thread
     when half of a snapshot is copied: a drill's hook for a fault in the
-    middle of a commit.
+    middle of a commit. ``before_copy(step)``, if given, is called from the
+    commit thread before a snapshot is copied out of ``parts``, and returns
+    once they hold ``step``: the hook of a job that stages device state
+    into them asynchronously (``hatrain.torchstate``).
 
     ``checkpoint``, if given, is the layout of this rank's checkpoints (see
     ``state_map``): the agent writes them from the snapshots, periodically,
@@ -309,6 +313,6 @@ def connect(
     views = [(_bytes_view(p.name, p.array), p.dtype_name()) for p in parts]
     smap = state_map(parts, meta_len, checkpoint)
     native = _Native.connect(
-        rank, json.dumps(smap), views, snapshot_interval, slots, commit_halfway
+        rank, json.dumps(smap), views, snapshot_interval, slots, commit_halfway, before_copy
     )
     return Runtime(native, parts, meta_len)

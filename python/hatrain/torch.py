@@ -57,8 +57,16 @@ resumes, and FSDP's and the optimizer's references are pointed at it
 Any ``torch.optim.Optimizer`` whose state is tensors and numbers (Adam,
 AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam...): its state is learnt
 from its own ``step()``. Parameters and buffers of any floating or integer
-dtype (bfloat16 and float16 included) are kept in their dtype; they must be
-CPU tensors (gloo) here.
+dtype (bfloat16 and float16 included) are kept in their dtype.
+
+The state is on the CPU (gloo) or on one accelerator per rank (CUDA with
+NCCL, Ascend's NPU with HCCL through ``torch_npu``; ``device`` names it,
+the backend follows): there it is copied to the host after each update on
+a side stream, overlapped with the next step (``hatrain.torchstate``).
+When the agent pauses the job, the process group is aborted, so that a
+collective blocked on a dead or hung peer returns; with NCCL,
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is honoured where it is set, and set to
+2 (abort the communicators, keep the process) where it is not.
 """
 
 from __future__ import annotations
@@ -132,6 +140,11 @@ class Job:
     ``save`` (a folder) and ``save_interval``: the agent writes the job's
     checkpoints there (see ``_checkpoint_map``). ``load``: a job that
     starts afresh starts from the checkpoint there (``_load_checkpoint``).
+    ``device``: where the state is (the parameters' device; given, it must
+    be theirs); ``backend``: the process group's (by default gloo on the
+    CPU, nccl on CUDA, hccl on an NPU). ``stage``: whether the agent
+    snapshots host copies of the state (by default, when it is on an
+    accelerator; ``True`` on the CPU runs that path there).
     """
 
     def __init__(
@@ -141,7 +154,9 @@ class Job:
         *,
         schedulers: list | None = None,
         scaler=None,
-        backend: str = "gloo",
+        device: str | torch.device | None = None,
+        backend: str | None = None,
+        stage: bool | None = None,
         snapshot_interval: int = 1,
         timeout: float = 120.0,
         extra: dict | None = None,
@@ -155,7 +170,9 @@ class Job:
         self.save = os.path.abspath(save) if save is not None else None
         self.save_interval = save_interval
         self.load = os.fspath(load) if load is not None else None
-        self.backend = backend
+        self.device = torch.device(device) if device is not None else None
+        self._backend = backend
+        self.stage = stage
         self.timeout = datetime.timedelta(seconds=timeout)
         self.snapshot_interval = snapshot_interval
         self.extra = dict(extra or {})
@@ -215,6 +232,14 @@ class Job:
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
         self._group_early = True
 
+    @property
+    def backend(self) -> str:
+        """The process group's backend: the one given, or the device's."""
+        if self._backend is not None:
+            return self._backend
+        device = self.state.device if self.state is not None else self.device
+        return {"cuda": "nccl", "npu": "hccl"}.get(device.type if device is not None else "cpu", "gloo")
+
     def register(
         self,
         model: torch.nn.Module,
@@ -234,7 +259,13 @@ class Job:
         early = self._group_early
         # The state is moved (and its pages touched) first: a warm standby
         # has done all its start-up when it parks here for a rank.
-        self.state = State(model, optimizer, schedulers, scaler, world=self.world)
+        # (Nothing is snapshotted without an agent: nothing is staged.)
+        stage = self.stage if self.under_agent_env() else False
+        self.state = State(model, optimizer, schedulers, scaler, world=self.world, stage=stage)
+        if self.device is not None and not _same_device(self.device, self.state.device):
+            raise hatrain.HatrainError(
+                f"the job's device is {self.device}, and its parameters are on {self.state.device}"
+            )
         self.layout = self.state.layout
         if self.layout == "fsdp":
             from torch.distributed.fsdp import FSDPModule
@@ -284,6 +315,7 @@ class Job:
             # Python on the commit thread.
             commit_halfway=(lambda s: self.plan.hit(s, "commit", self.rt)) if self.plan.has("commit") else None,
             checkpoint=self._checkpoint_map(),
+            before_copy=self.state.ready if self.state.staged else None,
         )
         self.under_agent = self.rt.start[0] != "standalone"
         kind, epoch = self.rt.start
@@ -296,6 +328,7 @@ class Job:
             self._build()
             if self.load is not None:
                 self.step_done = self._load_checkpoint()
+            self.state.stage_out()
             self.rt.commit(self.step_done, self.epoch, self._meta(self.step_done), of="start")
         return self
 
@@ -373,6 +406,7 @@ class Job:
         meta = {
             "step": step,
             "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "device_rng": _b64(self.state.rng_state()),
             "py_rng": random.getstate(),
             "np_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             "extra": self.extra,
@@ -399,7 +433,9 @@ class Job:
     def _apply_meta(self, meta: dict) -> None:
         """The RNG states, ``extra`` and the optimizer's, schedulers' and
         scaler's state of a snapshot's (or checkpoint's) metadata."""
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(meta["torch_rng"])), dtype=torch.uint8))
+        torch.set_rng_state(_unb64(meta["torch_rng"]))
+        if meta.get("device_rng") is not None:
+            self.state.set_rng_state(_unb64(meta["device_rng"]))
         v, state, gauss = meta["py_rng"]
         random.setstate((v, tuple(state), gauss))
         name, keys, pos, has_gauss, cached = meta["np_rng"]
@@ -435,6 +471,12 @@ class Job:
             store = self._store(self.epoch)
             if gather:
                 self._meet(store)
+            if self.backend == "nccl":
+                # NCCL's watchdog, on a failed or timed-out collective,
+                # tears the process down by default (3): aborting the
+                # communicators alone (2) lets the rank recover in place.
+                # A value the user set is kept.
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             dist.init_process_group(
                 self.backend,
                 store=store,
@@ -467,7 +509,22 @@ class Job:
             self.model = DDP(self.module, **kwargs)
             if self.layout == "zero":
                 self.optimizer.process_group = dist.group.WORLD
-        self.rt.set_communicator(self.epoch)
+        # gloo's collectives fail when a peer's connection closes, and a
+        # hung peer's at the group's timeout; an accelerator's (NCCL,
+        # HCCL) are aborted when the agent pauses the job.
+        self.rt.set_communicator(self.epoch, abort=self._abort if self.backend in ("nccl", "hccl") else None)
+
+    @staticmethod
+    def _abort() -> None:
+        """Called from the runtime's watcher thread when the agent pauses
+        the job: the process group's communicators are aborted, and a
+        collective blocked on a dead or hung peer returns with an error
+        (the step is then thrown away and the group built again)."""
+        from torch.distributed import distributed_c10d
+
+        abort = getattr(distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            abort()
 
     def _fsdp_groups(self) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -566,7 +623,7 @@ class Job:
         not, the owner of each slice broadcasts it."""
         if not self.rt.sliced or self.world < 2:
             return
-        failed = torch.tensor([0 if self._read_siblings else 1], dtype=torch.int32)
+        failed = torch.tensor([0 if self._read_siblings else 1], dtype=torch.int32, device=self.state.device)
         dist.all_reduce(failed)
         if not failed.item():
             return
@@ -608,8 +665,12 @@ class Job:
             if kind != "resume":
                 raise Stopped(f"rank {self.rank}: the agent stopped the job ({kind})")
             with torch.no_grad():
-                self._load_meta(self.rt.restore(step), step)
+                block = self.rt.restore(step)
                 self._read_siblings = self._restore_siblings(step)
+                # The state restored (what the other ranks' stores held
+                # included) goes back onto the device, then is rebuilt.
+                self.state.stage_in()
+                self._load_meta(block, step)
             self.step_done, self.epoch = step, epoch
             if collector is not None:
                 collector.join()
@@ -683,8 +744,12 @@ class Job:
         if self._has_buffers:
             # The forward pass writes the module's buffers (a norm's
             # statistics; DDP's broadcast of rank 0's): the last step's copy
-            # of them must be done first.
-            self.rt.wait_commit()
+            # of them must be done first (a staged state's copy to the
+            # host, on the device; else the snapshot's).
+            if self.state.staged:
+                self.state.fence()
+            else:
+                self.rt.wait_commit()
         try:
             yield
             if self.rt.check_uce() is not None:
@@ -732,8 +797,10 @@ class Job:
         if self.rt.check_uce() is not None:
             raise _Torn()
         yield
-        # State the optimizer made or replaced goes into its place.
+        # State the optimizer made or replaced goes into its place; a staged
+        # state is copied to the host (queued: the commit thread waits).
         self.state.adopt()
+        self.state.stage_out()
         self.plan.hit(s, "update", self.rt)
         if self.rt.check_uce() is not None:
             raise _Torn()
@@ -755,5 +822,18 @@ class Job:
 
         h = hashlib.sha256()
         for f in self.state.digest_parts():
-            h.update(f.part(None).array.tobytes())
+            h.update(f.tensor.detach().cpu().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` (as given, its index perhaps left out) names ``b``."""
+    return a.type == b.type and (a.index is None or a.index == b.index)
+
+
+def _b64(t: torch.Tensor | None) -> str | None:
+    return None if t is None else base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)

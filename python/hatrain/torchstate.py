@@ -26,6 +26,22 @@ a restore rebuilds the optimizer's state from the views (:meth:`State.load`).
 Each tensor keeps its dtype everywhere: a bfloat16 tensor is 2 bytes an
 element in the snapshot and in the checkpoint (``BF16``).
 
+The state lives on one device, the parameters'. On the CPU its flat
+tensors are what the agent snapshots, with no copy. On an accelerator
+(CUDA, Ascend's NPU through ``torch_npu``: one code path, through the
+device's torch module) each flat tensor has a host copy, page-locked where
+the runtime allows, and that is what is registered: after each update
+(:meth:`State.stage_out`) the device state is copied into it on a side
+stream, queued behind the update, and the copy's event is recorded; the
+runtime's commit thread waits for that event (:meth:`State.ready`, its
+``before_copy`` hook) before it copies the host copy into the rank's slot.
+The training loop never waits for either copy: the next forward and
+backward run meanwhile (they do not change the state), and the next update
+begins once the commit is done (the runtime's start-update fence). A
+restore fills the host copies, which are copied back (:meth:`State.stage_in`).
+``stage=True`` runs that path on the CPU (a copy made in the loop, with no
+stream): the tests exercise it so.
+
 Three data-parallel layouts (:func:`layout`):
 
 - ``ddp``: every rank holds the same parameters and optimizer state; both
@@ -118,26 +134,64 @@ class Flat:
     #: parameters and optimizer state), or this rank's own (buffers, a
     #: sharded optimizer's state).
     replicated: bool
+    #: The host copy registered in ``tensor``'s place when it is staged
+    #: (see the module's doc); None: ``tensor`` is registered itself.
+    host: torch.Tensor | None = None
+
+    def registered(self) -> torch.Tensor:
+        """The CPU tensor the agent snapshots and a restore fills."""
+        return self.tensor if self.host is None else self.host
 
     def part(self, rep: tuple[int, int] | None) -> hatrain.Part:
-        as_, name = _DTYPES[self.tensor.dtype]
-        array = self.tensor.view(as_).numpy()
+        t = self.registered()
+        as_, name = _DTYPES[t.dtype]
+        array = t.view(as_).numpy()
         dtype = "BF16" if name == "BF16" else None
         return hatrain.Part(self.name, array, replicated=rep if self.replicated else None, dtype=dtype)
 
 
-def flatten(name: str, what: str, tensors: list[torch.Tensor], replicated: bool) -> tuple[Flat, list[torch.Tensor]]:
-    """One flat tensor named ``name`` holding ``tensors``' values (all of one
-    dtype, on the CPU), and views of it shaped like each."""
+def device_of(what: str, tensors) -> torch.device:
+    """The one device ``tensors`` (a job's parameters) are on: the CPU or an
+    accelerator with a torch device module (CUDA, Ascend's NPU...)."""
+    devices = {}
+    for t in tensors:
+        devices.setdefault(_local(t).device, t)
+    if len(devices) > 1:
+        raise TypeError(
+            f"hatrain.torch keeps a job's state on one device; {what} are on {', '.join(map(str, devices))}"
+        )
+    device = next(iter(devices), torch.device("cpu"))
+    if device.type == "cpu":
+        return device
+    try:
+        module = torch.get_device_module(device.type) if device.type != "meta" else None
+    except (RuntimeError, AttributeError):
+        module = None
+    if module is None or not all(hasattr(module, a) for a in ("Stream", "Event", "current_stream")):
+        raise TypeError(
+            f"hatrain.torch snapshots tensors on the CPU or an accelerator with streams and events; "
+            f"{what} has a tensor on {device}"
+        )
+    return device
+
+
+def flatten(
+    name: str, what: str, tensors: list[torch.Tensor], replicated: bool, device: torch.device
+) -> tuple[Flat, list[torch.Tensor]]:
+    """One flat tensor named ``name`` on ``device`` holding ``tensors``'
+    values (all of one dtype), and views of it shaped like each."""
     dtype = tensors[0].dtype
     tensors = [_local(t) for t in tensors]
     for t in tensors:
-        if t.device.type != "cpu":
-            raise TypeError(f"hatrain.torch snapshots CPU tensors here; {what} has a tensor on {t.device}")
+        if t.device != device:
+            raise TypeError(
+                f"hatrain.torch keeps a job's state on one device, the parameters' ({device}); "
+                f"{what} has a tensor on {t.device}"
+            )
         if t.dtype not in _DTYPES:
             raise TypeError(f"hatrain.torch cannot snapshot {what} of {t.dtype}")
     total = sum(t.numel() for t in tensors)
-    flat = torch.empty(max(total, 1), dtype=dtype)
+    flat = torch.empty(max(total, 1), dtype=dtype, device=device)
     views, at = [], 0
     for t in tensors:
         v = flat[at : at + t.numel()].view(t.shape)
@@ -239,7 +293,9 @@ class _Key:
 class State:
     """The parameters, buffers and optimizer state of a job as flat parts
     (see the module's doc). ``world``: the ranks of the data-parallel group
-    (what is replicated is marked so when there are several)."""
+    (what is replicated is marked so when there are several). ``stage``:
+    whether the registered parts are host copies of the state (None: when
+    it is on an accelerator)."""
 
     def __init__(
         self,
@@ -248,6 +304,7 @@ class State:
         schedulers: list | None = None,
         scaler=None,
         world: int = 1,
+        stage: bool | None = None,
     ):
         self.module = module
         self.optimizer = optimizer
@@ -265,6 +322,7 @@ class State:
         self.params = opt_params + others
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = [names.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(self.params)]
+        self.device = device_of("the parameters", self.params)
         # FSDP keeps each parameter's shard in a buffer of its own: the
         # shards are copied into their part (``stage``), not made views.
         staged = self.layout == "fsdp"
@@ -274,7 +332,11 @@ class State:
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dtype, idx in _by_dtype(list(range(len(self.params))), lambda i: self.params[i].dtype).items():
             flat, views = flatten(
-                f"params.{_short(dtype)}", "the parameters", [self.params[i].data for i in idx], replicated
+                f"params.{_short(dtype)}",
+                "the parameters",
+                [self.params[i].data for i in idx],
+                replicated,
+                self.device,
             )
             for i, v in zip(idx, views):
                 if staged:
@@ -290,7 +352,9 @@ class State:
         #: Per buffer: its name in the module's state dict, flat part, view.
         self._buffers: list[tuple[str, Flat, torch.Tensor]] = []
         for dtype, mine in _by_dtype(owned, lambda o: o[2].dtype).items():
-            flat, views = flatten(f"buffers.{_short(dtype)}", "the module's buffers", [b for _, _, b in mine], False)
+            flat, views = flatten(
+                f"buffers.{_short(dtype)}", "the module's buffers", [b for _, _, b in mine], False, self.device
+            )
             for (m, n, b), v in zip(mine, views):
                 self._buffers.append((buffer_names.get(id(b), n), flat, v))
                 m._buffers[n] = v
@@ -302,6 +366,15 @@ class State:
         inner = optimizer.optim if self.layout == "zero" else optimizer
         inner_params = [p for g in inner.param_groups for p in g["params"]]
         self._take_optimizer(inner, inner_params, world > 1 and self.layout == "ddp")
+        self.staged = self.device.type != "cpu" if stage is None else bool(stage)
+        self._module = None if self.device.type == "cpu" else torch.get_device_module(self.device.type)
+        #: The side stream of the copies to the host, and the last copy's event.
+        self._stream = self._module.Stream(self.device) if self.staged and self._module is not None else None
+        self._copied = None
+        if self.staged:
+            for f in self.flats:
+                if f.tensor.device == self.device:
+                    f.host = _host_copy(f.tensor)
 
     def _take_optimizer(self, inner: torch.optim.Optimizer, params: list[torch.Tensor], replicated: bool) -> None:
         self._inner = inner
@@ -317,9 +390,9 @@ class State:
             number_idx = [i for i, k in enumerate(kinds) if isinstance(k.get(key), str)]
             groups = _by_dtype(tensor_idx, lambda i: (kinds[i][key][0], kinds[i][key][2]))
             for (dtype, dtensor), idx in groups.items():
-                zeros = [torch.zeros(kinds[i][key][1], dtype=dtype) for i in idx]
+                zeros = [torch.zeros(kinds[i][key][1], dtype=dtype, device=self.device) for i in idx]
                 name = f"state.{key}.{_short(dtype)}"
-                flat, views = flatten(name, f"optimizer state {key!r}", zeros, replicated)
+                flat, views = flatten(name, f"optimizer state {key!r}", zeros, replicated, self.device)
                 self.flats.append(flat)
                 self._tensors.append(_Key(key, dict(zip(idx, views)), dtensor, flat))
             if number_idx:
@@ -388,6 +461,65 @@ class State:
                 view.copy_(_local(p))
         n = len(self._opt_params)
         self._present = {key: "all" if len(idx) == n else sorted(idx) for key, idx in have.items()}
+
+    # -- the host copies (a staged state) -------------------------------------------
+
+    def stage_out(self) -> None:
+        """After an update (and before the commit that snapshots it): the
+        state is copied into the host copies. On an accelerator the copies
+        are queued on the side stream behind the work queued so far (the
+        update) and do not wait; :meth:`ready` waits for them."""
+        if not self.staged:
+            return
+        if self._stream is None:
+            for f in self.flats:
+                if f.host is not None:
+                    f.host.copy_(f.tensor)
+            return
+        self._stream.wait_stream(self._module.current_stream(self.device))
+        with self._module.stream(self._stream):
+            for f in self.flats:
+                if f.host is not None:
+                    f.host.copy_(f.tensor, non_blocking=True)
+            event = self._module.Event()
+            event.record(self._stream)
+        self._copied = event
+
+    def ready(self, step: int) -> None:
+        """The commit thread's hook (``before_copy``): returns once the host
+        copies hold the state last staged out (of ``step``)."""
+        event = self._copied
+        if event is not None:
+            # (Waits with the interpreter's lock let go.)
+            event.synchronize()
+
+    def fence(self) -> None:
+        """Before the forward pass writes the module's buffers (a norm's
+        statistics): the device's work queued from now on waits for the
+        copy to the host, and the loop does not."""
+        if self._copied is not None:
+            self._module.current_stream(self.device).wait_event(self._copied)
+
+    def stage_in(self) -> None:
+        """After a restore filled the host copies: they are copied back
+        onto the device."""
+        if not self.staged:
+            return
+        self._copied = None
+        for f in self.flats:
+            if f.host is not None:
+                f.tensor.copy_(f.host)
+        if self._module is not None:
+            self._module.synchronize(self.device)
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The device's random number generator's state (None on the CPU,
+        whose is the job's torch RNG state)."""
+        return None if self._module is None else self._module.get_rng_state(self.device)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self._module is not None:
+            self._module.set_rng_state(state, self.device)
 
     def meta(self) -> dict:
         """What is not a tensor: which parameters have which state, the
@@ -521,6 +653,18 @@ class State:
         """The parts that are the model (parameters and buffers; with FSDP,
         this rank's shards)."""
         return [f for f in self.flats if f.name.startswith(("params.", "buffers."))]
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor like ``t`` holding its values: page-locked when ``t`` is
+    on an accelerator whose runtime allows it (the copies from it then run
+    without the CPU), pageable otherwise."""
+    if t.device.type != "cpu":
+        try:
+            return t.to("cpu").pin_memory()
+        except RuntimeError:
+            pass
+    return t.detach().to("cpu", copy=True)
 
 
 def _dtensor(t):

@@ -100,15 +100,27 @@ impl Abort for PyAbort {
     }
 }
 
-/// A drill's hooks into the runtime's background work: `commit_halfway`
-/// is called (with the interpreter held) from the commit thread when half
-/// of a snapshot is copied.
+/// Python's hooks into the runtime's background work, called (with the
+/// interpreter held) from the commit thread: `before_copy` before a
+/// snapshot is copied (a staged device copy is waited for there), and a
+/// drill's `commit_halfway` when half of one is copied.
 #[derive(Debug)]
 struct PyHooks {
+    before_copy: Option<Py<PyAny>>,
     commit_halfway: Option<Py<PyAny>>,
 }
 
 impl Hooks for PyHooks {
+    fn before_copy(&self, step: u64) {
+        if let Some(f) = &self.before_copy {
+            Python::attach(|py| {
+                if let Err(e) = f.call1(py, (step,)) {
+                    eprintln!("hatrain: the before_copy hook raised: {e}");
+                }
+            });
+        }
+    }
+
     fn commit_halfway(&self, step: u64) {
         if let Some(f) = &self.commit_halfway {
             Python::attach(|py| {
@@ -170,11 +182,14 @@ impl PyRuntime {
     /// part 0 is the metadata block given to each commit, parts 1.. are
     /// `buffers`, a list of `(buffer, dtype)` in order. `slots` (0: the
     /// agent's choice) is the fewest snapshot slots the loop needs.
-    /// `commit_halfway`,
-    /// if given, is called with the step when half of a snapshot is copied
-    /// (a drill's hook: a fault in the middle of a commit).
+    /// `before_copy`, if given, is called with the step before a snapshot
+    /// is copied out of the buffers, and returns once they hold that step
+    /// (a staged device copy); `commit_halfway`, if given, with the step
+    /// when half of one is copied (a drill's hook: a fault in the middle of
+    /// a commit). Both run on the commit thread.
     #[staticmethod]
-    #[pyo3(signature = (rank, state_map, buffers, snapshot_interval = 1, slots = 0, commit_halfway = None))]
+    #[pyo3(signature = (rank, state_map, buffers, snapshot_interval = 1, slots = 0, commit_halfway = None, before_copy = None))]
+    #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
         rank: usize,
@@ -183,6 +198,7 @@ impl PyRuntime {
         snapshot_interval: u64,
         slots: usize,
         commit_halfway: Option<Py<PyAny>>,
+        before_copy: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let map: StateMap = serde_json::from_str(state_map)
             .map_err(|e| PyValueError::new_err(format!("state map: {e}")))?;
@@ -193,7 +209,10 @@ impl PyRuntime {
             .collect::<PyResult<Vec<_>>>()?;
         let (rt, start) = py
             .detach(|| {
-                let hooks = Arc::new(PyHooks { commit_halfway });
+                let hooks = Arc::new(PyHooks {
+                    before_copy,
+                    commit_halfway,
+                });
                 Rt::connect_buffers(rank, map, bufs, snapshot_interval, slots, hooks)
             })
             .map_err(err)?;

@@ -43,8 +43,18 @@ raises(TypeError, "'note' of parameter 0 is a str: hatrain.torch snapshots tenso
 
 # A parameter on a device the job does not use.
 meta = torch.nn.Linear(4, 4, device="meta")
-raises(TypeError, "CPU tensors here; the parameters has a tensor on meta",
+raises(TypeError, "the parameters has a tensor on meta",
        hatrain.torch.Job, meta, torch.optim.AdamW(meta.parameters()))
+
+# A job whose device is not its parameters', and a buffer on another
+# device than the parameters.
+m = model()
+raises(hatrain.HatrainError, "the job's device is cuda, and its parameters are on cpu",
+       hatrain.torch.Job, m, torch.optim.AdamW(m.parameters()), device="cuda")
+m = model()
+m.register_buffer("elsewhere", torch.zeros(3, device="meta"))
+raises(TypeError, "the parameters' (cpu); the module's buffers has a tensor on meta",
+       hatrain.torch.Job, m, torch.optim.AdamW(m.parameters()))
 
 # An optimizer whose step needs a closure cannot be learnt from a step.
 m = model()

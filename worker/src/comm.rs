@@ -22,11 +22,17 @@ pub trait Communicator {
     fn abort_handle(&self) -> Arc<dyn Abort>;
 }
 
-/// Test and demo hooks into the runtime's background work. Production code
-/// passes [`NoHooks`]; the reference trainer's fault plan uses
-/// [`Hooks::commit_halfway`] to fault a rank in the middle of a snapshot
-/// copy.
+/// Hooks into the runtime's background work. The reference trainer passes
+/// [`NoHooks`], or its fault plan's [`Hooks::commit_halfway`] to fault a
+/// rank in the middle of a snapshot copy; a framework whose state lives in
+/// device memory passes [`Hooks::before_copy`].
 pub trait Hooks: Send + Sync + std::fmt::Debug {
+    /// The commit thread is about to copy step `step`'s snapshot out of the
+    /// registered buffers: returns once they hold that step. A framework
+    /// that stages device state into host buffers asynchronously waits here
+    /// for its copy to complete, on the commit thread, not the training
+    /// loop's.
+    fn before_copy(&self, _step: u64) {}
     /// The commit thread has copied half of step `step`'s snapshot.
     fn commit_halfway(&self, _step: u64) {}
 }

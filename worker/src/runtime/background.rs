@@ -52,6 +52,7 @@ pub(super) fn commit_loop(
         let t = Instant::now();
         let result = match free_slot(store, &job) {
             Some(slot) => {
+                hooks.before_copy(job.step);
                 let guards: Vec<_> = bufs.iter().map(Buffer::read).collect();
                 let mut parts: Vec<&[u8]> = vec![&job.meta];
                 parts.extend(guards.iter().zip(held).map(|(g, h)| g.bytes(h.clone())));
