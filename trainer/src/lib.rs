@@ -9,6 +9,7 @@
 //! - [`dist`]: where a rank sits in the job and how it meets its peers;
 //! - [`checkpoint`]: the trainer's state map and checkpoint loader;
 //! - [`faults`]: the deterministic fault plan tests and the demo use;
+//! - [`emulate`]: `--emulate-device`, a step shaped as on an accelerator;
 //! - [`trainer`]: the training loop.
 
 pub mod checkpoint;
@@ -16,6 +17,7 @@ pub mod collective;
 pub mod config;
 pub mod data;
 pub mod dist;
+pub mod emulate;
 pub mod faults;
 pub mod model;
 pub mod optim;

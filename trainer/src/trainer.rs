@@ -27,6 +27,7 @@ use crate::collective::{CollectiveError, Communicator};
 use crate::config::ModelConfig;
 use crate::data::{MarkovChain, SplitMix64};
 use crate::dist::{Dist, DistEnv};
+use crate::emulate::Device;
 use crate::faults::{ENV_FAULT_PLAN, FaultPlan, PlanError, Point};
 use crate::model::{Model, ModelError};
 use crate::optim::AdamW;
@@ -236,6 +237,8 @@ struct Trainer<'a> {
     args: &'a TrainArgs,
     cfg: ModelConfig,
     model: Model,
+    /// `--emulate-device`: the forward and backward, in the model's place.
+    device: Option<Device>,
     chain: MarkovChain,
     opt: AdamW,
     rank: usize,
@@ -324,6 +327,9 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         cfg,
         opt: args.optimizer(),
         model,
+        device: args
+            .emulate_device
+            .map(|ms| Device::new(ms, args.seed, rank)),
         chain,
         rank,
         world,
@@ -501,12 +507,15 @@ impl Trainer<'_> {
                 targets.push(tokens[t]);
             }
         }
-        // 2. Forward and backward.
-        let loss = {
-            let params = read(&self.state.params);
-            self.model
-                .loss_and_grad(&params, &inputs, &targets, &mut self.grads)
-                .map_err(|e| StepError::Fatal(e.into()))?
+        // 2. Forward and backward (on the model, or an emulated device).
+        let loss = match &self.device {
+            Some(device) => device.forward_backward(step, &mut self.grads),
+            None => {
+                let params = read(&self.state.params);
+                self.model
+                    .loss_and_grad(&params, &inputs, &targets, &mut self.grads)
+                    .map_err(|e| StepError::Fatal(e.into()))?
+            }
         };
         if rt.check_uce().is_some() {
             return Err(StepError::Uce);

@@ -95,6 +95,12 @@ pub struct TrainArgs {
     /// environment's value, else all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Emulate an accelerator: each step's forward and backward become MS
+    /// milliseconds of device time (a wait that holds no host core), with
+    /// seeded gradients; the optimizer update, the state and everything
+    /// hatrain does with it are as with the model (see `emulate`).
+    #[arg(long, value_name = "MS", value_parser = crate::emulate::parse_ms)]
+    pub emulate_device: Option<f64>,
 }
 
 fn parse_size(s: &str) -> Result<ModelSize, crate::config::ConfigError> {
