@@ -19,6 +19,13 @@
 //! interleaved `HATRAIN_BENCH_REPS` times (default 3); each run's figure is
 //! its median step time over steps 3-9, and the table gives the median
 //! over runs and the ratio on ÷ off.
+//!
+//! With `HATRAIN_BENCH_EMULATE_MS=MS`, the same two hosts with the trainer's
+//! `--emulate-device MS` (each step's forward and backward a wait of MS ms
+//! holding no host core, as on an accelerator host; the state and the
+//! update the model's): a snapshot every step and one peer replica against
+//! neither (no replica, no snapshot after the start), for the models of
+//! `HATRAIN_BENCH_SIZES`, interleaved `HATRAIN_BENCH_REPS` times.
 
 mod common;
 use common::launch::Launch;
@@ -140,8 +147,8 @@ fn free_port() -> u16 {
 }
 
 /// Median step time (steps 3-9) of one run of `size` on two hosts of one
-/// rank each, with `replicas` peer replicas.
-fn step_time(dir: &Path, size: &str, replicas: usize) -> f64 {
+/// rank each, with `replicas` peer replicas and the trainer's `extra` flags.
+fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> f64 {
     let secret = common::hosts::secret_file(dir, "3c");
     let log = dir.join(format!("steps-{size}-{replicas}.jsonl"));
     let _ = std::fs::remove_file(&log);
@@ -164,7 +171,7 @@ fn step_time(dir: &Path, size: &str, replicas: usize) -> f64 {
                 .option("--local-addr", addr)
                 .option("--replicas", replicas.to_string())
                 .option("--secret-file", &secret)
-                .args(train_args(size, 9, &log, &[]))
+                .args(train_args(size, 9, &log, extra))
                 .env("RUST_LOG", "warn")
                 .command()
                 .stdout(Stdio::null())
@@ -202,8 +209,8 @@ fn training_overhead() {
     for size in sizes.split(',') {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         for _ in 0..reps {
-            on.push(step_time(dir.path(), size, 1));
-            off.push(step_time(dir.path(), size, 0));
+            on.push(step_time(dir.path(), size, 1, &[]));
+            off.push(step_time(dir.path(), size, 0, &[]));
         }
         eprintln!("{size}: runs on {on:?} off {off:?}");
         let (a, b) = (median(on), median(off));
@@ -219,7 +226,52 @@ fn training_overhead() {
     }
 }
 
+/// `HATRAIN_BENCH_EMULATE_MS`: the step ratio on an emulated accelerator
+/// host (see the module's doc).
+fn emulated_overhead(ms: &str) {
+    let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "100m".into());
+    let reps: usize = std::env::var("HATRAIN_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let dir = tempfile::tempdir().unwrap();
+    println!();
+    println!(
+        "step time with --emulate-device {ms}, 2 hosts x 1 rank, median over {reps} interleaved runs of steps 3-9"
+    );
+    println!(
+        "{:<8} {:>22} {:>14} {:>10} {:>8}",
+        "model", "snapshot+replica s", "neither s", "ratio", "spread"
+    );
+    for size in sizes.split(',') {
+        let (mut on, mut off) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            on.push(step_time(dir.path(), size, 1, &["--emulate-device", ms]));
+            off.push(step_time(
+                dir.path(),
+                size,
+                0,
+                &["--emulate-device", ms, "--snapshot-interval", "1000000"],
+            ));
+        }
+        eprintln!("{size}: runs on {on:?} off {off:?}");
+        // The spread: the largest and smallest per-run ratio, in order.
+        let ratios: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a / b).collect();
+        let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = ratios.iter().copied().fold(0.0, f64::max);
+        let (a, b) = (median(on), median(off));
+        println!(
+            "{size:<8} {a:>22.4} {b:>14.4} {:>10.4} {lo:.4}-{hi:.4}",
+            a / b
+        );
+    }
+}
+
 fn main() {
+    if let Ok(ms) = std::env::var("HATRAIN_BENCH_EMULATE_MS") {
+        emulated_overhead(&ms);
+        return;
+    }
     let mib = bench_mib(256);
     let len = mib << 20;
     let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
