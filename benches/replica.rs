@@ -147,8 +147,10 @@ fn free_port() -> u16 {
 }
 
 /// Median step time (steps 3-9) of one run of `size` on two hosts of one
-/// rank each, with `replicas` peer replicas and the trainer's `extra` flags.
-fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> f64 {
+/// rank each, with `replicas` peer replicas and the trainer's `extra` flags,
+/// and the time rank 0's training thread was held by hatrain in each of
+/// those steps (ms).
+fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> (f64, Vec<f64>) {
     let secret = common::hosts::secret_file(dir, "3c");
     let log = dir.join(format!("steps-{size}-{replicas}.jsonl"));
     let _ = std::fs::remove_file(&log);
@@ -183,14 +185,14 @@ fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> f64 {
     for h in &mut hosts {
         assert!(h.wait().unwrap().success(), "a host failed");
     }
-    let t: Vec<f64> = std::fs::read_to_string(&log)
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|e| e["event"] == "step" && e["step"].as_u64() > Some(2))
-        .map(|e| e["step_time_s"].as_f64().unwrap())
         .collect();
-    median(t)
+    let field = |k: &str| -> Vec<f64> { steps.iter().map(|e| e[k].as_f64().unwrap()).collect() };
+    (median(field("step_time_s")), field("held_ms"))
 }
 
 fn training_overhead() {
@@ -209,8 +211,8 @@ fn training_overhead() {
     for size in sizes.split(',') {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         for _ in 0..reps {
-            on.push(step_time(dir.path(), size, 1, &[]));
-            off.push(step_time(dir.path(), size, 0, &[]));
+            on.push(step_time(dir.path(), size, 1, &[]).0);
+            off.push(step_time(dir.path(), size, 0, &[]).0);
         }
         eprintln!("{size}: runs on {on:?} off {off:?}");
         let (a, b) = (median(on), median(off));
@@ -243,17 +245,20 @@ fn emulated_overhead(ms: &str) {
         "{:<8} {:>22} {:>14} {:>10} {:>8}",
         "model", "snapshot+replica s", "neither s", "ratio", "spread"
     );
+    let mut held_rows = Vec::new();
     for size in sizes.split(',') {
         let (mut on, mut off) = (Vec::new(), Vec::new());
+        let (mut held_on, mut held_off) = (Vec::new(), Vec::new());
         for _ in 0..reps {
-            on.push(step_time(dir.path(), size, 1, &["--emulate-device", ms]));
-            off.push(step_time(
-                dir.path(),
-                size,
-                0,
-                &["--emulate-device", ms, "--snapshot-interval", "1000000"],
-            ));
+            let (t, h) = step_time(dir.path(), size, 1, &["--emulate-device", ms]);
+            on.push(t);
+            held_on.extend(h);
+            let flags = ["--emulate-device", ms, "--snapshot-interval", "1000000"];
+            let (t, h) = step_time(dir.path(), size, 0, &flags);
+            off.push(t);
+            held_off.extend(h);
         }
+        held_rows.push((size.to_string(), held_on, held_off));
         eprintln!("{size}: runs on {on:?} off {off:?}");
         // The spread: the largest and smallest per-run ratio, in order.
         let ratios: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a / b).collect();
@@ -263,6 +268,23 @@ fn emulated_overhead(ms: &str) {
         println!(
             "{size:<8} {a:>22.4} {b:>14.4} {:>10.4} {lo:.4}-{hi:.4}",
             a / b
+        );
+    }
+    println!();
+    println!(
+        "time rank 0's training thread is held by hatrain per step (ms), every step 3-9 of every run"
+    );
+    println!(
+        "{:<8} {:>24} {:>24}",
+        "model", "snapshot+replica median/max", "neither median/max"
+    );
+    for (size, on, off) in held_rows {
+        let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+        let (mon, moff) = (max(&on), max(&off));
+        println!(
+            "{size:<8} {:>24} {:>24}",
+            format!("{:.3} / {mon:.3}", median(on)),
+            format!("{:.3} / {moff:.3}", median(off))
         );
     }
 }

@@ -252,6 +252,8 @@ struct Trainer<'a> {
     /// Between the update fences: the live state cannot be trusted.
     torn: bool,
     last_loss: Option<f64>,
+    /// The last commit's hand-off (counted in the next step's held time).
+    handoff: Duration,
     /// The rank's state map: registered with the agent, and the layout of
     /// the trainer's own saves.
     map: StateMap,
@@ -341,6 +343,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         epoch: 0,
         torn: false,
         last_loss: None,
+        handoff: Duration::ZERO,
         map,
         plan,
     };
@@ -479,13 +482,27 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
     })
 }
 
+/// Evaluates `$e`, adding the time it took to `$held`.
+macro_rules! held {
+    ($held:ident, $e:expr) => {{
+        let t = Instant::now();
+        let r = $e;
+        $held += t.elapsed();
+        r
+    }};
+}
+
 impl Trainer<'_> {
     /// One training step, from the batch to the snapshot commit.
     fn step(&mut self, rt: &mut Runtime, comm: &mut Communicator) -> Result<(), StepError> {
         let args = self.args;
         let t0 = Instant::now();
         let step = self.state.scalars.step + 1;
-        rt.begin_step(step);
+        // The time the training thread spends in hatrain's calls this
+        // step (the fences, the UCE checks, the commit hand-off): the last
+        // step's hand-off, made after its log line, counts in this one.
+        let mut held = std::mem::take(&mut self.handoff);
+        held!(held, rt.begin_step(step));
         self.plan.hit(step, Point::Forward);
         // 1. The global batch's seeds (drawn from a copy of the RNG, which
         //    becomes the state only when the step is complete).
@@ -517,7 +534,7 @@ impl Trainer<'_> {
                     .map_err(|e| StepError::Fatal(e.into()))?
             }
         };
-        if rt.check_uce().is_some() {
+        if held!(held, rt.check_uce()).is_some() {
             return Err(StepError::Uce);
         }
         // 3. Gradients summed, each rank keeping its shard.
@@ -528,10 +545,10 @@ impl Trainer<'_> {
             .for_each(|g| *g *= scale);
         // 4. and 5. AdamW on this rank's shard, then everyone gets the new
         //    parameters: the update fences enclose both.
-        rt.start_update();
+        held!(held, rt.start_update());
         self.plan.hit(step, Point::Update);
         self.torn = true;
-        if rt.check_uce().is_some() {
+        if held!(held, rt.check_uce()).is_some() {
             return Err(StepError::Uce);
         }
         {
@@ -552,11 +569,11 @@ impl Trainer<'_> {
             rng,
             data_position: self.state.scalars.data_position + args.global_batch as u64,
         };
-        if rt.check_uce().is_some() {
+        if held!(held, rt.check_uce()).is_some() {
             return Err(StepError::Uce);
         }
         self.torn = false;
-        rt.end_update(step);
+        held!(held, rt.end_update(step));
 
         let losses = rt.collective(|| comm.all_gather_f64(f64::from(loss)))?;
         let mean_loss = losses.iter().sum::<f64>() / self.world as f64;
@@ -582,14 +599,16 @@ impl Trainer<'_> {
         // logged again with the same values).
         self.log.write(serde_json::json!({
             "event": "step", "step": step, "loss": mean_loss, "lr": self.opt.lr_at(step),
-            "tokens_per_s": tps, "step_time_s": dt, "epoch": self.epoch,
+            "tokens_per_s": tps, "step_time_s": dt, "held_ms": held.as_secs_f64() * 1e3, "epoch": self.epoch,
             "world_size": self.world, "global_batch": args.global_batch,
             "samples": self.state.scalars.data_position,
             "unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         }))?;
         let last = step == args.train_iters;
         let of = if last { CommitOf::Last } else { CommitOf::Step };
+        let handoff = Instant::now();
         rt.commit(step, self.epoch, self.state.scalars.encode(), of);
+        self.handoff = handoff.elapsed();
 
         // With an agent that saves, the save steps' snapshots are held for it
         // and it writes them to disk off the training path.
