@@ -92,7 +92,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hatrain
 from hatrain.drill import Plan
-from hatrain import npu
+from hatrain import npu, torchckpt
 from hatrain.torchstate import State
 
 __all__ = ["Job", "Stopped"]
@@ -138,8 +138,8 @@ class Job:
     passed to ``DistributedDataParallel``; ``timeout`` (seconds) bounds a
     collective, and so how long a rank waits on a hung (not dead) peer.
     ``save`` (a folder) and ``save_interval``: the agent writes the job's
-    checkpoints there (see ``_checkpoint_map``). ``load``: a job that
-    starts afresh starts from the checkpoint there (``_load_checkpoint``).
+    checkpoints there (see ``torchckpt.layout``). ``load``: a job that
+    starts afresh starts from the checkpoint there (``torchckpt.load``).
     ``device``: where the state is (the parameters' device; given, it must
     be theirs); ``backend``: the process group's (by default gloo on the
     CPU, nccl on CUDA, hccl on an NPU). ``stage``: whether the agent
@@ -314,7 +314,7 @@ class Job:
             # The drill's hook only when the plan has a fault there: it runs
             # Python on the commit thread.
             commit_halfway=(lambda s: self.plan.hit(s, "commit", self.rt)) if self.plan.has("commit") else None,
-            checkpoint=self._checkpoint_map(),
+            checkpoint=torchckpt.layout(self),
             before_copy=self.state.ready if self.state.staged else None,
         )
         self.under_agent = self.rt.start[0] != "standalone"
@@ -327,79 +327,12 @@ class Job:
             self.epoch = epoch or 0
             self._build()
             if self.load is not None:
-                self.step_done = self._load_checkpoint()
+                self.step_done = torchckpt.load(self)
             self.state.stage_out()
             self.rt.commit(self.step_done, self.epoch, self._meta(self.step_done), of="start")
         return self
 
-    def _load_checkpoint(self) -> int:
-        """The job starts from the checkpoint at ``load`` (a save folder the
-        agent wrote into: its newest iteration; or an iteration's ``dcp``
-        folder), read with ``torch.distributed.checkpoint`` at this world
-        size, whatever the one it was written at. Returns its step."""
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-        from torch.distributed.checkpoint import load as dcp_load
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        path = self.load
-        tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-        try:
-            if os.path.exists(tracker):
-                with open(tracker) as f:
-                    path = os.path.join(path, f"iter_{int(f.read().strip()):07d}", "dcp")
-            own = os.path.join(path, f"rank_{self.rank:05d}-meta.json")
-            with open(own if os.path.exists(own) else os.path.join(path, "rank_00000-meta.json")) as f:
-                meta = json.load(f)["torch"]
-        except (OSError, ValueError, KeyError) as e:
-            raise hatrain.HatrainError(f"{self.load} is not a checkpoint hatrain wrote for a PyTorch job: {e}") from None
-        if self.layout == "zero":
-            raise hatrain.HatrainError(
-                "a ZeroRedundancyOptimizer's state cannot be loaded by torch.distributed.checkpoint: "
-                f"{self.load} is not loaded"
-            )
-        msd, osd = get_state_dict(self.module, self.optimizer)
-        dcp_load({"model": msd, "optim": {"state": osd["state"]}}, storage_reader=HuggingFaceStorageReader(path))
-        with torch.no_grad():
-            set_state_dict(self.module, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
-            # The loaded state moves into its parts (FSDP's shards are
-            # copied in), then is rebuilt from them as after a restore.
-            self.state.adopt()
-            self._apply_meta(meta)
-        print(f"rank {self.rank}: started from step {meta['step']} of {path}", file=sys.stderr, flush=True)
-        return int(meta["step"])
-
     # -- state ---------------------------------------------------------------
-
-    def _checkpoint_map(self) -> dict | None:
-        """With ``save``, the layout of this rank's checkpoints: the agent
-        writes them (every ``save_interval`` steps, at the last step, and
-        as last words) as ``save/iter_NNNNNNN/rank_NNNNN/state.safetensors``
-        with the rank's ``meta.json``, every rank's files also linked into
-        ``save/iter_NNNNNNN/dcp/``: a folder that
-        ``torch.distributed.checkpoint.HuggingFaceStorageReader`` loads,
-        at this world size or another, with no hatrain (see
-        ``State.checkpoint_tensors`` for the names). Each ``meta.json``
-        carries the snapshot's metadata (the step, the RNG states, the
-        optimizer's groups, the schedulers', ``extra``) as ``torch``."""
-        if self.save is None:
-            return None
-        tensors = self.state.checkpoint_tensors(self.world, self.rank)
-        if not tensors:
-            raise hatrain.HatrainError(
-                f"rank {self.rank} has no tensor to write into a checkpoint of {self.world} ranks "
-                "(fewer tensors than ranks): leave `save` out"
-            )
-        return {
-            "dir": self.save,
-            "interval": int(self.save_interval),
-            "world_size": self.world,
-            "files": [{"name": "state.safetensors", "tensors": tensors}],
-            "fields": [
-                {"name": "layout", "value": {"const": self.layout}},
-                {"name": "torch", "value": {"json": {"part": 0}}},
-            ],
-            "linked": "dcp",
-        }
 
     def _meta(self, step: int) -> bytes:
         np_state = np.random.get_state()
