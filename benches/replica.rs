@@ -195,12 +195,18 @@ fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> (f64, V
     (median(field("step_time_s")), field("held_ms"))
 }
 
-fn training_overhead() {
-    let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "10m,100m".into());
-    let reps: usize = std::env::var("HATRAIN_BENCH_REPS")
+/// `HATRAIN_BENCH_SIZES` (else `default`) and `HATRAIN_BENCH_REPS` (else 3).
+fn sizes_and_reps(default: &str) -> (String, usize) {
+    let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| default.into());
+    let reps = std::env::var("HATRAIN_BENCH_REPS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
+    (sizes, reps)
+}
+
+fn training_overhead() {
+    let (sizes, reps) = sizes_and_reps("10m,100m");
     let dir = tempfile::tempdir().unwrap();
     println!();
     println!("step time, 2 hosts x 1 rank, median over {reps} interleaved runs of steps 3-9");
@@ -231,11 +237,7 @@ fn training_overhead() {
 /// `HATRAIN_BENCH_EMULATE_MS`: the step ratio on an emulated accelerator
 /// host (see the module's doc).
 fn emulated_overhead(ms: &str) {
-    let sizes = std::env::var("HATRAIN_BENCH_SIZES").unwrap_or_else(|_| "100m".into());
-    let reps: usize = std::env::var("HATRAIN_BENCH_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+    let (sizes, reps) = sizes_and_reps("100m");
     let dir = tempfile::tempdir().unwrap();
     println!();
     println!(
