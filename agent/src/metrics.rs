@@ -47,6 +47,13 @@ struct RankLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatLabels {
+    job: String,
+    rank: String,
+    stat: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FaultLabels {
     job: String,
     kind: String,
@@ -84,6 +91,13 @@ pub fn render(reports: &[StatusReport]) -> String {
     let restarts = Family::<RankLabels, Counter>::default();
     let snap_age = Family::<RankLabels, GaugeF>::default();
     let snap_bytes = Family::<RankLabels, Gauge>::default();
+    let held = Family::<StatLabels, GaugeF>::default();
+    let held_total = Family::<RankLabels, Counter<f64, AtomicU64>>::default();
+    let held_steps = Family::<RankLabels, Counter>::default();
+    let copy_s = Family::<RankLabels, Counter<f64, AtomicU64>>::default();
+    let copy_cpu = Family::<RankLabels, Counter<f64, AtomicU64>>::default();
+    let copy_bytes = Family::<RankLabels, Counter>::default();
+    let copy_skipped = Family::<RankLabels, Counter>::default();
     let faults = Family::<FaultLabels, Counter>::default();
     let recovery = Family::<JobLabel, Histogram>::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.1, 2.0, 13))
@@ -114,6 +128,26 @@ pub fn render(reports: &[StatusReport]) -> String {
             if let Some(s) = &w.last_snapshot {
                 snap_age.get_or_create(&l).set(s.age_s);
                 snap_bytes.get_or_create(&l).set(s.bytes as i64);
+            }
+            if let Some(h) = &w.held_time {
+                for (stat, ms) in [("p50", h.p50_ms), ("p99", h.p99_ms), ("max", h.max_ms)] {
+                    let ql = StatLabels {
+                        job: r.job.clone(),
+                        rank: w.rank.to_string(),
+                        stat: stat.into(),
+                    };
+                    held.get_or_create(&ql).set(ms / 1e3);
+                }
+                held_total
+                    .get_or_create(&l)
+                    .inc_by(h.mean_ms * h.steps as f64 / 1e3);
+                held_steps.get_or_create(&l).inc_by(h.steps);
+            }
+            if let Some(c) = &w.copies {
+                copy_s.get_or_create(&l).inc_by(c.copy_s);
+                copy_cpu.get_or_create(&l).inc_by(c.cpu_s);
+                copy_bytes.get_or_create(&l).inc_by(c.bytes);
+                copy_skipped.get_or_create(&l).inc_by(c.skipped);
             }
         }
         for f in &r.faults {
@@ -222,6 +256,46 @@ pub fn render(reports: &[StatusReport]) -> String {
         "Size of each rank's newest sealed snapshot",
         Unit::Bytes,
         snap_bytes,
+    );
+    reg.register_with_unit(
+        "hatrain_step_held",
+        "Time each rank's training thread spent in hatrain's calls per step (stat p50 and p99 are upper bounds, max the longest)",
+        Unit::Seconds,
+        held,
+    );
+    reg.register_with_unit(
+        "hatrain_step_held_sum",
+        "Time each rank's training thread spent in hatrain's calls, summed over its steps",
+        Unit::Seconds,
+        held_total,
+    );
+    reg.register(
+        "hatrain_step_held_steps",
+        "Steps whose held time is counted",
+        held_steps,
+    );
+    reg.register_with_unit(
+        "hatrain_snapshot_copy",
+        "Time the commit thread spent copying the sealed snapshots",
+        Unit::Seconds,
+        copy_s,
+    );
+    reg.register_with_unit(
+        "hatrain_snapshot_copy_cpu",
+        "CPU time the commit thread used for the sealed snapshots",
+        Unit::Seconds,
+        copy_cpu,
+    );
+    reg.register_with_unit(
+        "hatrain_snapshot_copied",
+        "Bytes of the sealed snapshots",
+        Unit::Bytes,
+        copy_bytes,
+    );
+    reg.register(
+        "hatrain_snapshots_skipped",
+        "Snapshots abandoned because the update began before their copy finished (--snapshot-window skip)",
+        copy_skipped,
     );
     reg.register(
         "hatrain_faults",

@@ -222,6 +222,15 @@ impl PyRuntime {
         })
     }
 
+    /// What the start-update fence does with a snapshot copy still
+    /// running: `"wait"`, `"skip"` or `"skip:N"` (see the trainer's
+    /// `--snapshot-window`).
+    fn set_snapshot_window(&mut self, window: &str) -> PyResult<()> {
+        let w = window.parse().map_err(PyValueError::new_err)?;
+        self.rt_mut().set_snapshot_window(w);
+        Ok(())
+    }
+
     /// How to start: `("standalone", None)`, `("fresh", epoch)` or
     /// `("await", None)` (a replacement process: await the directive).
     #[getter]

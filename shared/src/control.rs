@@ -227,6 +227,81 @@ pub struct WorkerReport {
     /// as torchrun would (the whole group restarts).
     #[serde(default)]
     pub protected: bool,
+    /// The time the rank's training thread spent in hatrain's calls, per
+    /// step (absent before its first step, or from an older worker).
+    #[serde(default)]
+    pub held_time: Option<HeldTimeReport>,
+    /// The rank's snapshot copies.
+    #[serde(default)]
+    pub copies: Option<CopyReport>,
+}
+
+/// The time a rank's training thread spent in hatrain's calls per step: the
+/// step boundary, the UCE checks, the update fences (a wait for a snapshot
+/// copy included) and the commit hand-off. Quantiles are upper bounds (the
+/// edge of a histogram bucket, 16 µs << k, or the maximum).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeldTimeReport {
+    pub steps: u64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    pub last_ms: f64,
+}
+
+impl HeldTimeReport {
+    /// The report of a control page's statistics; `None` before a step.
+    pub fn of(s: &crate::shm::HeldStats) -> Option<Self> {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        (s.steps > 0).then(|| Self {
+            steps: s.steps,
+            mean_ms: ms(s.total_ns) / s.steps as f64,
+            p50_ms: ms(s.quantile_ns(0.5).unwrap_or(0)),
+            p99_ms: ms(s.quantile_ns(0.99).unwrap_or(0)),
+            max_ms: ms(s.max_ns),
+            last_ms: ms(s.last_ns),
+        })
+    }
+}
+
+/// A rank's snapshot copies: those sealed (their time, bytes and the
+/// commit thread's CPU time, summed), those skipped because the update
+/// began before they finished, and the updates that waited for one after
+/// too many skips.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CopyReport {
+    pub sealed: u64,
+    pub copy_ms_mean: f64,
+    pub bytes: u64,
+    pub copy_s: f64,
+    pub cpu_s: f64,
+    /// Commit-thread CPU seconds per GB (10^9 bytes) sealed.
+    pub cpu_s_per_gb: f64,
+    pub skipped: u64,
+    pub waited_after_misses: u64,
+}
+
+impl CopyReport {
+    /// The report of a control page's statistics; `None` before any copy.
+    pub fn of(c: &crate::shm::CommitStats) -> Option<Self> {
+        (c.sealed > 0 || c.skipped > 0).then(|| Self {
+            sealed: c.sealed,
+            copy_ms_mean: c.sealed_ns as f64 / 1e6 / c.sealed.max(1) as f64,
+            bytes: c.sealed_bytes,
+            copy_s: c.sealed_ns as f64 / 1e9,
+            cpu_s: c.sealed_cpu_ns as f64 / 1e9,
+            cpu_s_per_gb: if c.sealed_bytes > 0 {
+                c.sealed_cpu_ns as f64 / c.sealed_bytes as f64
+            } else {
+                0.0
+            },
+            skipped: c.skipped,
+            waited_after_misses: c.waited_after_misses,
+        })
+    }
 }
 
 /// What was done about a fault.

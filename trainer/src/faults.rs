@@ -1,7 +1,9 @@
 //! Deterministic fault injection for tests and demos, from
 //! `HATRAIN_FAULT_PLAN`: `RANK:STEP:POINT:ACTION` entries separated by `;`,
 //! POINT one of `forward`, `update` (inside the fences), `commit` (halfway
-//! through the snapshot copy), `rebuild` (resuming from STEP: with `fail`,
+//! through the snapshot copy), `copy` (on the commit thread, before the
+//! snapshot of STEP is copied: with `sleepMS`, a copy that starts late, as
+//! one staged out of device memory may), `rebuild` (resuming from STEP: with `fail`,
 //! the communicator cannot be rebuilt, every time), ACTION one of `stop` (SIGSTOP itself, for a
 //! harness to SIGKILL), `kill` (SIGKILL itself), `exit` (exit code 17),
 //! `exit0` (exit code 0 before training is over),
@@ -41,6 +43,8 @@ pub enum Point {
     Forward,
     Update,
     Commit,
+    /// On the commit thread, before a snapshot's copy begins.
+    Copy,
     /// Rebuilding the communicator to resume from the step named.
     Rebuild,
     /// The loop has ended at the step named, its snapshot sealed.
@@ -115,9 +119,14 @@ impl FaultPlan {
                     "forward" => Point::Forward,
                     "update" => Point::Update,
                     "commit" => Point::Commit,
+                    "copy" => Point::Copy,
                     "rebuild" => Point::Rebuild,
                     "end" => Point::End,
-                    _ => return Err(bad("POINT must be forward, update, commit, rebuild or end")),
+                    _ => {
+                        return Err(bad(
+                            "POINT must be forward, update, commit, copy, rebuild or end",
+                        ));
+                    }
                 },
                 action: match a {
                     "stop" => Action::Stop,
@@ -234,6 +243,9 @@ impl FaultPlan {
 }
 
 impl Hooks for FaultPlan {
+    fn before_copy(&self, step: u64) {
+        self.hit(step, Point::Copy);
+    }
     fn commit_halfway(&self, step: u64) {
         self.hit(step, Point::Commit);
     }

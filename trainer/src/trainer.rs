@@ -320,6 +320,7 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
         args.snapshot_interval,
         Arc::clone(&plan) as Arc<dyn hatrain_worker::comm::Hooks>,
     )?;
+    rt.set_snapshot_window(args.snapshot_window);
     plan.set_targets(
         map.parts.iter().map(|p| p.name.clone()).collect(),
         rt.uce_injector(),
@@ -602,6 +603,7 @@ impl Trainer<'_> {
             "tokens_per_s": tps, "step_time_s": dt, "held_ms": held.as_secs_f64() * 1e3, "epoch": self.epoch,
             "world_size": self.world, "global_batch": args.global_batch,
             "samples": self.state.scalars.data_position,
+            "snapshots_skipped": rt.snapshots_skipped(),
             "unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
         }))?;
         let last = step == args.train_iters;

@@ -31,11 +31,12 @@ mod background;
 mod reshape;
 mod siblings;
 mod uce;
+mod window;
 
 pub use reshape::Donated;
 
 use crate::comm::{Abort, Communicator, Hooks};
-use background::{CommitJob, CommitProgress, commit_loop, watch_loop};
+use background::{CommitJob, CommitProgress, Committer, commit_loop, watch_loop};
 use hatrain_shared::control::{self, PROTOCOL, Request, Response, StartMode};
 use hatrain_shared::frame::FrameError;
 use hatrain_shared::shm::{Directive, Injection, Phase, ShmError, Store};
@@ -46,6 +47,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+use window::HeldClock;
+pub use window::Window;
 
 pub use crate::buffer::{Borrowed, Buffer, SharedBuf};
 
@@ -128,6 +131,8 @@ struct Attached {
     sliced: bool,
     jobs: Option<mpsc::Sender<CommitJob>>,
     progress: Arc<(Mutex<CommitProgress>, Condvar)>,
+    /// The sequence number of a commit whose copy is to be abandoned.
+    cancel: Arc<AtomicU64>,
     abort: Arc<Mutex<Option<Arc<dyn Abort>>>>,
     handled: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -170,6 +175,10 @@ pub struct Runtime {
     hooks: Arc<dyn Hooks>,
     attached: Option<Attached>,
     commit_seq: u64,
+    window: Window,
+    /// Snapshots skipped in a row (see [`Window`]).
+    misses: AtomicU64,
+    held_clock: HeldClock,
 }
 
 /// The store whose control page the SIGBUS handler records fatal faults
@@ -279,6 +288,9 @@ impl Runtime {
             hooks,
             attached: None,
             commit_seq: 0,
+            window: Window::Wait,
+            misses: AtomicU64::new(0),
+            held_clock: HeldClock::default(),
             map,
         };
         let Some(socket) = std::env::var_os(control::ENV_SOCKET).map(PathBuf::from) else {
@@ -368,18 +380,21 @@ impl Runtime {
         let progress = Arc::new((Mutex::new(CommitProgress::default()), Condvar::new()));
         let abort = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
+        let cancel = Arc::new(AtomicU64::new(0));
         let (tx, rx) = mpsc::channel::<CommitJob>();
         let committer = {
-            let (store, bufs, held, progress, hooks) = (
-                Arc::clone(&store),
-                self.buffers.clone(),
-                Arc::clone(&held),
-                Arc::clone(&progress),
-                Arc::clone(&self.hooks),
-            );
+            let shared = Committer {
+                store: Arc::clone(&store),
+                bufs: self.buffers.clone(),
+                held: Arc::clone(&held),
+                progress: Arc::clone(&progress),
+                cancel: Arc::clone(&cancel),
+                hooks: Arc::clone(&self.hooks),
+                rank,
+            };
             thread::Builder::new()
                 .name("hatrain-commit".into())
-                .spawn(move || commit_loop(rx, &store, &bufs, &held, &progress, &*hooks, rank))
+                .spawn(move || commit_loop(rx, &shared))
                 .map_err(|source| RuntimeError::Thread {
                     what: "commit",
                     source,
@@ -407,6 +422,7 @@ impl Runtime {
             sliced,
             jobs: Some(tx),
             progress,
+            cancel,
             abort,
             handled,
             stop,
@@ -427,11 +443,14 @@ impl Runtime {
     /// Step boundary: true if the agent has posted a directive not yet
     /// handled. One atomic load; no syscall.
     pub fn directive_pending(&self) -> bool {
-        self.attached.as_ref().is_some_and(|a| {
+        let t = Instant::now();
+        let pending = self.attached.as_ref().is_some_and(|a| {
             let page = a.store.page();
             page.beat();
             page.directive_seq() != a.handled.load(Ordering::Acquire)
-        })
+        });
+        self.held_clock.add(t);
+        pending
     }
 
     /// The state map this rank registered.
@@ -447,6 +466,13 @@ impl Runtime {
     /// The forward and backward passes of `step` begin: carries out a fault
     /// that `agentctl inject` left for this step.
     pub fn begin_step(&self, step: u64) {
+        let t = Instant::now();
+        self.close_held_step(true);
+        self.begin_step_injections(step);
+        self.held_clock.add(t);
+    }
+
+    fn begin_step_injections(&self, step: u64) {
         let Some(a) = &self.attached else { return };
         let page = a.store.page();
         page.set_phase(Phase::Computing);
@@ -481,26 +507,6 @@ impl Runtime {
         r
     }
 
-    /// Start-update fence: waits for the running snapshot copy (the update
-    /// may now change the state), then marks the state as being updated.
-    pub fn start_update(&self) {
-        if let Some(a) = &self.attached {
-            let t = Instant::now();
-            self.wait_commit();
-            let blocked = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            a.store.page().record_commit_blocking(blocked);
-            a.store.page().set_phase(Phase::Updating);
-        }
-    }
-
-    /// End-update fence: the state is consistent again at `step`.
-    pub fn end_update(&self, step: u64) {
-        if let Some(a) = &self.attached {
-            a.store.page().set_step(step);
-            a.store.page().set_phase(Phase::Computing);
-        }
-    }
-
     /// Whether the agent writes this rank's checkpoints (from the snapshots
     /// of save steps, which [`Runtime::commit`] holds for it), so the
     /// training loop does not save.
@@ -512,6 +518,12 @@ impl Runtime {
     /// every step the agent is to save: each save-interval step and the
     /// last): `meta` is copied now, the buffers in the background.
     pub fn commit(&mut self, step: u64, epoch: u64, meta: Vec<u8>, of: CommitOf) {
+        let t = Instant::now();
+        self.hand_off(step, epoch, meta, of);
+        self.held_clock.add(t);
+    }
+
+    fn hand_off(&mut self, step: u64, epoch: u64, meta: Vec<u8>, of: CommitOf) {
         assert_eq!(meta.len(), self.meta_len, "meta block has a fixed size");
         let Some(a) = &self.attached else { return };
         let hold = self.agent_saves.is_some_and(|n| match of {
@@ -525,11 +537,11 @@ impl Runtime {
         }
         let uces = crate::uce::count();
         self.commit_seq += 1;
-        a.progress
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .requested = self.commit_seq;
+        {
+            let mut p = a.progress.0.lock().unwrap_or_else(|p| p.into_inner());
+            p.requested = self.commit_seq;
+            p.skippable = !hold && of == CommitOf::Step;
+        }
         if let Some(tx) = &a.jobs {
             let _ = tx.send(CommitJob {
                 step,
@@ -540,19 +552,6 @@ impl Runtime {
                 hold,
                 last: of == CommitOf::Last,
             });
-        }
-    }
-
-    /// Waits until the last requested snapshot is sealed (or failed).
-    pub fn wait_commit(&self) {
-        let Some(a) = &self.attached else { return };
-        let (lock, cv) = &*a.progress;
-        let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
-        while p.done < p.requested {
-            p = cv.wait(p).unwrap_or_else(|p| p.into_inner());
-        }
-        if let Some(e) = p.last_error.take() {
-            eprintln!("rank {}: snapshot commit failed: {e}", self.rank);
         }
     }
 
@@ -715,7 +714,10 @@ impl Runtime {
     /// The loop has finished at `step`: waits for the last snapshot and says
     /// whether it is sealed (true without an agent).
     pub fn finish(&self, step: u64) -> bool {
+        let t = Instant::now();
         self.wait_commit();
+        self.held_clock.add(t);
+        self.close_held_step(false);
         let Some(a) = &self.attached else { return true };
         a.store.page().set_phase(Phase::Finished);
         a.progress

@@ -402,6 +402,43 @@ fn print_workers(w: &[WorkerReport]) {
             },
         );
     }
+    if w.iter()
+        .any(|r| r.held_time.is_some() || r.copies.is_some())
+    {
+        println!(
+            "{:>5} {:>26} {:>9} | {:>13} {:>9} {:>8} {:>8}",
+            "rank",
+            "held/step ms p50 p99 max",
+            "steps",
+            "copy/snap ms",
+            "CPU s/GB",
+            "skipped",
+            "waited",
+        );
+        for r in w {
+            let held = r.held_time.as_ref().map_or(("-".into(), "-".into()), |h| {
+                (
+                    format!("≤{:.3} ≤{:.3} {:.3}", h.p50_ms, h.p99_ms, h.max_ms),
+                    h.steps.to_string(),
+                )
+            });
+            let copies =
+                r.copies
+                    .as_ref()
+                    .map_or(("-".into(), "-".into(), "-".into(), "-".into()), |c| {
+                        (
+                            format!("{:.2}", c.copy_ms_mean),
+                            format!("{:.3}", c.cpu_s_per_gb),
+                            c.skipped.to_string(),
+                            c.waited_after_misses.to_string(),
+                        )
+                    });
+            println!(
+                "{:>5} {:>26} {:>9} | {:>13} {:>9} {:>8} {:>8}",
+                r.rank, held.0, held.1, copies.0, copies.1, copies.2, copies.3
+            );
+        }
+    }
 }
 
 fn print_device_faults(d: &[DeviceFaultRecord]) {

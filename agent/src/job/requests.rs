@@ -8,7 +8,8 @@ use crate::persister::Persister;
 use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{
-    InjectKind, MembershipReport, Request, Response, SnapshotReport, StatusReport, WorkerReport,
+    CopyReport, HeldTimeReport, InjectKind, MembershipReport, Request, Response, SnapshotReport,
+    StatusReport, WorkerReport,
 };
 use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
 use hatrain_shared::statemap::StateMap;
@@ -470,6 +471,8 @@ impl Driver<'_> {
                     last_commit_ms: (commits > 0).then(|| commit_ns as f64 / 1e6),
                     last_commit_blocking_ms: (commits > 0).then(|| block_ns as f64 / 1e6),
                     protected: self.decider.protected(rank),
+                    held_time: s.and_then(|s| HeldTimeReport::of(&s.page().held_stats())),
+                    copies: stats.as_ref().and_then(CopyReport::of),
                 }
             })
             .collect()

@@ -32,6 +32,12 @@
 //! 240 step the injection waits for (0: the next step)
 //! 248 persist hold: 0 none, else step << 16 | claimed << 8 | (slot + 1)
 //! 256 directive rank    264 directive world (a reshape's place; 2.1)
+//! 272 steps held        280 held ns total   288 held ns max  296 held ns last
+//! 304..432 held-time histogram: 16 counts, bucket k below 16 µs << k (2.2)
+//! 432 sealed snapshots' copy ns total   440 their bytes   448 the commit
+//!     thread's CPU ns for them   456 snapshots skipped (missed their window)
+//! 464 updates that waited for a copy after too many misses
+//! 472 snapshots sealed
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\2"   8 version   16 seq (odd while written)
@@ -55,7 +61,7 @@ mod slot;
 pub use directive::Directive;
 pub use fault::{FaultFlags, Injection, UceSite};
 pub use hold::{Hold, HoldRefused};
-pub use page::{CommitStats, ControlPage, Phase};
+pub use page::{CommitStats, ControlPage, HELD_BUCKETS, HeldStats, Phase, held_bucket_le_ns};
 pub use slot::{HeaderWord, Receiving, SLOT_MAGIC, SlotInfo};
 
 use mapping::Mapping;
@@ -68,7 +74,7 @@ use std::sync::atomic::Ordering;
 
 pub const PAGE: usize = 4096;
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"HTRCTL\0\x02");
-pub const VERSION: (u16, u16) = (2, 1);
+pub const VERSION: (u16, u16) = (2, 2);
 const VERSION_WORD: u64 = ((VERSION.0 as u64) << 16) | VERSION.1 as u64;
 /// Most slots a store may have.
 pub const MAX_SLOTS: usize = 16;

@@ -91,6 +91,13 @@ pub struct TrainArgs {
     /// Snapshot the state into shared memory every N steps (with an agent).
     #[arg(long, default_value_t = 1)]
     pub snapshot_interval: u64,
+    /// What the update does with a snapshot copy still running when it
+    /// begins: `wait` for it, or `skip` it (training does not wait; after
+    /// N skips in a row, default 4, the next copy is waited for): `wait`,
+    /// `skip` or `skip:N`.
+    #[arg(long, default_value = "wait")]
+    #[serde(serialize_with = "as_text")]
+    pub snapshot_window: hatrain_worker::runtime::Window,
     /// Compute threads per rank (sets RAYON_NUM_THREADS; default: the
     /// environment's value, else all cores).
     #[arg(long)]
@@ -134,4 +141,9 @@ impl TrainArgs {
             warmup: self.warmup,
         }
     }
+}
+
+/// Serializes a flag's value as the text it was given in.
+fn as_text<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
 }

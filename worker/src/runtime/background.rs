@@ -19,6 +19,13 @@ pub(super) struct CommitProgress {
     pub(super) last_error: Option<String>,
     /// The step of the newest snapshot sealed.
     pub(super) sealed: Option<u64>,
+    /// The newest requested snapshot may be skipped when it misses its
+    /// window (not a checkpoint's, not the final or the starting one).
+    pub(super) skippable: bool,
+    /// The commit whose bytes are being copied now (0: none): the
+    /// start-update fence waits for a copy it abandons to let go of the
+    /// buffers, not for one that has not begun.
+    pub(super) copying: u64,
 }
 
 pub(super) struct CommitJob {
@@ -35,48 +42,96 @@ pub(super) struct CommitJob {
     pub(super) last: bool,
 }
 
+/// What the commit thread shares with the runtime.
+pub(super) struct Committer {
+    pub(super) store: Arc<Store>,
+    pub(super) bufs: Vec<Buffer>,
+    pub(super) held: Arc<Vec<std::ops::Range<usize>>>,
+    pub(super) progress: Arc<(Mutex<CommitProgress>, Condvar)>,
+    /// Commits numbered up to this one are abandoned (they missed their
+    /// window; see [`super::Window`]).
+    pub(super) cancel: Arc<AtomicU64>,
+    pub(super) hooks: Arc<dyn Hooks>,
+    pub(super) rank: u64,
+}
+
+/// How one commit ended.
+enum Outcome {
+    Sealed(u64),
+    /// Not taken: its slot was held for the persister, or it missed its
+    /// window.
+    Skipped,
+    Failed(String),
+}
+
+/// The CPU time the calling thread has used, in nanoseconds.
+fn thread_cpu_ns() -> u64 {
+    use nix::time::{ClockId, clock_gettime};
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(|t| {
+            u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
+                + u64::try_from(t.tv_nsec()).unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
 /// The commit thread: copies each requested snapshot (its held ranges of
-/// `bufs`) into a free slot and seals it, until the channel closes.
-pub(super) fn commit_loop(
-    rx: mpsc::Receiver<CommitJob>,
-    store: &Store,
-    bufs: &[Buffer],
-    held: &[std::ops::Range<usize>],
-    progress: &(Mutex<CommitProgress>, Condvar),
-    hooks: &dyn Hooks,
-    rank: u64,
-) {
+/// the buffers) into a free slot and seals it, until the channel closes.
+pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
+    let (store, rank) = (&*c.store, c.rank);
     // Whether a hold has cost a snapshot yet (said once).
     let mut said_blocked = false;
     while let Ok(job) = rx.recv() {
         let t = Instant::now();
-        let result = match free_slot(store, &job) {
-            Some(slot) => {
-                hooks.before_copy(job.step);
-                let guards: Vec<_> = bufs.iter().map(Buffer::read).collect();
+        let cpu = thread_cpu_ns();
+        let cancelled = || job.seq <= c.cancel.load(Ordering::Acquire);
+        let outcome = match free_slot(store, &job) {
+            Some(_) if cancelled() => Outcome::Skipped,
+            Some(slot) => 'copy: {
+                c.hooks.before_copy(job.step);
+                {
+                    // Abandoned while it waited: the buffers may be changing.
+                    let mut p = c.progress.0.lock().unwrap_or_else(|p| p.into_inner());
+                    if cancelled() {
+                        break 'copy Outcome::Skipped;
+                    }
+                    p.copying = job.seq;
+                }
+                let guards: Vec<_> = c.bufs.iter().map(Buffer::read).collect();
                 let mut parts: Vec<&[u8]> = vec![&job.meta];
-                parts.extend(guards.iter().zip(held).map(|(g, h)| g.bytes(h.clone())));
+                parts.extend(
+                    guards
+                        .iter()
+                        .zip(c.held.iter())
+                        .map(|(g, h)| g.bytes(h.clone())),
+                );
                 let mut halfway = false;
                 let uces = job.uces;
-                store
-                    .write_slot(slot, rank, job.step, job.epoch, &parts, &mut |at, len| {
+                let written =
+                    store.write_slot(slot, rank, job.step, job.epoch, &parts, &mut |at, len| {
                         if !halfway && at * 2 >= len {
                             halfway = true;
-                            hooks.commit_halfway(job.step);
+                            c.hooks.commit_halfway(job.step);
                         }
                         // A UCE repaired meanwhile may have zeroed bytes being
-                        // copied.
-                        crate::uce::count() == uces
-                    })
-                    .map(|info| {
+                        // copied; a copy that missed its window is abandoned.
+                        crate::uce::count() == uces && !cancelled()
+                    });
+                match written {
+                    Ok(info) => {
                         // Refused only while the agent still writes an older
                         // step; it then skips to a newer one and says so.
                         if job.hold {
                             let _ = store.page().hold(job.step, info.slot);
                         }
-                        Some(job.step)
-                    })
-                    .map_err(|e| e.to_string())
+                        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                        let cpu_ns = thread_cpu_ns().saturating_sub(cpu);
+                        store.page().record_sealed(ns, info.len, cpu_ns);
+                        Outcome::Sealed(job.step)
+                    }
+                    Err(_) if cancelled() => Outcome::Skipped,
+                    Err(e) => Outcome::Failed(e.to_string()),
+                }
             }
             None => {
                 if !said_blocked && let Some(h) = store.page().held() {
@@ -86,18 +141,22 @@ pub(super) fn commit_loop(
                         job.step, h.step
                     );
                 }
-                Ok(None)
+                Outcome::Skipped
             }
         };
+        if matches!(outcome, Outcome::Skipped) && cancelled() {
+            store.page().record_skipped();
+        }
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         store.page().record_commit(ns);
-        let (lock, cv) = progress;
+        let (lock, cv) = &*c.progress;
         let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
         p.done = job.seq;
-        match result {
-            Ok(Some(step)) => p.sealed = Some(step),
-            Ok(None) => {}
-            Err(e) => p.last_error = Some(e),
+        p.copying = 0;
+        match outcome {
+            Outcome::Sealed(step) => p.sealed = Some(step),
+            Outcome::Skipped => {}
+            Outcome::Failed(e) => p.last_error = Some(e),
         }
         cv.notify_all();
     }

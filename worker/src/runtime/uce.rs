@@ -10,7 +10,10 @@ impl Runtime {
     /// the live state is then torn and the step must be recomputed from the
     /// last consistent snapshot. Reports it in the control page.
     pub fn check_uce(&self) -> Option<crate::uce::Uce> {
-        let u = crate::uce::take_pending()?;
+        let t = std::time::Instant::now();
+        let pending = crate::uce::take_pending();
+        self.held_clock.add(t);
+        let u = pending?;
         let name = self.part_name(u.part);
         eprintln!(
             "rank {}: uncorrectable memory error in {name} at byte {}: the step is thrown away and recomputed",
