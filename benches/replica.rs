@@ -15,7 +15,8 @@
 //! Then what replication costs training: two hosts (agents on 127.0.0.1
 //! and 127.0.0.2) of one rank each, the reference trainer with a snapshot
 //! every step, `--replicas 1` against `--replicas 0`, for the `10m` and
-//! `100m` models (`HATRAIN_BENCH_SIZES` narrows it). The two run
+//! `100m` models (`HATRAIN_BENCH_SIZES` narrows it; empty: the stream
+//! alone). The two run
 //! interleaved `HATRAIN_BENCH_REPS` times (default 3); each run's figure is
 //! its median step time over steps 3-9, and the table gives the median
 //! over runs and the ratio on ÷ off.
@@ -26,6 +27,11 @@
 //! update the model's): a snapshot every step and one peer replica against
 //! neither (no replica, no snapshot after the start), for the models of
 //! `HATRAIN_BENCH_SIZES`, interleaved `HATRAIN_BENCH_REPS` times.
+
+// The agent's allocator, so that the replicator in this process allocates
+// its frames as it does in `hatrain-agent`.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod common;
 use common::launch::Launch;
@@ -214,7 +220,7 @@ fn training_overhead() {
         "{:<8} {:>14} {:>14} {:>10}",
         "model", "replicas 1 s", "replicas 0 s", "on / off"
     );
-    for size in sizes.split(',') {
+    for size in sizes.split(',').filter(|s| !s.is_empty()) {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         for _ in 0..reps {
             on.push(step_time(dir.path(), size, 1, &[]).0);
@@ -248,7 +254,7 @@ fn emulated_overhead(ms: &str) {
         "model", "snapshot+replica s", "neither s", "ratio", "spread"
     );
     let mut held_rows = Vec::new();
-    for size in sizes.split(',') {
+    for size in sizes.split(',').filter(|s| !s.is_empty()) {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         let (mut held_on, mut held_off) = (Vec::new(), Vec::new());
         for _ in 0..reps {

@@ -137,9 +137,21 @@ fn two_hosts_hold_each_others_snapshots_identically_and_refuse_a_strangers_frame
                 && r["local_step"].as_u64()? >= 20
                 && r["lag_steps"] == 0
                 && r["lag_bytes"] == 0)
-                .then(|| r.clone())
+                .then(|| (r.clone(), v["status"]["replicas"].clone()))
         });
-        let r = lagless.unwrap_or_else(|| panic!("rank {rank}'s stream to host {holder} lags"));
+        let (r, replicas) =
+            lagless.unwrap_or_else(|| panic!("rank {rank}'s stream to host {holder} lags"));
+        // What each side's replica thread has cost is counted with its
+        // bytes: the sender's stream and, having held the other host's
+        // rank, the receiver.
+        let s = &replicas["streams"][0];
+        assert!(
+            s["bytes_sent"].as_u64().is_some_and(|b| b > 0)
+                && s["cpu_s"].as_f64().is_some_and(|c| c > 0.0)
+                && replicas["received_bytes"].as_u64().is_some_and(|b| b > 0)
+                && replicas["receive_cpu_s"].as_f64().is_some_and(|c| c > 0.0),
+            "host {owner}'s replica threads' CPU time and bytes: {replicas}"
+        );
         // A slot may be rewritten between the look and the read once
         // training goes on: then look again.
         let (step, same) = (0..50)

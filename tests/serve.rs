@@ -145,6 +145,15 @@ fn an_mpirun_job_is_repaired_without_mpirun_noticing() {
         metrics.contains(&format!("hatrain_world_size{{job=\"{job}\"}} 4")),
         "{metrics}"
     );
+    // What hatrain holds each rank's training thread for, per step, and
+    // what its snapshot copies cost.
+    for series in [
+        format!("hatrain_step_held_seconds{{job=\"{job}\",rank=\"0\",stat=\"p99\"}} "),
+        format!("hatrain_snapshot_copied_bytes_total{{job=\"{job}\",rank=\"0\"}} "),
+        format!("hatrain_snapshot_copy_cpu_seconds_total{{job=\"{job}\",rank=\"0\"}} "),
+    ] {
+        assert!(metrics.contains(&series), "{series} in\n{metrics}");
+    }
     kill(stopped(1).unwrap(), libc::SIGKILL);
 
     let out = run.wait_output(Duration::from_secs(180));

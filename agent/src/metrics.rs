@@ -54,6 +54,12 @@ struct StatLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SideLabels {
+    job: String,
+    side: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FaultLabels {
     job: String,
     kind: String,
@@ -108,6 +114,8 @@ pub fn render(reports: &[StatusReport]) -> String {
     let replica_lag = Family::<RankLabels, Gauge>::default();
     let replica_risk = Family::<RankLabels, Gauge>::default();
     let hosts = Family::<HostLabels, Gauge>::default();
+    let replica_cpu = Family::<SideLabels, Counter<f64, AtomicU64>>::default();
+    let replica_bytes = Family::<SideLabels, Counter>::default();
 
     for r in reports {
         let job = JobLabel { job: r.job.clone() };
@@ -184,6 +192,22 @@ pub fn render(reports: &[StatusReport]) -> String {
                     .get_or_create(&l)
                     .set(newest.saturating_sub(held) as i64);
             }
+        }
+        if let Some(rep) = &r.replicas {
+            let side = |side: &str| SideLabels {
+                job: r.job.clone(),
+                side: side.into(),
+            };
+            let sent: u64 = rep.streams.iter().map(|s| s.bytes_sent).sum();
+            let cpu: f64 = rep.streams.iter().map(|s| s.cpu_s).sum();
+            replica_bytes.get_or_create(&side("send")).inc_by(sent);
+            replica_cpu.get_or_create(&side("send")).inc_by(cpu);
+            replica_bytes
+                .get_or_create(&side("receive"))
+                .inc_by(rep.received_bytes);
+            replica_cpu
+                .get_or_create(&side("receive"))
+                .inc_by(rep.receive_cpu_s);
         }
         // With several holders, one current replica is enough.
         let mut risk = std::collections::BTreeMap::new();
@@ -333,6 +357,18 @@ pub fn render(reports: &[StatusReport]) -> String {
         "hatrain_replica_at_risk",
         "1 while every peer replica of this host's rank is behind every step this host keeps but the one its next snapshot overwrites: a loss of this host then could not be recovered from memory",
         replica_risk,
+    );
+    reg.register_with_unit(
+        "hatrain_replica_cpu",
+        "CPU time of the replica threads (side send: the streams of this host's snapshots; receive: the replicas held here), ZeroMQ's I/O thread not counted",
+        Unit::Seconds,
+        replica_cpu,
+    );
+    reg.register_with_unit(
+        "hatrain_replica_streamed",
+        "Snapshot bytes sent to peers (side send) and written into the replicas held here (side receive)",
+        Unit::Bytes,
+        replica_bytes,
     );
     reg.register(
         "hatrain_hosts",
@@ -536,8 +572,9 @@ mod tests {
                     node: 1,
                     endpoint: "tcp://127.0.0.2:1".into(),
                     connected: true,
-                    bytes_sent: 0,
+                    bytes_sent: 2_000_000_000,
                     chunks_sent: 0,
+                    cpu_s: 0.5,
                     ranks: vec![hatrain_shared::control::RankReplicaReport {
                         rank: 3,
                         local_step: Some(9),
@@ -552,6 +589,8 @@ mod tests {
                 rejected_malformed: 0,
                 rejected_forged: 0,
                 rejected_replayed: 0,
+                received_bytes: 1_000_000_000,
+                receive_cpu_s: 0.25,
             }),
             membership: None,
             resizes: vec![],
@@ -573,6 +612,16 @@ mod tests {
         );
         assert!(
             c.contains("hatrain_replica_at_risk{job=\"j\",rank=\"3\"} 1"),
+            "{c}"
+        );
+        assert!(
+            c.contains("hatrain_replica_cpu_seconds_total{job=\"j\",side=\"send\"} 0.5"),
+            "{c}"
+        );
+        assert!(
+            c.contains(
+                "hatrain_replica_streamed_bytes_total{job=\"j\",side=\"receive\"} 1000000000"
+            ),
             "{c}"
         );
         assert!(!c.contains("# EOF") && !c.contains("# UNIT"), "{c}");

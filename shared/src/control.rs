@@ -459,6 +459,13 @@ pub struct ReplicaReport {
     pub rejected_malformed: u64,
     pub rejected_forged: u64,
     pub rejected_replayed: u64,
+    /// Snapshot bytes written into the replicas held here, and the CPU
+    /// seconds the receiving thread has used (checking tags, copying,
+    /// hashing; ZeroMQ's I/O thread not counted).
+    #[serde(default)]
+    pub received_bytes: u64,
+    #[serde(default)]
+    pub receive_cpu_s: f64,
 }
 
 /// One stream of this host's snapshots to a peer.
@@ -472,6 +479,10 @@ pub struct StreamReport {
     pub bytes_sent: u64,
     pub chunks_sent: u64,
     pub ranks: Vec<RankReplicaReport>,
+    /// CPU seconds the stream's thread has used (framing, tagging, sending;
+    /// ZeroMQ's I/O thread, which copies into the kernel, not counted).
+    #[serde(default)]
+    pub cpu_s: f64,
 }
 
 /// How far a peer's replica of one rank is behind.

@@ -36,3 +36,13 @@ pub mod shm;
 pub mod statemap;
 pub mod store;
 pub mod trust;
+
+/// The CPU time the calling thread has used, in nanoseconds (0 where the
+/// clock cannot be read).
+pub fn thread_cpu_ns() -> u64 {
+    use nix::time::{ClockId, clock_gettime};
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).map_or(0, |t| {
+        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
+            + u64::try_from(t.tv_nsec()).unwrap_or(0)
+    })
+}

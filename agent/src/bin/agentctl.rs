@@ -336,12 +336,13 @@ fn print_replicas(r: &ReplicaReport) {
     );
     for s in &r.streams {
         println!(
-            "  to node {} at {}{} | {} MiB in {} chunks",
+            "  to node {} at {}{} | {} MiB in {} chunks | sender {}",
             s.node,
             s.endpoint,
             if s.connected { "" } else { " (not connected)" },
             s.bytes_sent >> 20,
-            s.chunks_sent
+            s.chunks_sent,
+            per_gb(s.cpu_s, s.bytes_sent),
         );
         for k in &s.ranks {
             let step = |s: Option<u64>| s.map_or("-".to_string(), |s| s.to_string());
@@ -366,6 +367,22 @@ fn print_replicas(r: &ReplicaReport) {
             "  holding rank {} of node {}: steps {:?} | {} stored, {} dropped",
             h.rank, h.from_node, h.steps, h.stored, h.dropped
         );
+    }
+    if r.received_bytes > 0 {
+        println!(
+            "  received {} MiB | receiver {}",
+            r.received_bytes >> 20,
+            per_gb(r.receive_cpu_s, r.received_bytes)
+        );
+    }
+}
+
+/// `cpu_s` CPU seconds for `bytes`, per GB (10^9 bytes).
+fn per_gb(cpu_s: f64, bytes: u64) -> String {
+    if bytes == 0 {
+        format!("{cpu_s:.3} CPU s")
+    } else {
+        format!("{:.3} CPU s per GB", cpu_s / (bytes as f64 / 1e9))
     }
 }
 

@@ -116,6 +116,8 @@ pub struct Inbox {
     /// The state map of each remote rank, as its sender last sent it.
     maps: BTreeMap<u64, Arc<StateMap>>,
     pub rejected: Rejected,
+    /// Snapshot bytes written into the replicas held.
+    pub received_bytes: u64,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -159,6 +161,7 @@ impl Inbox {
             stores: BTreeMap::new(),
             maps: BTreeMap::new(),
             rejected: Rejected::default(),
+            received_bytes: 0,
         }
     }
 
@@ -335,6 +338,7 @@ impl Inbox {
             holding.dropped += 1;
             return drop(e.to_string());
         }
+        self.received_bytes += data.len() as u64;
         if r.received() < cur.total {
             holding.incoming = Some((cur, r));
             return None;

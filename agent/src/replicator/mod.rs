@@ -114,6 +114,7 @@ struct StreamState {
     bytes_sent: u64,
     chunks_sent: u64,
     ranks: BTreeMap<u64, outbox::RankProgress>,
+    cpu_ns: u64,
 }
 
 #[derive(Debug, Default)]
@@ -121,6 +122,8 @@ struct Shared {
     streams: Vec<StreamState>,
     held: Vec<inbox::Held>,
     rejected: inbox::Rejected,
+    received_bytes: u64,
+    receive_cpu_ns: u64,
     /// Replicas to give up (the inbox's thread removes them).
     release: Vec<u64>,
 }
@@ -435,6 +438,8 @@ impl Replicator {
                 rejected_malformed: 0,
                 rejected_forged: 0,
                 rejected_replayed: 0,
+                received_bytes: 0,
+                receive_cpu_s: 0.0,
             }),
         }
     }
@@ -451,6 +456,7 @@ impl Replicator {
                     connected: s.connected,
                     bytes_sent: s.bytes_sent,
                     chunks_sent: s.chunks_sent,
+                    cpu_s: s.cpu_ns as f64 / 1e9,
                     ranks: s
                         .ranks
                         .iter()
@@ -485,6 +491,8 @@ impl Replicator {
             rejected_malformed: sh.rejected.malformed,
             rejected_forged: sh.rejected.forged,
             rejected_replayed: sh.rejected.replayed,
+            received_bytes: sh.received_bytes,
+            receive_cpu_s: sh.receive_cpu_ns as f64 / 1e9,
         }
     }
 
@@ -608,6 +616,9 @@ fn publish(inbox: &mut Inbox, shared: &Mutex<Shared>, last: &mut Instant, force:
         }
         sh.held = inbox.held();
         sh.rejected = inbox.rejected;
+        sh.received_bytes = inbox.received_bytes;
+        // The thread's CPU time since it began (it only holds).
+        sh.receive_cpu_ns = hatrain_shared::thread_cpu_ns();
     }
 }
 

@@ -468,6 +468,8 @@ pub(super) fn send(
         {
             st.connected = session.is_some();
             st.bytes_sent = outbox.bytes_sent;
+            // The thread's CPU time since it began (it only streams).
+            st.cpu_ns = hatrain_shared::thread_cpu_ns();
             st.chunks_sent = outbox.chunks_sent;
             st.ranks = outbox.progress();
         }

@@ -64,17 +64,6 @@ enum Outcome {
     Failed(String),
 }
 
-/// The CPU time the calling thread has used, in nanoseconds.
-fn thread_cpu_ns() -> u64 {
-    use nix::time::{ClockId, clock_gettime};
-    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
-        .map(|t| {
-            u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
-                + u64::try_from(t.tv_nsec()).unwrap_or(0)
-        })
-        .unwrap_or(0)
-}
-
 /// The commit thread: copies each requested snapshot (its held ranges of
 /// the buffers) into a free slot and seals it, until the channel closes.
 pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
@@ -83,7 +72,7 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
     let mut said_blocked = false;
     while let Ok(job) = rx.recv() {
         let t = Instant::now();
-        let cpu = thread_cpu_ns();
+        let cpu = hatrain_shared::thread_cpu_ns();
         let cancelled = || job.seq <= c.cancel.load(Ordering::Acquire);
         let outcome = match free_slot(store, &job) {
             Some(_) if cancelled() => Outcome::Skipped,
@@ -125,7 +114,7 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
                             let _ = store.page().hold(job.step, info.slot);
                         }
                         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                        let cpu_ns = thread_cpu_ns().saturating_sub(cpu);
+                        let cpu_ns = hatrain_shared::thread_cpu_ns().saturating_sub(cpu);
                         store.page().record_sealed(ns, info.len, cpu_ns);
                         Outcome::Sealed(job.step)
                     }
