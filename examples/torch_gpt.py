@@ -72,6 +72,7 @@ ap.add_argument("--save-interval", type=int, default=10)
 ap.add_argument("--load", default=None, help="start from a checkpoint the agent wrote")
 ap.add_argument("--device", default="cpu", help="cpu, cuda or npu (the LOCAL_RANK-th, modulo the devices there are)")
 ap.add_argument("--backend", default=None, help="the process group's (by default gloo on cpu, nccl on cuda, hccl on npu)")
+ap.add_argument("--snapshot-interval", type=int, default=1, help="under the agent: snapshot every N steps")
 ap.add_argument("--stage", action="store_true", help="under the agent: stage the state through host copies on the CPU too")
 ap.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
 ap.add_argument("--log-jsonl", default=None, help="JSON-lines log of rank 0 (of each rank if it has {rank})")
@@ -153,7 +154,7 @@ if under_agent:
     # The process group next (FSDP2's mesh and ZeRO are made over it); a
     # warm standby parks here until it has a rank.
     job = Job(save=args.save, save_interval=args.save_interval, load=args.load, device=device, backend=backend,
-              stage=True if args.stage else None)
+              stage=True if args.stage else None, snapshot_interval=args.snapshot_interval)
     rank = job.rank
 elif world > 1 or fsdp:
     if "MASTER_ADDR" in os.environ:

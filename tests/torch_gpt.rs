@@ -24,9 +24,9 @@ const MODEL: [&str; 12] = [
 /// A run of `ranks` ranks; `flags` holds the example's own (`--zero`,
 /// `--ddp`, `--stage`) and the agent's (the others).
 fn run(ranks: usize, plan: Option<&str>, flags: &[&str]) -> ExampleRun {
-    let (mine, agent): (Vec<&str>, Vec<&str>) = flags
-        .iter()
-        .partition(|f| ["--zero", "--ddp", "--stage"].contains(*f));
+    let (mine, agent): (Vec<&str>, Vec<&str>) = flags.iter().partition(|f| {
+        ["--zero", "--ddp", "--stage"].contains(*f) || f.starts_with("--snapshot-interval=")
+    });
     let args: Vec<&str> = MODEL.iter().copied().chain(mine).collect();
     Example {
         script: "torch_gpt.py",
@@ -107,14 +107,14 @@ fn repaired_in_place(clean: &ExampleRun, want: &str, flags: &[&str]) {
 }
 
 /// The path of a state on an accelerator, run on the CPU (`--stage`: the
-/// agent snapshots host copies, copied after each update and back after a
-/// restore): kills at three instants and a memory error in a host copy end
-/// bit-identical to the run with neither faults nor staging.
-fn staged(flags: &[&str]) {
+/// agent snapshots host copies, copied after each snapshotted update and
+/// back after a restore): kills at three instants (`kills`) and a memory
+/// error in a host copy end bit-identical to the run with neither faults
+/// nor staging.
+fn staged(flags: &[&str], kills: &str) {
     let _one_at_a_time = serial();
     let (want, clean) = clean(2, flags);
     let with: Vec<&str> = flags.iter().copied().chain(["--stage"]).collect();
-    let kills = "1:4:forward:kill:0;1:9:update:kill:1;1:15:commit:kill:2";
     let r = run(2, Some(kills), &with);
     assert_identical(&r, &want, kills);
     assert_eq!(events(&r.logs[1], "start").len(), 4, "{}", r.output);
@@ -163,6 +163,15 @@ fn the_gpt_example_with_a_zero_optimizer_on_four_ranks_comes_back_bit_identical_
 
 #[test]
 fn the_gpt_example_staged_through_host_copies_comes_back_bit_identical_with_fsdp2_and_ddp() {
-    staged(&[]);
-    staged(&["--ddp"]);
+    staged(
+        &[],
+        "1:4:forward:kill:0;1:9:update:kill:1;1:15:commit:kill:2",
+    );
+    // A snapshot every other step: the odd steps are not staged out (the
+    // host copies keep the step before), and the kill mid-commit is in an
+    // even one.
+    staged(
+        &["--ddp", "--snapshot-interval=2"],
+        "1:4:forward:kill:0;1:9:update:kill:1;1:16:commit:kill:2",
+    );
 }

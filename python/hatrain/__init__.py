@@ -196,6 +196,16 @@ class Runtime:
             )
         self._rt.commit(step, epoch, bytes(meta).ljust(self.meta_len, b"\0"), of)
 
+    def snapshots(self, step: int, of: str = "step") -> bool:
+        """Whether ``commit(step, of=of)`` takes a snapshot (every
+        ``snapshot_interval`` steps, and each step the agent saves)."""
+        return self._rt.snapshots(step, of)
+
+    def set_snapshot_window(self, window: str) -> None:
+        """What the start-update fence does with a snapshot copy still
+        running: ``"wait"``, ``"skip"`` or ``"skip:N"``."""
+        self._rt.set_snapshot_window(window)
+
     def wait_commit(self) -> None:
         self._rt.wait_commit()
 

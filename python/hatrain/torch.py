@@ -144,7 +144,12 @@ class Job:
     be theirs); ``backend``: the process group's (by default gloo on the
     CPU, nccl on CUDA, hccl on an NPU). ``stage``: whether the agent
     snapshots host copies of the state (by default, when it is on an
-    accelerator; ``True`` on the CPU runs that path there).
+    accelerator; ``True`` on the CPU runs that path there); a staged state
+    is copied to the host only on the steps that are snapshotted
+    (``snapshot_interval``, the save steps). ``snapshot_window``: what the
+    update does with a snapshot copy still running when it begins,
+    ``"wait"`` for it or ``"skip"`` it (``"skip:N"``: wait after N skips in
+    a row), as ``hatrain-train --snapshot-window``.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class Job:
         backend: str | None = None,
         stage: bool | None = None,
         snapshot_interval: int = 1,
+        snapshot_window: str = "wait",
         timeout: float = 120.0,
         extra: dict | None = None,
         ddp_kwargs: dict | None = None,
@@ -175,6 +181,7 @@ class Job:
         self.stage = stage
         self.timeout = datetime.timedelta(seconds=timeout)
         self.snapshot_interval = snapshot_interval
+        self.snapshot_window = snapshot_window
         self.extra = dict(extra or {})
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.fault_wait = fault_wait
@@ -317,6 +324,7 @@ class Job:
             checkpoint=torchckpt.layout(self),
             before_copy=self.state.ready if self.state.staged else None,
         )
+        self.rt.set_snapshot_window(self.snapshot_window)
         self.under_agent = self.rt.start[0] != "standalone"
         kind, epoch = self.rt.start
         # A replacement's state comes from shared memory: it awaits the
@@ -731,14 +739,16 @@ class Job:
             raise _Torn()
         yield
         # State the optimizer made or replaced goes into its place; a staged
-        # state is copied to the host (queued: the commit thread waits).
+        # state is copied to the host (queued: the commit thread waits) when
+        # this step is snapshotted.
         self.state.adopt()
-        self.state.stage_out()
+        of = "last" if s == self.total else "step"
+        if self.rt.snapshots(s, of):
+            self.state.stage_out()
         self.plan.hit(s, "update", self.rt)
         if self.rt.check_uce() is not None:
             raise _Torn()
         self.rt.end_update(s)
-        of = "last" if s == self.total else "step"
         self.rt.commit(s, self.epoch, self._meta(s), of=of)
         self._updated = s
 

@@ -315,16 +315,7 @@ impl PyRuntime {
     /// `"step"` or `"last"`.
     #[pyo3(signature = (step, epoch, meta, of = "step"))]
     fn commit(&mut self, step: u64, epoch: u64, meta: &[u8], of: &str) -> PyResult<()> {
-        let of = match of {
-            "start" => CommitOf::Start,
-            "step" => CommitOf::Step,
-            "last" => CommitOf::Last,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "commit of {other:?}: expected \"start\", \"step\" or \"last\""
-                )));
-            }
-        };
+        let of = commit_of(of)?;
         let want = self.rt().map().parts.first().map_or(0, |p| p.len as usize);
         if meta.len() != want {
             return Err(PyValueError::new_err(format!(
@@ -334,6 +325,13 @@ impl PyRuntime {
         }
         self.rt_mut().commit(step, epoch, meta.to_vec(), of);
         Ok(())
+    }
+
+    /// Whether `commit(step, of=of)` takes a snapshot: a state staged out
+    /// of device memory for the copy need be staged only then.
+    #[pyo3(signature = (step, of = "step"))]
+    fn snapshots(&self, step: u64, of: &str) -> PyResult<bool> {
+        Ok(self.rt().snapshots(step, commit_of(of)?))
     }
 
     fn wait_commit(&self, py: Python<'_>) {
@@ -440,4 +438,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HatrainError", m.py().get_type::<HatrainError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
+}
+
+/// A commit's `of` argument.
+fn commit_of(of: &str) -> PyResult<CommitOf> {
+    match of {
+        "start" => Ok(CommitOf::Start),
+        "step" => Ok(CommitOf::Step),
+        "last" => Ok(CommitOf::Last),
+        other => Err(PyValueError::new_err(format!(
+            "commit of {other:?}: expected \"start\", \"step\" or \"last\""
+        ))),
+    }
 }

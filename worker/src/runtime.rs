@@ -507,6 +507,24 @@ impl Runtime {
         r
     }
 
+    /// Whether the snapshot of `step` is held for the agent's checkpoint.
+    fn held_for_save(&self, step: u64, of: CommitOf) -> bool {
+        self.agent_saves.is_some_and(|n| match of {
+            CommitOf::Start => false,
+            CommitOf::Step => n > 0 && step.is_multiple_of(n),
+            CommitOf::Last => true,
+        })
+    }
+
+    /// Whether [`Runtime::commit`] of `step` takes a snapshot (with an
+    /// agent: every `--snapshot-interval` steps and each step the agent
+    /// saves), so that a loop that stages its state for the copy (out of
+    /// device memory) stages it only then.
+    pub fn snapshots(&self, step: u64, of: CommitOf) -> bool {
+        self.attached.is_some()
+            && (self.held_for_save(step, of) || step.is_multiple_of(self.interval))
+    }
+
     /// Whether the agent writes this rank's checkpoints (from the snapshots
     /// of save steps, which [`Runtime::commit`] holds for it), so the
     /// training loop does not save.
@@ -526,12 +544,8 @@ impl Runtime {
     fn hand_off(&mut self, step: u64, epoch: u64, meta: Vec<u8>, of: CommitOf) {
         assert_eq!(meta.len(), self.meta_len, "meta block has a fixed size");
         let Some(a) = &self.attached else { return };
-        let hold = self.agent_saves.is_some_and(|n| match of {
-            CommitOf::Start => false,
-            CommitOf::Step => n > 0 && step.is_multiple_of(n),
-            CommitOf::Last => true,
-        });
-        if !(hold || step.is_multiple_of(self.interval)) || crate::uce::pending() {
+        let hold = self.held_for_save(step, of);
+        if !self.snapshots(step, of) || crate::uce::pending() {
             // A UCE not yet acted on: this state is not snapshotted.
             return;
         }
