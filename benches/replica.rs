@@ -152,11 +152,21 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
-/// Median step time (steps 3-9) of one run of `size` on two hosts of one
-/// rank each, with `replicas` peer replicas and the trainer's `extra` flags,
-/// and the time rank 0's training thread was held by hatrain in each of
-/// those steps (ms).
-fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> (f64, Vec<f64>) {
+/// What one run of [`step_time`] measured.
+struct StepTimes {
+    /// Median step time of steps 3-9, seconds.
+    median: f64,
+    /// The time rank 0's training thread was held by hatrain in each of
+    /// those steps, ms.
+    held_ms: Vec<f64>,
+    /// Rank 0's snapshot copies over the run: the commit thread's CPU
+    /// seconds and the bytes sealed.
+    copies: Option<(f64, u64)>,
+}
+
+/// One run of `size` on two hosts of one rank each, with `replicas` peer
+/// replicas and the trainer's `extra` flags (see [`StepTimes`]).
+fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> StepTimes {
     let secret = common::hosts::secret_file(dir, "3c");
     let log = dir.join(format!("steps-{size}-{replicas}.jsonl"));
     let _ = std::fs::remove_file(&log);
@@ -195,10 +205,25 @@ fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> (f64, V
         .unwrap()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .collect();
+    let copies = steps
+        .iter()
+        .rev()
+        .find(|e| e["event"] == "final")
+        .and_then(|e| {
+            let c = &e["snapshot_copies"];
+            Some((c["cpu_s"].as_f64()?, c["bytes"].as_u64()?))
+        });
+    let steps: Vec<&serde_json::Value> = steps
+        .iter()
         .filter(|e| e["event"] == "step" && e["step"].as_u64() > Some(2))
         .collect();
     let field = |k: &str| -> Vec<f64> { steps.iter().map(|e| e[k].as_f64().unwrap()).collect() };
-    (median(field("step_time_s")), field("held_ms"))
+    StepTimes {
+        median: median(field("step_time_s")),
+        held_ms: field("held_ms"),
+        copies,
+    }
 }
 
 /// `HATRAIN_BENCH_SIZES` (else `default`) and `HATRAIN_BENCH_REPS` (else 3).
@@ -223,8 +248,8 @@ fn training_overhead() {
     for size in sizes.split(',').filter(|s| !s.is_empty()) {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         for _ in 0..reps {
-            on.push(step_time(dir.path(), size, 1, &[]).0);
-            off.push(step_time(dir.path(), size, 0, &[]).0);
+            on.push(step_time(dir.path(), size, 1, &[]).median);
+            off.push(step_time(dir.path(), size, 0, &[]).median);
         }
         eprintln!("{size}: runs on {on:?} off {off:?}");
         let (a, b) = (median(on), median(off));
@@ -256,17 +281,20 @@ fn emulated_overhead(ms: &str) {
     let mut held_rows = Vec::new();
     for size in sizes.split(',').filter(|s| !s.is_empty()) {
         let (mut on, mut off) = (Vec::new(), Vec::new());
-        let (mut held_on, mut held_off) = (Vec::new(), Vec::new());
+        let (mut held_on, mut held_off, mut per_gb) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
-            let (t, h) = step_time(dir.path(), size, 1, &["--emulate-device", ms]);
-            on.push(t);
-            held_on.extend(h);
+            let r = step_time(dir.path(), size, 1, &["--emulate-device", ms]);
+            on.push(r.median);
+            held_on.extend(r.held_ms);
+            if let Some((cpu, bytes)) = r.copies.filter(|c| c.1 > 0) {
+                per_gb.push(cpu / (bytes as f64 / 1e9));
+            }
             let flags = ["--emulate-device", ms, "--snapshot-interval", "1000000"];
-            let (t, h) = step_time(dir.path(), size, 0, &flags);
-            off.push(t);
-            held_off.extend(h);
+            let r = step_time(dir.path(), size, 0, &flags);
+            off.push(r.median);
+            held_off.extend(r.held_ms);
         }
-        held_rows.push((size.to_string(), held_on, held_off));
+        held_rows.push((size.to_string(), held_on, held_off, per_gb));
         eprintln!("{size}: runs on {on:?} off {off:?}");
         // The spread: the largest and smallest per-run ratio, in order.
         let ratios: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a / b).collect();
@@ -286,7 +314,8 @@ fn emulated_overhead(ms: &str) {
         "{:<8} {:>24} {:>24}",
         "model", "snapshot+replica median/max", "neither median/max"
     );
-    for (size, on, off) in held_rows {
+    let mut cpu_rows = Vec::new();
+    for (size, on, off, per_gb) in held_rows {
         let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
         let (mon, moff) = (max(&on), max(&off));
         println!(
@@ -294,6 +323,20 @@ fn emulated_overhead(ms: &str) {
             format!("{:.3} / {mon:.3}", median(on)),
             format!("{:.3} / {moff:.3}", median(off))
         );
+        cpu_rows.push((size, per_gb));
+    }
+    println!();
+    println!(
+        "rank 0's commit thread, CPU seconds per GB snapshotted (median and spread over runs)"
+    );
+    for (size, per_gb) in cpu_rows {
+        let lo = per_gb.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = per_gb.iter().copied().fold(0.0, f64::max);
+        if per_gb.is_empty() {
+            println!("{size:<8} -");
+        } else {
+            println!("{size:<8} {:.4} ({lo:.4}-{hi:.4})", median(per_gb));
+        }
     }
 }
 
@@ -330,6 +373,17 @@ fn main() {
         gbs(r)
     );
     println!("replica throughput / raw TCP: {:.3}", t / r);
+    // The figures each side publishes now and then.
+    std::thread::sleep(Duration::from_millis(300));
+    let (s, h) = (pair.sender.report(), pair.holder.report());
+    let sent = &s.streams[0];
+    let per_gb = |cpu: f64, bytes: u64| cpu / (bytes as f64 / 1e9);
+    println!(
+        "replica CPU seconds per GB (every transfer): sender thread {:.3}, receiver thread {:.3}, both {:.3} (ZeroMQ's I/O threads not counted)",
+        per_gb(sent.cpu_s, sent.bytes_sent),
+        per_gb(h.receive_cpu_s, h.received_bytes),
+        per_gb(sent.cpu_s, sent.bytes_sent) + per_gb(h.receive_cpu_s, h.received_bytes),
+    );
     let h = pair.holder.report();
     assert_eq!(
         h.rejected_forged + h.rejected_malformed + h.rejected_replayed,

@@ -471,9 +471,16 @@ pub fn run(args: &TrainArgs, env: DistEnv) -> Result<TrainSummary, TrainError> {
             t.last_loss.map_or("-".into(), |l| format!("{l:.4}"))
         );
     }
+    // What this rank's snapshot copies cost, over the run.
+    let copies = rt.commit_stats().map(|c| {
+        serde_json::json!({
+            "sealed": c.sealed, "bytes": c.sealed_bytes, "copy_s": c.sealed_ns as f64 / 1e9,
+            "cpu_s": c.sealed_cpu_ns as f64 / 1e9, "skipped": c.skipped,
+        })
+    });
     t.log.write(serde_json::json!({
         "event": "final", "step": t.state.scalars.step, "loss": t.last_loss, "param_xxh3": sum,
-        "entropy_floor": floor,
+        "entropy_floor": floor, "snapshot_copies": copies,
     }))?;
     Ok(TrainSummary {
         final_step: t.state.scalars.step,

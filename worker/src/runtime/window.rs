@@ -178,6 +178,13 @@ impl Runtime {
         }
     }
 
+    /// This rank's snapshot copies so far (`None` without an agent).
+    pub fn commit_stats(&self) -> Option<hatrain_shared::shm::CommitStats> {
+        self.attached
+            .as_ref()
+            .map(|a| a.store.page().commit_stats())
+    }
+
     /// Snapshots skipped so far because they missed their window.
     pub fn snapshots_skipped(&self) -> u64 {
         self.attached
