@@ -50,7 +50,18 @@ fn launch(nproc: usize, ha: bool, shm: &Path, slices: &str, train: &[String]) ->
 
 fn kill_rank1(child: &Child) -> f64 {
     let pids = worker_pids(child.id());
-    let pid = pids.iter().find(|(r, _)| *r == 1).expect("rank 1").1;
+    let pid = pids
+        .iter()
+        .find(|(r, _)| *r == 1)
+        .unwrap_or_else(|| {
+            let tree = std::process::Command::new("ps")
+                .args(["-e", "-o", "pid,ppid,args"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            panic!("no rank 1 under {} ({pids:?}):\n{tree}", child.id())
+        })
+        .1;
     let t = now();
     // SAFETY: kill(2) with plain integers.
     unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -96,8 +107,28 @@ fn overhead(dir: &Path, size: &str, reps: usize) -> ([f64; 3], Vec<[f64; 3]>) {
 /// seconds to the first step after the kill, to step `k` again, the steps
 /// redone, and the median step time of steps 3.. completed before the kill.
 fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize, f64) {
-    let log = dir.join(format!("ha-{k}-{slices}.jsonl"));
-    let mut c = launch(2, true, dir, slices, &train_args("10m", k + 2, &log, &[]));
+    let r = ha_recovery_of(dir, "10m", k, slices);
+    (r.first_s, r.back_s, r.redone, r.step_s)
+}
+
+/// What one worker-reboot recovery measured.
+struct Recovery {
+    /// Seconds from the kill to the first step after it, and to step K.
+    first_s: f64,
+    back_s: f64,
+    redone: usize,
+    /// Median step time of steps 3.. before the kill.
+    step_s: f64,
+    /// Bytes of rank 0's snapshots (its sealed bytes over its snapshots).
+    snapshot_bytes: Option<f64>,
+}
+
+/// [`ha_recovery`] of the model `size`.
+fn ha_recovery_of(dir: &Path, size: &str, k: u64, slices: &str) -> Recovery {
+    let log = dir.join(format!("ha-{size}-{k}-{slices}.jsonl"));
+    // A log of an earlier repetition would be read as this one's.
+    let _ = std::fs::remove_file(&log);
+    let mut c = launch(2, true, dir, slices, &train_args(size, k + 2, &log, &[]));
     wait_step(&log, Duration::from_secs(300), |e| {
         e["step"].as_u64() == Some(k - 1)
     })
@@ -123,12 +154,70 @@ fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize, f64) {
         .filter(|e| e["unix_s"].as_f64() < Some(t_kill) && e["step"].as_u64() > Some(2))
         .filter_map(|e| e["step_time_s"].as_f64())
         .collect();
-    (
+    // Rank 0's log ends with its snapshot copies over the run.
+    let snapshot_bytes = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "final")
+        .last()
+        .and_then(|e| {
+            let c = &e["snapshot_copies"];
+            Some(c["bytes"].as_f64()? / c["sealed"].as_f64().filter(|n| *n > 0.0)?)
+        });
+    Recovery {
         first_s,
-        back["unix_s"].as_f64().unwrap() - t_kill,
+        back_s: back["unix_s"].as_f64().unwrap() - t_kill,
         redone,
-        median(before),
-    )
+        step_s: median(before),
+        snapshot_bytes,
+    }
+}
+
+/// `HATRAIN_BENCH_PART=per-gb`: how recovery grows with the state. The
+/// recovery above (SIGKILL of rank 1 in step 13, worker reboot) on the
+/// `10m` and the `100m` model, `HATRAIN_BENCH_REPS` times each,
+/// interleaved: the pause beyond one step against each rank's snapshot
+/// size, and the slope between the two in seconds per GB.
+fn per_gb(dir: &Path, reps: usize) {
+    println!(
+        "recovery from SIGKILL of rank 1 in step 13 (2 ranks, worker reboot): first step after the kill less one step, median of {reps}"
+    );
+    println!(
+        "{:<6} {:>14} {:>10} {:>10}",
+        "model", "snapshot GB", "pause s", "spread"
+    );
+    let mut rows = Vec::new();
+    let mut runs: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 2];
+    for _ in 0..reps {
+        for (i, size) in ["10m", "100m"].iter().enumerate() {
+            let r = ha_recovery_of(dir, size, 13, "on");
+            runs[i].0.push(r.first_s - r.step_s);
+            if let Some(b) = r.snapshot_bytes {
+                runs[i].1.push(b / 1e9);
+            }
+        }
+    }
+    for (size, (pauses, gbs)) in ["10m", "100m"].iter().zip(runs) {
+        let lo = pauses.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = pauses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let (p, g) = (median(pauses), median(gbs));
+        println!("{size:<6} {g:>14.4} {p:>10.3} {lo:.3}-{hi:.3}");
+        rows.push((g, p));
+    }
+    let ((g0, p0), (g1, p1)) = (rows[0], rows[1]);
+    let slope = ((p1 - p0) / (g1 - g0)).max(0.0);
+    println!("recovery grows by {slope:.3} s per GB of snapshot per rank");
+    common::costs::record(
+        "recovery_s_per_gb",
+        slope,
+        "HATRAIN_BENCH_PART=per-gb cargo bench -p hatrain-scenarios --bench recovery: (pause of the 100m model − pause of the 10m) ÷ (their snapshot GB per rank); pause = SIGKILL → first step, less one step",
+    );
+    common::costs::record(
+        "pause_state_gb",
+        g0,
+        "HATRAIN_BENCH_PART=per-gb cargo bench -p hatrain-scenarios --bench recovery: snapshot GB per rank of the 10m model, which the pauses are measured with",
+    );
 }
 
 fn main() {
@@ -141,6 +230,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
+    if std::env::var("HATRAIN_BENCH_PART").as_deref() == Ok("per-gb") {
+        per_gb(dir.path(), reps);
+        return;
+    }
     println!(
         "snapshot overhead (2 ranks, global batch 16 x 32; per run the median of steps 3-9, then the median of {reps} interleaved runs)"
     );

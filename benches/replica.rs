@@ -48,6 +48,14 @@ use std::time::{Duration, Instant};
 
 const ROUNDS: usize = 7;
 
+/// The CPU time of this process so far (every thread), seconds.
+fn process_cpu_s() -> f64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let u = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage");
+    let s = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    s(u.user_time()) + s(u.system_time())
+}
+
 /// Sends `data` over a fresh loopback connection into `buf` (touched
 /// memory, as the holder's pre-faulted store is); returns the seconds and
 /// the buffer.
@@ -160,8 +168,8 @@ struct StepTimes {
     /// those steps, ms.
     held_ms: Vec<f64>,
     /// Rank 0's snapshot copies over the run: the commit thread's CPU
-    /// seconds and the bytes sealed.
-    copies: Option<(f64, u64)>,
+    /// seconds, the bytes sealed and the snapshots.
+    copies: Option<(f64, u64, u64)>,
 }
 
 /// One run of `size` on two hosts of one rank each, with `replicas` peer
@@ -212,7 +220,11 @@ fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> StepTim
         .find(|e| e["event"] == "final")
         .and_then(|e| {
             let c = &e["snapshot_copies"];
-            Some((c["cpu_s"].as_f64()?, c["bytes"].as_u64()?))
+            Some((
+                c["cpu_s"].as_f64()?,
+                c["bytes"].as_u64()?,
+                c["sealed"].as_u64()?,
+            ))
         });
     let steps: Vec<&serde_json::Value> = steps
         .iter()
@@ -282,19 +294,21 @@ fn emulated_overhead(ms: &str) {
     for size in sizes.split(',').filter(|s| !s.is_empty()) {
         let (mut on, mut off) = (Vec::new(), Vec::new());
         let (mut held_on, mut held_off, mut per_gb) = (Vec::new(), Vec::new(), Vec::new());
+        let mut snapshot_gb = Vec::new();
         for _ in 0..reps {
             let r = step_time(dir.path(), size, 1, &["--emulate-device", ms]);
             on.push(r.median);
             held_on.extend(r.held_ms);
-            if let Some((cpu, bytes)) = r.copies.filter(|c| c.1 > 0) {
+            if let Some((cpu, bytes, sealed)) = r.copies.filter(|c| c.1 > 0 && c.2 > 0) {
                 per_gb.push(cpu / (bytes as f64 / 1e9));
+                snapshot_gb.push(bytes as f64 / sealed as f64 / 1e9);
             }
             let flags = ["--emulate-device", ms, "--snapshot-interval", "1000000"];
             let r = step_time(dir.path(), size, 0, &flags);
             off.push(r.median);
             held_off.extend(r.held_ms);
         }
-        held_rows.push((size.to_string(), held_on, held_off, per_gb));
+        held_rows.push((size.to_string(), held_on, held_off, per_gb, snapshot_gb));
         eprintln!("{size}: runs on {on:?} off {off:?}");
         // The spread: the largest and smallest per-run ratio, in order.
         let ratios: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a / b).collect();
@@ -315,7 +329,12 @@ fn emulated_overhead(ms: &str) {
         "model", "snapshot+replica median/max", "neither median/max"
     );
     let mut cpu_rows = Vec::new();
-    for (size, on, off, per_gb) in held_rows {
+    // (snapshot GB, median held ms) per model, for the simulator.
+    let mut held_by_gb = Vec::new();
+    for (size, on, off, per_gb, gb) in held_rows {
+        if !gb.is_empty() {
+            held_by_gb.push((median(gb), median(on.clone())));
+        }
         let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
         let (mon, moff) = (max(&on), max(&off));
         println!(
@@ -329,7 +348,11 @@ fn emulated_overhead(ms: &str) {
     println!(
         "rank 0's commit thread, CPU seconds per GB snapshotted (median and spread over runs)"
     );
+    let mut last_per_gb = None;
     for (size, per_gb) in cpu_rows {
+        if !per_gb.is_empty() {
+            last_per_gb = Some(median(per_gb.clone()));
+        }
         let lo = per_gb.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = per_gb.iter().copied().fold(0.0, f64::max);
         if per_gb.is_empty() {
@@ -337,6 +360,37 @@ fn emulated_overhead(ms: &str) {
         } else {
             println!("{size:<8} {:.4} ({lo:.4}-{hi:.4})", median(per_gb));
         }
+    }
+    // The simulator's per-GB costs: the held time's fixed part and slope
+    // between the smallest and the largest model, and the largest model's
+    // CPU per GB snapshotted.
+    let source =
+        format!("HATRAIN_BENCH_EMULATE_MS={ms} cargo bench -p hatrain-scenarios --bench replica");
+    if let (Some(&(g0, h0)), Some(&(g1, h1))) = (held_by_gb.first(), held_by_gb.last())
+        && g1 > g0
+    {
+        let slope = ((h1 - h0) / (g1 - g0)).max(0.0);
+        common::costs::record(
+            "held_ms_per_gb",
+            slope,
+            &format!(
+                "{source}: median held ms per step, (largest model − smallest) ÷ their snapshot GB per rank"
+            ),
+        );
+        common::costs::record(
+            "held_ms_fixed",
+            (h0 - slope * g0).max(0.0),
+            &format!(
+                "{source}: median held ms per step of the smallest model less its per-GB part"
+            ),
+        );
+    }
+    if let Some(v) = last_per_gb {
+        common::costs::record(
+            "snapshot_cpu_s_per_gb",
+            v,
+            &format!("{source}: rank 0's commit-thread CPU seconds ÷ GB sealed, the largest model"),
+        );
     }
 }
 
@@ -354,11 +408,18 @@ fn main() {
     pair.replicate(&data);
     let mut buf = vec![1u8; len];
     let (mut tcp, mut rep) = (Vec::new(), Vec::new());
+    // The CPU time of every thread but this one (which writes the owner's
+    // snapshots) while the replicas go: both agents' replica threads and
+    // ZeroMQ's I/O threads.
+    let mut replica_cpu = 0.0;
     for _ in 0..ROUNDS {
         let (secs, back) = raw_tcp(&data, buf);
         buf = back;
         tcp.push(secs);
+        let (process, main) = (process_cpu_s(), hatrain_shared::thread_cpu_ns());
         rep.push(pair.replicate(&data));
+        let main_s = (hatrain_shared::thread_cpu_ns() - main) as f64 / 1e9;
+        replica_cpu += process_cpu_s() - process - main_s;
     }
     assert_eq!(buf[..], data[..], "raw TCP delivered every byte");
     let (t, r) = (median(tcp), median(rep));
@@ -378,6 +439,15 @@ fn main() {
     let (s, h) = (pair.sender.report(), pair.holder.report());
     let sent = &s.streams[0];
     let per_gb = |cpu: f64, bytes: u64| cpu / (bytes as f64 / 1e9);
+    let replica_per_gb = per_gb(replica_cpu, (len * ROUNDS) as u64);
+    println!(
+        "replica CPU seconds per GB, every thread of both agents (ZeroMQ's I/O threads included): {replica_per_gb:.3}"
+    );
+    common::costs::record(
+        "replica_cpu_s_per_gb",
+        replica_per_gb,
+        "cargo bench -p hatrain-scenarios --bench replica: CPU seconds of both agents' threads (ZeroMQ's I/O threads included) while a snapshot is replicated, per GB",
+    );
     println!(
         "replica CPU seconds per GB (every transfer): sender thread {:.3}, receiver thread {:.3}, both {:.3} (ZeroMQ's I/O threads not counted)",
         per_gb(sent.cpu_s, sent.bytes_sent),

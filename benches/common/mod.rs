@@ -104,28 +104,38 @@ pub fn steps(log: &Path) -> Vec<Value> {
         .collect()
 }
 
-/// The ranks and pids of the workers of the agent `launcher`.
+/// The workers under `launcher` (its descendants with a `RANK` in their
+/// environment: its children, or a fork server's), by rank.
 pub fn worker_pids(launcher: u32) -> Vec<(usize, i32)> {
     let mut out = Vec::new();
-    for t in std::fs::read_dir(format!("/proc/{launcher}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-        for pid in kids
-            .split_whitespace()
-            .filter_map(|p| p.parse::<i32>().ok())
-        {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            let rank = env
-                .split(|b| *b == 0)
-                .find_map(|kv| kv.strip_prefix(b"RANK="))
-                .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
-            if let Some(r) = rank {
-                out.push((r, pid));
+    let mut parents = vec![launcher as i32];
+    // The launcher, a fork server, the workers: a few levels at most.
+    for _ in 0..4 {
+        let mut next = Vec::new();
+        for parent in parents {
+            for t in std::fs::read_dir(format!("/proc/{parent}/task"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+                for pid in kids
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok())
+                {
+                    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+                    let rank = env
+                        .split(|b| *b == 0)
+                        .find_map(|kv| kv.strip_prefix(b"RANK="))
+                        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+                    match rank {
+                        Some(r) => out.push((r, pid)),
+                        None => next.push(pid),
+                    }
+                }
             }
         }
+        parents = next;
     }
     out
 }

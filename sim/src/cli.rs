@@ -7,6 +7,7 @@ use crate::policy::{Params, Policy, Setting};
 use crate::rates::Rates;
 use crate::report;
 use crate::run::{default_threads, study};
+use crate::scale::{Scale, Scaled};
 use crate::trace::{Shape, kind_rates};
 
 /// The largest job simulated.
@@ -184,6 +185,15 @@ pub struct Model {
     /// default].
     #[arg(long, default_value_t = 3.0)]
     pub host_timeout_secs: f64,
+    /// GB of training state per accelerator: hatrain's costs are scaled to
+    /// it from their fixed and per-GB parts (see `hatrain_sim::scale`);
+    /// without it, the step ratios and pauses are used as measured.
+    #[arg(long)]
+    pub state_gb: Option<f64>,
+    /// Host cores per host that training leaves to hatrain's copies, with
+    /// --state-gb [assumed: 16].
+    #[arg(long, default_value_t = 16.0)]
+    pub spare_cores: f64,
 }
 
 /// hatrain's settings, and the disk interval of every policy.
@@ -281,7 +291,10 @@ impl Model {
         published
             .validate()
             .map_err(|e| anyhow::anyhow!("costs: {e}"))?;
-        let measured = measured(self.costs.as_deref())?;
+        let mut measured = measured(self.costs.as_deref())?;
+        if let Some((_, scaled)) = self.scaled(&measured)? {
+            measured = scaled;
+        }
         let shape = Shape {
             accelerators,
             per_host: self.per_host,
@@ -300,6 +313,34 @@ impl Model {
             published,
             measured,
         })
+    }
+
+    /// With `--state-gb`: the costs scaled to it, and what they came to.
+    pub fn scaled(&self, m: &Measured) -> Result<Option<(Scaled, Measured)>> {
+        let Some(state_gb) = self.state_gb else {
+            return Ok(None);
+        };
+        if !(state_gb > 0.0 && state_gb <= 10_000.0) {
+            bail!("--state-gb {state_gb}: must be a number of GB > 0 and ≤ 10000");
+        }
+        if !(self.spare_cores > 0.0 && self.spare_cores <= 10_000.0) {
+            bail!(
+                "--spare-cores {}: must be > 0 and ≤ 10000",
+                self.spare_cores
+            );
+        }
+        let Some(per_gb) = m.per_gb else {
+            bail!(
+                "--state-gb needs hatrain's per-GB costs (held_ms_fixed, held_ms_per_gb, snapshot_cpu_s_per_gb, replica_cpu_s_per_gb, recovery_s_per_gb, pause_state_gb), and the costs file measured on {} has none",
+                m.machine
+            );
+        };
+        let scale = Scale {
+            state_gb,
+            spare_cores: self.spare_cores,
+        };
+        let (out, why) = scale.apply(m, &per_gb, self.per_host, self.step_secs);
+        Ok(Some((why, out)))
     }
 
     /// Threads to run on: `--threads` or every core, no more than runs.
@@ -343,6 +384,9 @@ pub fn execute(cli: Cli, out: &mut dyn std::io::Write) -> Result<()> {
             json,
         } => {
             let params = model.params(model.accelerators)?;
+            let scaled = model
+                .scaled(&measured(model.costs.as_deref())?)?
+                .map(|(why, _)| why);
             let seeds = model.checked_seeds(MAX_SEEDS)?;
             let summaries = study(
                 &params,
@@ -361,6 +405,7 @@ pub fn execute(cli: Cli, out: &mut dyn std::io::Write) -> Result<()> {
                     "rates": params.rates,
                     "published": params.published,
                     "measured": params.measured,
+                    "scaled": scaled,
                     "policies": summaries,
                 });
                 writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
@@ -376,6 +421,9 @@ pub fn execute(cli: Cli, out: &mut dyn std::io::Write) -> Result<()> {
                     model.seed,
                     params.measured.machine
                 )?;
+                if let Some(w) = &scaled {
+                    writeln!(out, "{}", report::scaled(w))?;
+                }
                 write!(out, "{}", report::table(&summaries))?;
             }
         }

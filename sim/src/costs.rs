@@ -15,6 +15,7 @@
 //! A file that lacks an entry the model needs, or holds one that is not a
 //! finite number in its range, is refused with the key named.
 
+use crate::scale::PerGb;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -108,9 +109,59 @@ pub struct Measured {
     pub grow_pause_s: f64,
     /// Last-words dump time ÷ a plain write of the same bytes.
     pub dump_time_ratio: f64,
+    /// hatrain's costs per GB of state, for a run scaled to another state
+    /// size and host (`crate::scale`); `None` in a file without them.
+    pub per_gb: Option<PerGb>,
     /// Every entry as it was read, for the report.
     pub entries: BTreeMap<String, Entry>,
 }
+
+/// The entries of [`PerGb`]: `(key, what it is, the bench, lowest,
+/// highest)`. A file has all of them or none.
+const PER_GB_KEYS: [(&str, &str, &str, f64, f64); 6] = [
+    (
+        "held_ms_fixed",
+        "held time per step, fixed part (ms)",
+        "HATRAIN_BENCH_EMULATE_MS=2000 cargo bench -p hatrain-scenarios --bench replica",
+        0.0,
+        1e6,
+    ),
+    (
+        "held_ms_per_gb",
+        "held time per step per GB of state (ms)",
+        "HATRAIN_BENCH_EMULATE_MS=2000 cargo bench -p hatrain-scenarios --bench replica",
+        0.0,
+        1e6,
+    ),
+    (
+        "snapshot_cpu_s_per_gb",
+        "commit-thread CPU seconds per GB snapshotted",
+        "HATRAIN_BENCH_EMULATE_MS=2000 cargo bench -p hatrain-scenarios --bench replica",
+        0.0,
+        1e3,
+    ),
+    (
+        "replica_cpu_s_per_gb",
+        "replica stream CPU seconds per GB, both ends",
+        "cargo bench -p hatrain-scenarios --bench replica",
+        0.0,
+        1e3,
+    ),
+    (
+        "recovery_s_per_gb",
+        "recovery seconds per GB of state",
+        "cargo bench -p hatrain-scenarios --bench recovery",
+        0.0,
+        1e4,
+    ),
+    (
+        "pause_state_gb",
+        "state per rank the pauses were measured with (GB)",
+        "cargo bench -p hatrain-scenarios --bench recovery",
+        0.0,
+        1e4,
+    ),
+];
 
 /// `(key, what it is, the bench that measures it, lowest, highest)`.
 const KEYS: [(&str, &str, &str, f64, f64); 10] = [
@@ -241,8 +292,45 @@ impl Measured {
             }
             *slot = e.value;
         }
+        let present = PER_GB_KEYS
+            .iter()
+            .filter(|k| file.costs.contains_key(k.0))
+            .count();
+        let per_gb = if present == 0 {
+            None
+        } else {
+            let mut g = [0.0; PER_GB_KEYS.len()];
+            for (slot, (key, what, bench, lo, hi)) in g.iter_mut().zip(PER_GB_KEYS) {
+                let e = file.costs.get(key).ok_or(CostsError::Missing {
+                    path: path.into(),
+                    key,
+                    what,
+                    bench,
+                })?;
+                if !(e.value.is_finite() && e.value >= lo && e.value <= hi) {
+                    return Err(CostsError::Range {
+                        path: path.into(),
+                        key,
+                        value: e.value,
+                        lo,
+                        hi,
+                        what,
+                    });
+                }
+                *slot = e.value;
+            }
+            Some(PerGb {
+                held_ms_fixed: g[0],
+                held_ms_per_gb: g[1],
+                snapshot_cpu_s_per_gb: g[2],
+                replica_cpu_s_per_gb: g[3],
+                recovery_s_per_gb: g[4],
+                pause_state_gb: g[5],
+            })
+        };
         Ok(Self {
             machine: file.machine,
+            per_gb,
             snapshot_step_ratio: v[0],
             replica_step_ratio: v[1],
             persist_step_ratio: v[2],
@@ -345,7 +433,8 @@ mod tests {
     fn the_checked_in_costs_parse_and_name_their_sources() {
         let m = Measured::checked_in();
         assert!(m.snapshot_step_ratio >= 1.0);
-        assert_eq!(m.entries.len(), KEYS.len());
+        assert!(m.per_gb.is_some());
+        assert_eq!(m.entries.len(), KEYS.len() + PER_GB_KEYS.len());
         for (k, e) in &m.entries {
             assert!(e.source.contains("cargo bench"), "{k}: {}", e.source);
             assert_eq!(e.measured.len(), 10, "{k}: {}", e.measured);
@@ -362,6 +451,24 @@ mod tests {
         assert!(
             e.contains("uce_pause_s") && e.contains("--bench uce"),
             "{e}"
+        );
+
+        // The per-GB costs come all together or not at all.
+        let mut v: serde_json::Value = serde_json::from_str(DEFAULT_COSTS).unwrap();
+        v["costs"]
+            .as_object_mut()
+            .unwrap()
+            .remove("recovery_s_per_gb");
+        let e = Measured::parse(&v.to_string(), "x.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("recovery_s_per_gb"), "{e}");
+        for (key, ..) in PER_GB_KEYS {
+            v["costs"].as_object_mut().unwrap().remove(key);
+        }
+        assert_eq!(
+            Measured::parse(&v.to_string(), "x.json").unwrap().per_gb,
+            None
         );
 
         let mut v: serde_json::Value = serde_json::from_str(DEFAULT_COSTS).unwrap();

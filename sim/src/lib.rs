@@ -20,6 +20,7 @@ pub mod policy;
 pub mod rates;
 pub mod report;
 pub mod run;
+pub mod scale;
 pub mod theory;
 pub mod trace;
 

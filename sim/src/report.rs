@@ -36,6 +36,19 @@ pub fn setting(s: &Summary) -> String {
     }
 }
 
+/// The scaled costs in words (`--state-gb`).
+pub fn scaled(w: &crate::scale::Scaled) -> String {
+    format!(
+        "hatrain's costs scaled to {} GB of state per accelerator and {} spare cores per host: held {:.2} ms per step; a host's snapshot takes its spare cores {:.2} s ({:.2} s with one replica), waited for beyond the step; each recovery {:.1} s longer (memory bandwidth and the device-to-host copy not modelled)\n",
+        w.scale.state_gb,
+        w.scale.spare_cores,
+        w.held_s * 1e3,
+        w.copy_s,
+        w.copy_and_replica_s,
+        w.pause_add_s
+    )
+}
+
 /// The comparison table: goodput with its spread, stops, and the time lost
 /// by cause.
 pub fn table(summaries: &[Summary]) -> String {

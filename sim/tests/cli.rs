@@ -157,5 +157,79 @@ fn bad_input_is_refused_with_its_name() {
 fn costs_lists_every_figure_with_its_bench() {
     let out = stdout(&sim(&["costs"]));
     assert!(out.starts_with("measured on "), "{out}");
-    assert_eq!(out.matches("cargo bench").count(), 10, "{out}");
+    assert_eq!(out.matches("cargo bench").count(), 16, "{out}");
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    serde_json::from_str(&stdout(&sim(args))).unwrap()
+}
+
+fn step_ratio(v: &serde_json::Value, policy: &str) -> f64 {
+    v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["policy"] == policy)
+        .and_then(|p| p["step_ratio"].as_f64())
+        .unwrap_or_else(|| panic!("no {policy} in {v}"))
+}
+
+#[test]
+fn a_run_scaled_to_a_state_size_says_so_and_costs_more_as_spare_cores_get_scarce() {
+    let mut args = vec!["run"];
+    args.extend(SMALL);
+    args.push("--json");
+    let measured = json(&args);
+    assert!(measured["scaled"].is_null(), "{measured}");
+    args.extend(["--state-gb", "10"]);
+    let with = |cores: &'static str| {
+        let mut a = args.clone();
+        a.extend(["--spare-cores", cores]);
+        json(&a)
+    };
+    let (plenty, scarce) = (with("64"), with("1"));
+    let s = &plenty["scaled"];
+    assert_eq!(s["scale"]["state_gb"], 10.0, "{s}");
+    assert!(s["copy_s"].as_f64().unwrap() > 0.0, "{s}");
+    // Recoveries grow with the state.
+    let crash = |v: &serde_json::Value| v["measured"]["crash_pause_s"].as_f64().unwrap();
+    assert!(crash(&plenty) > crash(&measured), "{plenty}");
+    // Fewer spare cores never make a step cheaper, and one core cannot
+    // copy 80 GB a step in a 10 s step.
+    assert!(step_ratio(&scarce, "hatrain") > step_ratio(&plenty, "hatrain"));
+    assert!(step_ratio(&scarce, "hatrain") > 1.5, "{scarce}");
+    assert_eq!(step_ratio(&plenty, "disk"), 1.0);
+
+    let mut table_args = vec!["run"];
+    table_args.extend(SMALL);
+    table_args.extend(["--state-gb", "10"]);
+    let table = stdout(&sim(&table_args));
+    assert!(
+        table.contains("scaled to 10 GB of state per accelerator"),
+        "{table}"
+    );
+
+    // Bad scales, and costs without their per-GB parts, are refused by name.
+    let e = refused(&sim(&["run", "--state-gb", "0"]));
+    assert!(e.contains("--state-gb 0"), "{e}");
+    let e = refused(&sim(&["run", "--state-gb", "10", "--spare-cores=-1"]));
+    assert!(e.contains("--spare-cores -1"), "{e}");
+    let d = tempfile::tempdir().unwrap();
+    let old = d.path().join("costs.json");
+    let mut v: serde_json::Value = serde_json::from_str(hatrain_sim::costs::DEFAULT_COSTS).unwrap();
+    for key in [
+        "held_ms_fixed",
+        "held_ms_per_gb",
+        "snapshot_cpu_s_per_gb",
+        "replica_cpu_s_per_gb",
+        "recovery_s_per_gb",
+        "pause_state_gb",
+    ] {
+        v["costs"].as_object_mut().unwrap().remove(key);
+    }
+    std::fs::write(&old, v.to_string()).unwrap();
+    let mut old_args = vec!["run", "--state-gb", "10", "--costs", old.to_str().unwrap()];
+    old_args.extend(SMALL);
+    let e = refused(&sim(&old_args));
+    assert!(e.contains("recovery_s_per_gb"), "{e}");
 }
