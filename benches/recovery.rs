@@ -159,8 +159,7 @@ fn ha_recovery_of(dir: &Path, size: &str, k: u64, slices: &str) -> Recovery {
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|e| e["event"] == "final")
-        .last()
+        .rfind(|e| e["event"] == "final")
         .and_then(|e| {
             let c = &e["snapshot_copies"];
             Some(c["bytes"].as_f64()? / c["sealed"].as_f64().filter(|n| *n > 0.0)?)
