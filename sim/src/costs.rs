@@ -237,6 +237,35 @@ const KEYS: [(&str, &str, &str, f64, f64); 10] = [
     ),
 ];
 
+/// The values of `keys` in `file`, each present and in its range.
+fn read_keys<const N: usize>(
+    file: &File,
+    path: &str,
+    keys: [(&'static str, &'static str, &'static str, f64, f64); N],
+) -> Result<[f64; N], CostsError> {
+    let mut v = [0.0; N];
+    for (slot, (key, what, bench, lo, hi)) in v.iter_mut().zip(keys) {
+        let e = file.costs.get(key).ok_or(CostsError::Missing {
+            path: path.into(),
+            key,
+            what,
+            bench,
+        })?;
+        if !(e.value.is_finite() && e.value >= lo && e.value <= hi) {
+            return Err(CostsError::Range {
+                path: path.into(),
+                key,
+                value: e.value,
+                lo,
+                hi,
+                what,
+            });
+        }
+        *slot = e.value;
+    }
+    Ok(v)
+}
+
 impl Measured {
     /// The checked-in default.
     pub fn checked_in() -> Self {
@@ -272,26 +301,7 @@ impl Measured {
                 version: file.version,
             });
         }
-        let mut v = [0.0; KEYS.len()];
-        for (slot, (key, what, bench, lo, hi)) in v.iter_mut().zip(KEYS) {
-            let e = file.costs.get(key).ok_or(CostsError::Missing {
-                path: path.into(),
-                key,
-                what,
-                bench,
-            })?;
-            if !(e.value.is_finite() && e.value >= lo && e.value <= hi) {
-                return Err(CostsError::Range {
-                    path: path.into(),
-                    key,
-                    value: e.value,
-                    lo,
-                    hi,
-                    what,
-                });
-            }
-            *slot = e.value;
-        }
+        let v: [f64; KEYS.len()] = read_keys(&file, path, KEYS)?;
         let present = PER_GB_KEYS
             .iter()
             .filter(|k| file.costs.contains_key(k.0))
@@ -299,26 +309,7 @@ impl Measured {
         let per_gb = if present == 0 {
             None
         } else {
-            let mut g = [0.0; PER_GB_KEYS.len()];
-            for (slot, (key, what, bench, lo, hi)) in g.iter_mut().zip(PER_GB_KEYS) {
-                let e = file.costs.get(key).ok_or(CostsError::Missing {
-                    path: path.into(),
-                    key,
-                    what,
-                    bench,
-                })?;
-                if !(e.value.is_finite() && e.value >= lo && e.value <= hi) {
-                    return Err(CostsError::Range {
-                        path: path.into(),
-                        key,
-                        value: e.value,
-                        lo,
-                        hi,
-                        what,
-                    });
-                }
-                *slot = e.value;
-            }
+            let g: [f64; PER_GB_KEYS.len()] = read_keys(&file, path, PER_GB_KEYS)?;
             Some(PerGb {
                 held_ms_fixed: g[0],
                 held_ms_per_gb: g[1],
