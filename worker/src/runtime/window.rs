@@ -7,7 +7,7 @@
 //! window. A copy still running then is waited for ([`Window::Wait`], the
 //! default: every requested snapshot is taken), or, with
 //! [`Window::Skip`], abandoned after the piece being copied (at most
-//! 4 MiB more are read), left unsealed and counted as skipped: training
+//! 64 KiB more are read), left unsealed and counted as skipped: training
 //! does not wait, and the newest sealed snapshot stays the one before.
 //! After `max_misses` skips in a row the fence waits for the next copy, so
 //! a copy that never fits its window still leaves a snapshot every
