@@ -226,7 +226,9 @@ impl PyRuntime {
     /// running: `"wait"`, `"skip"` or `"skip:N"` (see the trainer's
     /// `--snapshot-window`).
     fn set_snapshot_window(&mut self, window: &str) -> PyResult<()> {
-        let w = window.parse().map_err(PyValueError::new_err)?;
+        let w: hatrain_worker::runtime::Window = window
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("{e}")))?;
         self.rt_mut().set_snapshot_window(w);
         Ok(())
     }

@@ -48,7 +48,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 use window::HeldClock;
-pub use window::Window;
+pub use window::{Window, WindowError};
 
 pub use crate::buffer::{Borrowed, Buffer, SharedBuf};
 

@@ -57,7 +57,12 @@ pub(super) struct Committer {
 
 /// How one commit ended.
 enum Outcome {
-    Sealed(u64),
+    /// Sealed: its step, its bytes, and the commit thread's CPU time for it.
+    Sealed {
+        step: u64,
+        bytes: u64,
+        cpu_ns: u64,
+    },
     /// Not taken: its slot was held for the persister, or it missed its
     /// window.
     Skipped,
@@ -113,10 +118,11 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
                         if job.hold {
                             let _ = store.page().hold(job.step, info.slot);
                         }
-                        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                        let cpu_ns = hatrain_shared::thread_cpu_ns().saturating_sub(cpu);
-                        store.page().record_sealed(ns, info.len, cpu_ns);
-                        Outcome::Sealed(job.step)
+                        Outcome::Sealed {
+                            step: job.step,
+                            bytes: info.len,
+                            cpu_ns: hatrain_shared::thread_cpu_ns().saturating_sub(cpu),
+                        }
                     }
                     Err(_) if cancelled() => Outcome::Skipped,
                     Err(e) => Outcome::Failed(e.to_string()),
@@ -138,12 +144,15 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
         }
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         store.page().record_commit(ns);
+        if let Outcome::Sealed { bytes, cpu_ns, .. } = outcome {
+            store.page().record_sealed(ns, bytes, cpu_ns);
+        }
         let (lock, cv) = &*c.progress;
         let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
         p.done = job.seq;
         p.copying = 0;
         match outcome {
-            Outcome::Sealed(step) => p.sealed = Some(step),
+            Outcome::Sealed { step, .. } => p.sealed = Some(step),
             Outcome::Skipped => {}
             Outcome::Failed(e) => p.last_error = Some(e),
         }

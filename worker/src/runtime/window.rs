@@ -21,7 +21,7 @@
 
 use super::Runtime;
 use hatrain_shared::shm::Phase;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 /// What the start-update fence does with a snapshot copy still running.
@@ -35,21 +35,28 @@ pub enum Window {
     Skip { max_misses: u32 },
 }
 
+/// A snapshot window that is not `wait`, `skip` or `skip:N`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WindowError {
+    #[error("snapshot window {0:?}: N of skip:N must be a whole number")]
+    Misses(String),
+    #[error("snapshot window {0:?}: expected wait, skip or skip:N")]
+    Unknown(String),
+}
+
 impl std::str::FromStr for Window {
-    type Err = String;
+    type Err = WindowError;
 
     /// `wait`, `skip` (at most 4 misses in a row) or `skip:N`.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, WindowError> {
         match s.split_once(':') {
             None if s == "wait" => Ok(Self::Wait),
             None if s == "skip" => Ok(Self::Skip { max_misses: 4 }),
             Some(("skip", n)) => n
                 .parse()
                 .map(|max_misses| Self::Skip { max_misses })
-                .map_err(|_| format!("snapshot window {s:?}: N of skip:N must be a whole number")),
-            _ => Err(format!(
-                "snapshot window {s:?}: expected wait, skip or skip:N"
-            )),
+                .map_err(|_| WindowError::Misses(s.into())),
+            _ => Err(WindowError::Unknown(s.into())),
         }
     }
 }
@@ -69,7 +76,7 @@ impl std::fmt::Display for Window {
 pub(super) struct HeldClock {
     ns: AtomicU64,
     /// Whether a step has begun since the last [`HeldClock::take`].
-    open: AtomicU64,
+    open: AtomicBool,
 }
 
 impl HeldClock {
@@ -80,7 +87,7 @@ impl HeldClock {
 
     /// The step's total, if a step was open, and a new count.
     pub(super) fn take(&self, open_next: bool) -> Option<u64> {
-        let was_open = self.open.swap(u64::from(open_next), Ordering::Relaxed) != 0;
+        let was_open = self.open.swap(open_next, Ordering::Relaxed);
         let ns = self.ns.swap(0, Ordering::Relaxed);
         was_open.then_some(ns)
     }
@@ -213,7 +220,7 @@ mod tests {
             assert_eq!(w.to_string().parse::<Window>(), Ok(w));
         }
         for bad in ["", "skip:", "skip:-1", "skip:x", "wait:3", "Skip"] {
-            let e = bad.parse::<Window>().unwrap_err();
+            let e = bad.parse::<Window>().unwrap_err().to_string();
             assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
     }
