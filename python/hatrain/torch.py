@@ -31,8 +31,9 @@ On a fault (a collective that fails because a peer died, a pending
 directive, a repaired memory error) the rank destroys its process group,
 waits for the agent's directive, restores the snapshot of the step all
 ranks return to, and builds the process group and the DDP module again
-under the new epoch. The process group's store is a file in the agent's
-folder for the job, one per epoch, so it outlives any rank. ``steps()``
+under the new epoch. The process group meets in the agent's rendezvous
+store (authenticated, reached through each host's agent, keys of one epoch
+at a time), so it outlives any rank and spans hosts. ``steps()``
 then yields the step after that one again.
 
 Without an agent (a plain ``torchrun``) the script runs as before: the
@@ -302,10 +303,11 @@ class Job:
             atexit.register(gc.unfreeze)
         if not early:
             self._take_rank()
-        if self.under_agent_env() and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
+        if self.under_agent_env() and not self._one_host() and not os.environ.get("HATRAIN_AGENT_STORE"):
             raise hatrain.HatrainError(
-                "hatrain.torch runs a job on one host: its process group meets in a file of the "
-                f"agent's job folder (WORLD_SIZE {self.world}, LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')})"
+                "this job spans hosts and its agent names no rendezvous store (HATRAIN_AGENT_STORE): "
+                f"run every host under a hatrain-agent of this version (WORLD_SIZE {self.world}, "
+                f"LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')})"
             )
         rep = (self.world, self.rank) if self.world > 1 else None
         # What every rank of the data-parallel group holds the same (DDP's
@@ -386,14 +388,23 @@ class Job:
 
     # -- communicator ---------------------------------------------------------
 
+    def _one_host(self) -> bool:
+        """Every rank of the group runs on this host."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) == self.world
+
     @staticmethod
     def under_agent_env() -> bool:
         return bool(os.environ.get("HATRAIN_AGENT_SOCKET"))
 
     def _store(self, epoch: int):
-        """A file of the job's workers' folder, which the agent keeps
-        private and removes with the job: one per epoch, so that a rebuilt
-        group never reads an older one's keys."""
+        """The agent's rendezvous store, keys of ``epoch`` only, so that a
+        rebuilt group never reads an older one's (``torchstore``); on its
+        own host a job of an older agent, which names no store, meets in a
+        file of the workers' folder."""
+        if os.environ.get("HATRAIN_AGENT_STORE"):
+            from .torchstore import AgentStore
+
+            return AgentStore(f"torch/epoch/{epoch}/", self.timeout)
         folder = os.environ.get("HATRAIN_WORKER_DIR")
         if not folder:
             raise hatrain.HatrainError("HATRAIN_WORKER_DIR is not set: run under a hatrain-agent of this version")
@@ -538,11 +549,13 @@ class Job:
 
     def _restore_siblings(self, step: int) -> bool:
         """Sliced snapshots: the other ranks' slices of each flat tensor,
-        read from their snapshot stores (every rank of the job is on this
-        host). False if one could not be: ``_gather`` then sends the slices
-        over the process group."""
+        read from their snapshot stores when every rank of the job is on
+        this host. False if one could not be, or the group spans hosts:
+        ``_gather`` then sends the slices over the process group."""
         if not self.rt.sliced or self.world < 2:
             return True
+        if not self._one_host():
+            return False
         try:
             self.plan.hit(step, "restore", self.rt)
             for r in range(self.world):

@@ -20,6 +20,8 @@ use pyo3::types::PyBytes;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+mod store;
+
 create_exception!(
     _native,
     HatrainError,
@@ -435,6 +437,7 @@ fn classify_npu_text(text: &str) -> Option<(&'static str, &'static str)> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRuntime>()?;
+    m.add_class::<store::AgentStore>()?;
     m.add_function(wrap_pyfunction!(standby, m)?)?;
     m.add_function(wrap_pyfunction!(classify_npu_text, m)?)?;
     m.add("HatrainError", m.py().get_type::<HatrainError>())?;
