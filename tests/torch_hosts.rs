@@ -41,8 +41,7 @@ const MODEL: [&str; 12] = [
 const NAP: &str = "0:12:forward:sleep8000";
 
 #[test]
-fn a_pytorch_job_with_fsdp2_across_hosts_recovers_a_lost_host_on_a_standby_from_its_peer_replica()
-{
+fn a_pytorch_job_with_fsdp2_across_hosts_recovers_a_lost_host_on_a_standby_from_its_peer_replica() {
     lost_host(&[], 1);
 }
 
