@@ -30,6 +30,10 @@ the agent by ``hatrain.torch``.
 host after each update, overlapped with the next step. ``--stage`` runs
 that path on the CPU. ``--deterministic`` asks torch for deterministic
 kernels (on a GPU, what makes two runs bit-identical).
+``--global-batch N`` (instead of ``--batch``) keeps the step's batch
+whatever the group's size: with ``--ddp`` under the agent's
+``--enable-elastic-training``, a job that loses a host goes on with fewer
+ranks, each taking its share.
 ``--log-jsonl FILE`` (``{rank}`` in it: one per rank) logs ``start``,
 ``step`` (loss, learning rate, step time), ``resume`` and ``final`` (the
 SHA-256 of the full parameters and of the full AdamW state).
@@ -59,6 +63,9 @@ ap.add_argument("--heads", type=int, default=6)
 ap.add_argument("--vocab", type=int, default=4096)
 ap.add_argument("--seq", type=int, default=128)
 ap.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+ap.add_argument("--global-batch", type=int, default=None,
+                help="sequences per step over all ranks, instead of --batch: each rank takes its share, which "
+                     "follows the group's size when an elastic job is resized")
 ap.add_argument("--lr", type=float, default=3e-4)
 ap.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
 ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
@@ -185,11 +192,27 @@ def schedule(step):
 sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
 
+def place():
+    """This rank's place in the data-parallel group, ``(rank, world)``: an
+    elastic job's changes when the group is resized."""
+    return (job.rank, job.world) if under_agent else (rank, world)
+
+
 def tokens(step):
     """The sequences of this rank at ``step``: a seeded draw with a
-    learnable rule (each token follows from the two before it)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + rank)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    learnable rule (each token follows from the two before it). With
+    ``--global-batch`` the step's whole batch is drawn and each rank takes
+    its share, so that the run does not depend on the group's size."""
+    r, w = place()
+    if args.global_batch is None:
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + r)
+        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    else:
+        if args.global_batch % w:
+            raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of the group's {w} ranks")
+        n = args.global_batch // w
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009)
+        x = torch.randint(0, args.vocab, (args.global_batch, args.seq + 1), generator=g)[r * n : (r + 1) * n]
     x[:, 2:] = (x[:, 1:-1] * 31 + x[:, :-2] * 7) % args.vocab
     x = x.to(device)
     return x[:, :-1], x[:, 1:]
@@ -331,7 +354,7 @@ for step in job.steps(args.steps):
             opt.step()
             sched.step()
     say(event="step", step=step, loss=loss.item(), lr=sched.get_last_lr()[0], step_time_s=time.time() - t0,
-        epoch=job.epoch)
+        epoch=job.epoch, world_size=job.world)
 final, final_optim = digest(), optim_digest()
 job.close()
 say(event="final", step=job.step_done, model_sha256=final, optim_sha256=final_optim)

@@ -220,6 +220,30 @@ class Runtime:
         epoch)``, ``("reshape", step, epoch)`` or ``("stop", None, None)``."""
         return self._rt.await_directive()
 
+    @property
+    def reshape_place(self) -> tuple[int, int] | None:
+        """``(rank, world)``: the place the last ``("reshape", ...)``
+        directive gave this rank in the resized group."""
+        return self._rt.reshape_place
+
+    def donations(self, step: int) -> list[tuple[int, str, bytes, list[tuple[int, int, bytes]]]]:
+        """The lost ranks' state at ``step`` the agent says this rank brings
+        to a reshape, read from their replicas: ``(rank, state_map_json,
+        meta, parts)``, ``parts`` one ``(start, end, bytes)`` per registered
+        array (elements it holds, and their bytes)."""
+        return self._rt.donations(step)
+
+    def reshape(self, epoch: int, step: int, parts: Sequence[Part], checkpoint: dict | None = None) -> None:
+        """Takes the new place ``parts`` describe (their ``replicated``
+        says it), under the reshape directive of ``epoch`` to ``step``:
+        they replace the registered arrays, and the agent makes this rank's
+        store anew for the new layout. ``parts`` hold the state of
+        ``step``: commit it next, ``of="start"``."""
+        views = [(_bytes_view(p.name, p.array), p.dtype_name()) for p in parts]
+        smap = state_map(parts, self.meta_len, checkpoint)
+        self._rt.reshape(epoch, step, json.dumps(smap), views)
+        self.parts = list(parts)
+
     def restore(self, step: int) -> bytes:
         """Copies the snapshot of ``step`` into the registered arrays;
         returns its metadata block."""

@@ -68,6 +68,11 @@ When the agent pauses the job, the process group is aborted, so that a
 collective blocked on a dead or hung peer returns; with NCCL,
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is honoured where it is set, and set to
 2 (abort the communicators, keep the process) where it is not.
+
+A job may span hosts (the group meets in the agent's store). With
+``--enable-elastic-training`` a DDP job shrinks when a host is lost with no
+standby (``hatrain.torchelastic``); ``job.rank`` and ``job.world`` then give
+each rank's new place, from which the script takes its share of the batch.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hatrain
 from hatrain.drill import Plan
-from hatrain import npu, torchckpt
+from hatrain import npu, torchckpt, torchstore
 from hatrain.torchstate import State
 
 __all__ = ["Job", "Stopped"]
@@ -304,11 +309,9 @@ class Job:
         if not early:
             self._take_rank()
         if self.under_agent_env() and not self._one_host() and not os.environ.get("HATRAIN_AGENT_STORE"):
-            raise hatrain.HatrainError(
-                "this job spans hosts and its agent names no rendezvous store (HATRAIN_AGENT_STORE): "
-                f"run every host under a hatrain-agent of this version (WORLD_SIZE {self.world}, "
-                f"LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')})"
-            )
+            raise hatrain.HatrainError(f"this job spans hosts (WORLD_SIZE {self.world}, LOCAL_WORLD_SIZE "
+                                       f"{os.environ.get('LOCAL_WORLD_SIZE')}) and its agent names no store: "
+                                       "run each host under a hatrain-agent of this version")
         rep = (self.world, self.rank) if self.world > 1 else None
         # What every rank of the data-parallel group holds the same (DDP's
         # parameters and optimizer state) is marked replicated; the rest
@@ -397,23 +400,13 @@ class Job:
         return bool(os.environ.get("HATRAIN_AGENT_SOCKET"))
 
     def _store(self, epoch: int):
-        """The agent's rendezvous store, keys of ``epoch`` only, so that a
-        rebuilt group never reads an older one's (``torchstore``); on its
-        own host a job of an older agent, which names no store, meets in a
-        file of the workers' folder."""
-        if os.environ.get("HATRAIN_AGENT_STORE"):
-            from .torchstore import AgentStore
+        return torchstore.for_epoch(epoch, self.timeout)
 
-            return AgentStore(f"torch/epoch/{epoch}/", self.timeout)
-        folder = os.environ.get("HATRAIN_WORKER_DIR")
-        if not folder:
-            raise hatrain.HatrainError("HATRAIN_WORKER_DIR is not set: run under a hatrain-agent of this version")
-        return dist.FileStore(os.path.join(folder, f"torch-store-epoch-{epoch}"), -1)
-
-    def _build(self, gather: bool = False) -> None:
+    def _build(self, gather: bool = False, exchange=None) -> None:
         """The process group and the DDP module of ``self.epoch``; with
         ``gather``, the restored slices are gathered in between (before DDP,
-        whose construction broadcasts rank 0's parameters). FSDP's and a
+        whose construction broadcasts rank 0's parameters), or with
+        ``exchange`` (a callable) a reshape's state moves. FSDP's and a
         ``ZeroRedundancyOptimizer``'s references to the group are pointed
         at the new one."""
         if self.under_agent:
@@ -421,7 +414,7 @@ class Job:
             # last epoch's, goes first.
             self._destroy()
             store = self._store(self.epoch)
-            if gather:
+            if gather or exchange is not None:
                 self._meet(store)
             if self.backend == "nccl":
                 # NCCL's watchdog, on a failed or timed-out collective,
@@ -439,7 +432,10 @@ class Job:
         elif self.world > 1 and not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=self.timeout)
         self._built = True
-        if gather:
+        if exchange is not None:
+            with torch.no_grad():
+                exchange()
+        elif gather:
             with torch.no_grad():
                 self._gather()
         if self.layout == "fsdp":
@@ -454,7 +450,7 @@ class Job:
             # in its last bits. With unused parameters looked for, DDP keeps
             # one layout from the start.
             kwargs = {"find_unused_parameters": True, **self.ddp_kwargs}
-            if gather:
+            if gather or exchange is not None:
                 # After a restore every rank holds the same state already:
                 # DDP's broadcast of rank 0's is skipped.
                 kwargs["init_sync"] = False
@@ -616,6 +612,15 @@ class Job:
         while True:
             paused.set()
             kind, step, epoch = self.rt.await_directive()
+            if kind == "reshape":
+                from hatrain import torchelastic
+
+                if not torchelastic.take_place(self, step, epoch):
+                    continue
+                if collector is not None:
+                    collector.join()
+                self.on_resume(step, epoch)
+                return
             if kind != "resume":
                 raise Stopped(f"rank {self.rank}: the agent stopped the job ({kind})")
             with torch.no_grad():

@@ -14,11 +14,27 @@ namespaced by the epoch, so a rebuilt group never reads an older one's.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import torch.distributed as dist
 
+import hatrain
+
 from . import _native
+
+
+def for_epoch(epoch: int, timeout: datetime.timedelta) -> dist.Store:
+    """The store the process group of ``epoch`` meets in: the agent's
+    rendezvous store, keys of ``epoch`` only, so that a rebuilt group never
+    reads an older one's. A job of an older agent, which names no store,
+    meets in a file of the workers' folder (on its one host)."""
+    if os.environ.get("HATRAIN_AGENT_STORE"):
+        return AgentStore(f"torch/epoch/{epoch}/", timeout)
+    folder = os.environ.get("HATRAIN_WORKER_DIR")
+    if not folder:
+        raise hatrain.HatrainError("HATRAIN_WORKER_DIR is not set: run under a hatrain-agent of this version")
+    return dist.FileStore(os.path.join(folder, f"torch-store-epoch-{epoch}"), -1)
 
 
 def _text(value) -> str:

@@ -155,7 +155,18 @@ struct PyRuntime {
     /// Taken only by `drop`.
     rt: Option<Rt>,
     start: Start,
+    /// The place the last reshape directive gave, `(rank, world)`.
+    place: Option<(u64, u64)>,
 }
+
+/// A lost rank's state a reshape brings: `(rank, state map JSON, metadata
+/// block, per buffer (start, end, bytes))`.
+type Donation<'py> = (
+    usize,
+    String,
+    Bound<'py, PyBytes>,
+    Vec<(usize, usize, Bound<'py, PyBytes>)>,
+);
 
 impl PyRuntime {
     fn rt(&self) -> &Rt {
@@ -221,6 +232,7 @@ impl PyRuntime {
         Ok(Self {
             rt: Some(rt),
             start,
+            place: None,
         })
     }
 
@@ -348,9 +360,67 @@ impl PyRuntime {
         let rt = self.rt_mut();
         match py.detach(|| rt.await_directive()) {
             Directive::Resume { step, epoch } => ("resume", Some(step), Some(epoch)),
-            Directive::Reshape { step, epoch, .. } => ("reshape", Some(step), Some(epoch)),
+            Directive::Reshape {
+                step,
+                epoch,
+                rank,
+                world,
+            } => {
+                self.place = Some((rank, world));
+                ("reshape", Some(step), Some(epoch))
+            }
             Directive::Stop | Directive::None | Directive::Pause { .. } => ("stop", None, None),
         }
+    }
+
+    /// `(rank, world)`: the place the last `"reshape"` directive gave.
+    #[getter]
+    fn reshape_place(&self) -> Option<(u64, u64)> {
+        self.place
+    }
+
+    /// The lost ranks' state at `step` the agent says this rank brings to a
+    /// reshape, read from their replicas: `[(rank, state_map_json, meta,
+    /// [(start, end, bytes)])]`, one `(start, end, bytes)` per buffer (in
+    /// elements).
+    fn donations<'py>(&self, py: Python<'py>, step: u64) -> PyResult<Vec<Donation<'py>>> {
+        let got = py.detach(|| self.rt().donations(step)).map_err(err)?;
+        got.into_iter()
+            .map(|d| {
+                let map = serde_json::to_string(&d.map)
+                    .map_err(|e| PyValueError::new_err(format!("state map: {e}")))?;
+                let parts = d
+                    .parts
+                    .iter()
+                    .map(|(r, b)| (r.start, r.end, PyBytes::new(py, b)))
+                    .collect();
+                Ok((d.rank, map, PyBytes::new(py, &d.meta), parts))
+            })
+            .collect()
+    }
+
+    /// Takes the new place `state_map` describes (as `connect`'s), under
+    /// the reshape directive of `epoch` to `step`: `buffers` replace the
+    /// registered ones, and the agent makes the rank's store anew for the
+    /// new layout. The buffers hold the state of `step`; commit it next.
+    fn reshape(
+        &mut self,
+        py: Python<'_>,
+        epoch: u64,
+        step: u64,
+        state_map: &str,
+        buffers: Vec<(Bound<'_, PyAny>, String)>,
+    ) -> PyResult<()> {
+        let map: StateMap = serde_json::from_str(state_map)
+            .map_err(|e| PyValueError::new_err(format!("state map: {e}")))?;
+        let bufs = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, (o, d))| borrow(i, o, d))
+            .collect::<PyResult<Vec<_>>>()?;
+        let rt = self.rt_mut();
+        py.detach(|| rt.reshape(epoch, step, map, bufs))
+            .map_err(err)
     }
 
     /// Copies the sealed snapshot of `step` into the buffers and returns

@@ -96,4 +96,17 @@ raises(hatrain.HatrainError, "no verified snapshot of step 99", rt.restore, 99)
 raises(ValueError, "holds 16", rt.commit, 3, epoch, b"x" * 17)
 raises(ValueError, "expected", rt.commit, 3, epoch, b"", of="middle")
 assert rt.finish(3)
+
+# The job's rendezvous store, through the agent (authenticated under the
+# job's secret): what a process group meets in across hosts.
+rank = os.environ["RANK"]
+store = _native.AgentStore(timeout=10.0)
+store.set(f"binding/{rank}", "ab01")
+assert store.get(f"binding/{rank}") == "ab01"
+assert store.get("binding/never-set", 0.05) is None
+first = store.add("binding/count", 1)
+assert store.add("binding/count", 2) == first + 2
+raises(ValueError, "HOST:PORT", _native.AgentStore, "no-port-here")
+raises(ValueError, "seconds", _native.AgentStore, None, -1.0)
+raises(ValueError, "seconds", store.get, "binding/x", float("nan"))
 print("binding ok")

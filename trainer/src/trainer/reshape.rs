@@ -240,6 +240,17 @@ fn donation_pieces(d: &Donated, numel: usize) -> Result<Vec<Piece>, TrainError> 
     let [(params_at, params), (m_at, m), (v_at, v)] = &d.parts[..] else {
         return Err(bad("it does not hold three buffers"));
     };
+    if d.map.parts[1..]
+        .iter()
+        .any(|p| p.dtype != hatrain_shared::statemap::Dtype::F32)
+    {
+        return Err(bad("its buffers are not float32"));
+    }
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
     let shard = match d.map.parts.get(1).map(|p| p.sharing) {
         Some(hatrain_shared::statemap::Sharing::Replicated { group, index })
             if index < group && d.map.parts[1].len == numel as u64 =>
@@ -255,17 +266,17 @@ fn donation_pieces(d: &Donated, numel: usize) -> Result<Vec<Piece>, TrainError> 
         Piece {
             part: 1,
             start: params_at.start,
-            data: params.clone(),
+            data: floats(params),
         },
         Piece {
             part: 2,
             start: shard.start,
-            data: m.clone(),
+            data: floats(m),
         },
         Piece {
             part: 3,
             start: shard.start,
-            data: v.clone(),
+            data: floats(v),
         },
     ])
 }

@@ -11,7 +11,7 @@
 //!    makes its store anew for the new layout, and the runtime re-attaches
 //!    to it.
 
-use super::{Buffer, Runtime, RuntimeError, SharedBuf, check_buffers};
+use super::{Buffer, Runtime, RuntimeError, check_buffers};
 use hatrain_shared::control::{self, Donation, PROTOCOL, Request, Response};
 use hatrain_shared::shm::{Phase, Store};
 use hatrain_shared::statemap::StateMap;
@@ -28,8 +28,8 @@ pub struct Donated {
     /// Its metadata block.
     pub meta: Vec<u8>,
     /// Per buffer (parts 1..), the elements the replica holds and their
-    /// values.
-    pub parts: Vec<(Range<usize>, Vec<f32>)>,
+    /// bytes (little-endian, of the part's dtype).
+    pub parts: Vec<(Range<usize>, Vec<u8>)>,
 }
 
 impl Runtime {
@@ -65,14 +65,14 @@ impl Runtime {
     /// as its start.
     ///
     /// Without an agent this only swaps the buffers.
-    pub fn reshape(
+    pub fn reshape<B: Into<Buffer>>(
         &mut self,
         epoch: u64,
         step: u64,
         map: StateMap,
-        buffers: Vec<SharedBuf>,
+        buffers: Vec<B>,
     ) -> Result<(), RuntimeError> {
-        let buffers: Vec<Buffer> = buffers.into_iter().map(Buffer::from).collect();
+        let buffers: Vec<Buffer> = buffers.into_iter().map(Into::into).collect();
         let meta_len = check_buffers(&map, &buffers)?;
         self.wait_commit();
         let recover = self.recovers();
@@ -158,12 +158,13 @@ fn read_donation(d: Donation, step: u64, sliced: bool) -> Result<Donated, Runtim
         .collect();
     let meta_len = d.map.parts.first().map_or(0, |p| p.len as usize);
     let mut meta = vec![0u8; meta_len];
-    let mut data: Vec<Vec<f32>> = held.iter().map(|r| vec![0f32; r.len()]).collect();
+    let mut data: Vec<Vec<u8>> = held
+        .iter()
+        .zip(&d.map.parts[1..])
+        .map(|(r, p)| vec![0u8; r.len() * p.dtype.size()])
+        .collect();
     let mut outs: Vec<&mut [u8]> = vec![&mut meta[..]];
-    outs.extend(
-        data.iter_mut()
-            .map(|v| bytemuck::cast_slice_mut(&mut v[..])),
-    );
+    outs.extend(data.iter_mut().map(|v| &mut v[..]));
     super::read_step(&store, step, &mut outs)?;
     Ok(Donated {
         rank: d.rank,
