@@ -68,8 +68,8 @@ fn two_ranks(flags: &[&str]) {
     let kills = "1:4:forward:kill:0;1:9:update:kill:1;1:15:commit:kill:2";
     let r = run(2, Some(kills), flags);
     assert_identical(&r, &want, kills);
-    assert_eq!(events(&r.logs[0], "start").len(), 1);
-    assert_eq!(events(&r.logs[1], "start").len(), 4);
+    assert_eq!(events(&r.logs[0], "start").len(), 1, "{}", r.output);
+    assert_eq!(events(&r.logs[1], "start").len(), 4, "{}", r.output);
 
     repaired_in_place(&clean, &want, flags);
 

@@ -69,7 +69,7 @@ collective blocked on a dead or hung peer returns; with NCCL,
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is honoured where it is set, and set to
 2 (abort the communicators, keep the process) where it is not.
 
-A job may span hosts (the group meets in the agent's store). With
+A job may span hosts (its group meets in the agent's store). With
 ``--enable-elastic-training`` a DDP job shrinks when a host is lost with no
 standby (``hatrain.torchelastic``); ``job.rank`` and ``job.world`` then give
 each rank's new place, from which the script takes its share of the batch.
@@ -400,7 +400,7 @@ class Job:
         return bool(os.environ.get("HATRAIN_AGENT_SOCKET"))
 
     def _store(self, epoch: int):
-        return torchstore.for_epoch(epoch, self.timeout)
+        return torchstore.for_epoch(epoch, self.timeout, self._one_host())
 
     def _build(self, gather: bool = False, exchange=None) -> None:
         """The process group and the DDP module of ``self.epoch``; with

@@ -24,17 +24,20 @@ import hatrain
 from . import _native
 
 
-def for_epoch(epoch: int, timeout: datetime.timedelta) -> dist.Store:
-    """The store the process group of ``epoch`` meets in: the agent's
-    rendezvous store, keys of ``epoch`` only, so that a rebuilt group never
-    reads an older one's. A job of an older agent, which names no store,
-    meets in a file of the workers' folder (on its one host)."""
+def for_epoch(epoch: int, timeout: datetime.timedelta, one_host: bool) -> dist.Store:
+    """The store the process group of ``epoch`` meets in, keys of ``epoch``
+    only, so that a rebuilt group never reads an older one's: on one host a
+    file of the workers' folder, which the agent keeps private; across hosts
+    the agent's rendezvous store."""
+    folder = os.environ.get("HATRAIN_WORKER_DIR")
+    if one_host and folder:
+        return dist.FileStore(os.path.join(folder, f"torch-store-epoch-{epoch}"), -1)
     if os.environ.get("HATRAIN_AGENT_STORE"):
         return AgentStore(f"torch/epoch/{epoch}/", timeout)
-    folder = os.environ.get("HATRAIN_WORKER_DIR")
-    if not folder:
-        raise hatrain.HatrainError("HATRAIN_WORKER_DIR is not set: run under a hatrain-agent of this version")
-    return dist.FileStore(os.path.join(folder, f"torch-store-epoch-{epoch}"), -1)
+    raise hatrain.HatrainError(
+        "neither HATRAIN_WORKER_DIR (one host) nor HATRAIN_AGENT_STORE (several) is set: "
+        "run under a hatrain-agent of this version"
+    )
 
 
 def _text(value) -> str:

@@ -104,8 +104,8 @@ store = _native.AgentStore(timeout=10.0)
 store.set(f"binding/{rank}", "ab01")
 assert store.get(f"binding/{rank}") == "ab01"
 assert store.get("binding/never-set", 0.05) is None
-first = store.add("binding/count", 1)
-assert store.add("binding/count", 2) == first + 2
+first = store.add(f"binding/count/{rank}", 1)
+assert store.add(f"binding/count/{rank}", 2) == first + 2
 raises(ValueError, "HOST:PORT", _native.AgentStore, "no-port-here")
 raises(ValueError, "seconds", _native.AgentStore, None, -1.0)
 raises(ValueError, "seconds", store.get, "binding/x", float("nan"))

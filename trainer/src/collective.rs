@@ -41,9 +41,9 @@
 //! # Messages
 //!
 //! ```text
-//!  0        4          12       16        20
+//!  0        4          12       16        24
 //!  +--------+----------+--------+---------+-----------------+
-//!  | "HTRC" | epoch u64| seq u32| len u32 | len bytes       |
+//!  | "HTRC" | epoch u64| seq u32| len u64 | len bytes       |
 //!  +--------+----------+--------+---------+-----------------+
 //! ```
 //! `seq` counts messages on the link, so a desynchronised peer is detected
@@ -71,7 +71,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 4] = *b"HTRC";
-const MSG_HEADER: usize = 20;
+const MSG_HEADER: usize = 24;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
@@ -427,8 +427,7 @@ impl Communicator {
         Ok(all)
     }
 
-    /// Gathers every rank's bytes, of any length (under 4 GiB), in rank
-    /// order.
+    /// Gathers every rank's bytes, of any length, in rank order.
     pub fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
         let lens = self.all_gather_f64(mine.len() as f64)?;
         let (w, r) = (self.world, self.rank);
@@ -525,15 +524,31 @@ impl From<io::Error> for MsgError {
     }
 }
 
-fn send_msg(s: &mut TcpStream, epoch: u64, seq: u32, payload: &[u8]) -> Result<(), MsgError> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| MsgError::Protocol(format!("message of {} bytes too large", payload.len())))?;
+/// A message's header: its epoch, its number on the link and its length.
+fn header(epoch: u64, seq: u32, len: u64) -> [u8; MSG_HEADER] {
     let mut h = [0u8; MSG_HEADER];
     h[0..4].copy_from_slice(&MAGIC);
     h[4..12].copy_from_slice(&epoch.to_le_bytes());
     h[12..16].copy_from_slice(&seq.to_le_bytes());
-    h[16..20].copy_from_slice(&len.to_le_bytes());
-    s.write_all(&h)?;
+    h[16..24].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// `(epoch, seq, len)` of header `h`; `None` without the magic.
+fn parse_header(h: &[u8; MSG_HEADER]) -> Option<(u64, u32, u64)> {
+    if h[0..4] != MAGIC {
+        return None;
+    }
+    let word = |r: std::ops::Range<usize>| {
+        let mut b = [0u8; 8];
+        b[..r.len()].copy_from_slice(&h[r]);
+        u64::from_le_bytes(b)
+    };
+    Some((word(4..12), word(12..16) as u32, word(16..24)))
+}
+
+fn send_msg(s: &mut TcpStream, epoch: u64, seq: u32, payload: &[u8]) -> Result<(), MsgError> {
+    s.write_all(&header(epoch, seq, payload.len() as u64))?;
     s.write_all(payload)?;
     Ok(())
 }
@@ -541,10 +556,12 @@ fn send_msg(s: &mut TcpStream, epoch: u64, seq: u32, payload: &[u8]) -> Result<(
 fn recv_msg(s: &mut TcpStream, epoch: u64, seq: u32, out: &mut [u8]) -> Result<(), MsgError> {
     let mut h = [0u8; MSG_HEADER];
     s.read_exact(&mut h)?;
-    let their_epoch = u64::from_le_bytes(h[4..12].try_into().expect("8 bytes"));
-    let their_seq = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
-    let len = u32::from_le_bytes(h[16..20].try_into().expect("4 bytes")) as usize;
-    if h[0..4] != MAGIC || their_epoch != epoch || their_seq != seq || len != out.len() {
+    let Some((their_epoch, their_seq, len)) = parse_header(&h) else {
+        return Err(MsgError::Protocol(format!(
+            "expected message {seq} of epoch {epoch}, got bytes that are not a ring message"
+        )));
+    };
+    if their_epoch != epoch || their_seq != seq || len != out.len() as u64 {
         return Err(MsgError::Protocol(format!(
             "expected message {seq} of epoch {epoch} with {} bytes, got message {their_seq} of epoch {their_epoch} with {len} bytes",
             out.len()
@@ -577,6 +594,33 @@ mod tests {
     use super::*;
     use hatrain_shared::store::StoreServer;
     use proptest::prelude::*;
+
+    /// A message's length is 64 bits: a resize's contribution may pass
+    /// 4 GiB (about a billion float32 elements).
+    #[test]
+    fn headers_carry_lengths_past_4_gib_and_refuse_what_is_not_a_message() {
+        for len in [
+            0,
+            1,
+            u64::from(u32::MAX),
+            u64::from(u32::MAX) + 1,
+            5 << 30,
+            u64::MAX,
+        ] {
+            let h = header(7, 3, len);
+            assert_eq!(parse_header(&h), Some((7, 3, len)));
+        }
+        let mut h = header(7, 3, 9);
+        h[0] ^= 1;
+        assert_eq!(parse_header(&h), None);
+    }
+
+    proptest! {
+        #[test]
+        fn parsing_any_header_never_panics(bytes in proptest::array::uniform24(any::<u8>())) {
+            let _ = parse_header(&bytes);
+        }
+    }
 
     /// Runs the reduce-scatter schedule on in-memory ranks.
     fn simulate_reduce_scatter(inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
