@@ -60,7 +60,7 @@ def contribution(job, step: int) -> dict:
     for lost, smap, meta, parts in job.rt.donations(step):
         metas[_place_of(smap, lost)] = bytes(meta)
         if len(parts) != len(flats):
-            raise ReshapeError(f"rank {old}'s replica holds {len(parts)} parts, this rank {len(flats)}")
+            raise ReshapeError(f"rank {lost}'s replica holds {len(parts)} parts, this rank {len(flats)}")
         for i, ((a, b, data), f) in enumerate(zip(parts, flats)):
             if f.replicated and b > a:
                 pieces.append((i, a, bytes(data)))
@@ -151,19 +151,21 @@ def reshape(job, step: int, epoch: int, place: tuple[int, int]) -> None:
     if world < 1 or not 0 <= rank < world:
         raise ReshapeError(f"cannot take place {rank} of {world}")
     mine = contribution(job, step)
-    old = (job.rank, job.world)
-    job.rank, job.world = rank, world
+    # The new group meets under the new epoch's keys: the old group's
+    # (the lost ranks' addresses among them) are never read.
+    old = (job.rank, job.world, job.epoch)
+    job.rank, job.world, job.epoch = rank, world, epoch
     try:
         block: list[bytes] = []
         job._build(exchange=lambda: block.append(exchange(job, mine)))
     except BaseException:
-        job.rank, job.world = old
+        job.rank, job.world, job.epoch = old
         raise
     job._load_meta(block[0], step)
     parts = [f.part((world, rank) if world > 1 else None) for f in job.state.flats]
     job.rt.reshape(epoch, step, parts, checkpoint=torchckpt.layout(job))
     job.rt.set_communicator(epoch, abort=job._abort if job.backend in ("nccl", "hccl") else None)
-    job.step_done, job.epoch = step, epoch
+    job.step_done = step
     job.state.stage_out()
     job.rt.commit(step, epoch, job._meta(step), of="start")
     print(f"rank {rank}: reshaped to {world} ranks at step {step} under epoch {epoch}", file=sys.stderr, flush=True)

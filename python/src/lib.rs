@@ -53,6 +53,21 @@ fn dtype(name: &str) -> PyResult<Dtype> {
 /// alive for as long as the runtime holds it.
 struct Held(#[allow(dead_code)] PyBuffer<u8>);
 
+/// The state map (JSON) and the buffers of a registration.
+fn registration(
+    state_map: &str,
+    buffers: &[(Bound<'_, PyAny>, String)],
+) -> PyResult<(StateMap, Vec<Buffer>)> {
+    let map: StateMap = serde_json::from_str(state_map)
+        .map_err(|e| PyValueError::new_err(format!("state map: {e}")))?;
+    let bufs = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, (o, d))| borrow(i, o, d))
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok((map, bufs))
+}
+
 fn borrow(index: usize, obj: &Bound<'_, PyAny>, dtype_name: &str) -> PyResult<Buffer> {
     let dt = dtype(dtype_name)?;
     let buf = PyBuffer::<u8>::get(obj).map_err(|e| {
@@ -213,13 +228,7 @@ impl PyRuntime {
         commit_halfway: Option<Py<PyAny>>,
         before_copy: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let map: StateMap = serde_json::from_str(state_map)
-            .map_err(|e| PyValueError::new_err(format!("state map: {e}")))?;
-        let bufs = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, (o, d))| borrow(i, o, d))
-            .collect::<PyResult<Vec<_>>>()?;
+        let (map, bufs) = registration(state_map, &buffers)?;
         let (rt, start) = py
             .detach(|| {
                 let hooks = Arc::new(PyHooks {
@@ -411,13 +420,7 @@ impl PyRuntime {
         state_map: &str,
         buffers: Vec<(Bound<'_, PyAny>, String)>,
     ) -> PyResult<()> {
-        let map: StateMap = serde_json::from_str(state_map)
-            .map_err(|e| PyValueError::new_err(format!("state map: {e}")))?;
-        let bufs = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, (o, d))| borrow(i, o, d))
-            .collect::<PyResult<Vec<_>>>()?;
+        let (map, bufs) = registration(state_map, &buffers)?;
         let rt = self.rt_mut();
         py.detach(|| rt.reshape(epoch, step, map, bufs))
             .map_err(err)
