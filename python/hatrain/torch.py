@@ -31,9 +31,8 @@ On a fault (a collective that fails because a peer died, a pending
 directive, a repaired memory error) the rank destroys its process group,
 waits for the agent's directive, restores the snapshot of the step all
 ranks return to, and builds the process group and the DDP module again
-under the new epoch. The process group meets in the agent's rendezvous
-store (authenticated, reached through each host's agent, keys of one epoch
-at a time), so it outlives any rank and spans hosts. ``steps()``
+under the new epoch, in a store that outlives any rank, keys of one epoch
+at a time (``hatrain.torchstore``). ``steps()``
 then yields the step after that one again.
 
 Without an agent (a plain ``torchrun``) the script runs as before: the

@@ -1,6 +1,6 @@
-"""The process group's store for a job under hatrain-agent: the agent's
-rendezvous store, reached through this host's agent, as a
-``torch.distributed.Store``.
+"""The process group's store for a job under hatrain-agent: on one host a
+file of the workers' folder; across hosts the agent's rendezvous store,
+reached through this host's agent, as a ``torch.distributed.Store``.
 
 The agent hosts the store, never a rank (any rank may be the one that
 died), and every frame to and from it is authenticated under the job's
