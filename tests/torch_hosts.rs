@@ -17,11 +17,13 @@
 //!   restore the slices travel over the new process group), the
 //!   controller's host lost: host 1 takes over, and the workers' next group
 //!   meets in its store.
-//! - Elastic DDP, three hosts, host 1 lost with no standby: the group
-//!   shrinks to two ranks at s\*, each rank bringing what it holds (the lost
-//!   rank's slices and metadata from its replica), with the global batch
-//!   kept; the run after it equals, bit for bit, a fresh run of two ranks
-//!   loaded from the agent's checkpoint of s\* of a run without faults.
+//! - Elastic DDP, four hosts, host 1 lost with no standby: the group
+//!   shrinks to three ranks at s1, each rank bringing what it holds (the
+//!   lost rank's slices and metadata from its replica); a standby started
+//!   late grows it back to four at s2, the joining rank given its state by
+//!   the others. The global batch is kept, and each leg equals, bit for
+//!   bit, a fresh run at its size loaded from the agent's checkpoint of
+//!   its s\* (chained through runs without faults).
 
 mod common;
 
@@ -62,10 +64,25 @@ struct Hosts {
     job: String,
     shm: Vec<std::path::PathBuf>,
     agents: Vec<Job>,
+    /// Standby agents started later, by [`Hosts::start_late`].
+    late: Vec<std::process::Command>,
 }
 
 impl Hosts {
     fn start(nodes: usize, standbys: usize, extra: &[&str], args: &[&str]) -> Self {
+        Self::start_later(nodes, (standbys, 0), extra, args, NAP)
+    }
+
+    /// `nodes` hosts and `standbys.0` standby hosts, of which the last
+    /// `standbys.1` start only at [`Hosts::start_late`]; the ranks follow
+    /// the drill `plan`.
+    fn start_later(
+        nodes: usize,
+        (standbys, later): (usize, usize),
+        extra: &[&str],
+        args: &[&str],
+        plan: &str,
+    ) -> Self {
         let tmp = tempfile::tempdir().unwrap();
         let secret = secret_file(tmp.path());
         let job = job_id("torch-hosts");
@@ -77,7 +94,7 @@ impl Hosts {
             .map(|k| tmp.path().join(format!("host{k}")))
             .collect();
         let spares = standbys.to_string();
-        let agents = (0..all)
+        let mut agents = (0..all)
             .map(|k| {
                 let mut flags = vec![
                     "--enable-hbmfault-repair",
@@ -107,18 +124,34 @@ impl Hosts {
                     .args(["--log-jsonl", log.to_str().unwrap()])
                     .args(args)
                     .env_remove("SLURM_JOB_ID")
-                    .fault_plan(NAP)
+                    .fault_plan(plan)
                     .env("TMPDIR", tmp.path())
                     .command();
                 c.current_dir(tmp.path());
-                Job::spawn(c, &format!("{job}-h{k}"))
+                c
             })
+            .collect::<Vec<_>>();
+        let late = agents.split_off(all - later.min(standbys));
+        let agents = agents
+            .into_iter()
+            .enumerate()
+            .map(|(k, c)| Job::spawn(c, &format!("{job}-h{k}")))
             .collect();
         Self {
             tmp,
             job,
             shm,
             agents,
+            late,
+        }
+    }
+
+    /// Starts the standby agents held back.
+    fn start_late(&mut self) {
+        for c in std::mem::take(&mut self.late) {
+            let k = self.agents.len();
+            self.agents
+                .push(Job::spawn(c, &format!("{}-h{k}", self.job)));
         }
     }
 
@@ -224,58 +257,132 @@ fn run(ranks: usize, args: &[&str], flags: &[&str]) -> ExampleRun {
     .run()
 }
 
+/// Elastic DDP, four hosts of one rank and a standby that starts only
+/// after the first loss (five agents, so that the hosts left after a loss
+/// are a majority of them), a global batch of 12. Host 1 vanishes while
+/// rank 0 naps in step 12: the group shrinks to 3 at s1. The standby then
+/// starts while rank 0 naps in step 18, is heard, takes rank 1 and the
+/// group grows back to 4 at s2, the new rank given its state by the
+/// others. Each leg equals a fresh run at its size loaded from the agent's
+/// checkpoint of its s\* (of the leg before it, chained): every step's
+/// loss on every rank, and the final parameters.
 #[test]
-fn an_elastic_pytorch_ddp_job_shrinks_when_a_host_is_lost_and_equals_a_fresh_run_at_the_new_size() {
+fn an_elastic_pytorch_ddp_job_shrinks_and_grows_back_and_each_leg_equals_a_fresh_run() {
     let _one_at_a_time = serial();
     let mut args: Vec<&str> = MODEL.to_vec();
-    args.extend(["--ddp", "--global-batch", "6"]);
-    let mut hosts = Hosts::start(3, 0, &["--enable-elastic-training"], &args);
+    args.extend(["--ddp", "--global-batch", "12"]);
+    let plan = format!("{NAP};0:18:forward:sleep15000");
+    let mut hosts = Hosts::start_later(4, (1, 1), &["--enable-elastic-training"], &args, &plan);
+    let socket = hosts.shm[0].join(&hosts.job).join("agent.sock");
+    let resized = |n: usize, world: u64| {
+        move |v: &serde_json::Value| {
+            let s = &v["status"];
+            (s["resizes"].as_array().is_some_and(|r| r.len() == n) && s["world_size"] == world)
+                .then_some(())
+        }
+    };
     // Rank 1's replica is on host 2.
     hosts.lose(1, 2);
-    let outs = hosts.ends(&[0, 2]);
+    if poll_agentctl(&socket, "status", Duration::from_secs(120), resized(1, 3)).is_none() {
+        panic!("the group did not shrink to 3 ranks:\n{}", hosts.kill_all());
+    }
+    hosts.start_late();
+    if poll_agentctl(&socket, "status", Duration::from_secs(120), resized(2, 4)).is_none() {
+        panic!(
+            "the group did not grow back to 4 ranks:\n{}",
+            hosts.kill_all()
+        );
+    }
+    let outs = hosts.ends(&[0, 2, 3, 4]);
+    let controller = stderr(&outs, 0);
     assert!(
-        stderr(&outs, 0).contains("shrinking the data-parallel group from 3 to 2 ranks"),
+        controller.contains("shrinking the data-parallel group from 4 to 3 ranks")
+            && controller.contains("growing the data-parallel group from 3 to 4 ranks"),
         "{}",
         logs(&outs)
     );
-    let (first, last) = (hosts.log(0), hosts.log(2));
-    let s_star = events(&first, "resume")
-        .last()
-        .and_then(|e| e["step"].as_u64())
-        .unwrap_or_else(|| panic!("rank 0 never resumed:\n{}", logs(&outs)));
-    assert!((10..=12).contains(&s_star), "resized at step {s_star}");
-    // Old rank 2 trained at each size in turn (a step redone after the
-    // resize counts as redone), with the global batch kept.
-    let sizes: std::collections::BTreeMap<u64, serde_json::Value> = events(&last, "step")
-        .iter()
-        .map(|e| (e["step"].as_u64().unwrap(), e["world_size"].clone()))
-        .collect();
-    for (step, world) in sizes {
-        assert_eq!(world, if step > s_star { 2 } else { 3 }, "step {step}");
-    }
-
-    // The same job without faults, its state saved by the agent at s*;
-    // then two ranks loaded from that checkpoint.
-    let saves = hosts.tmp.path().join("saves");
-    let (saves_arg, interval) = (saves.to_str().unwrap(), s_star.to_string());
-    let mut saving = args.clone();
-    saving.extend(["--save", saves_arg, "--save-interval", &interval]);
-    run(3, &saving, &[]);
-    let at = saves.join(format!("iter_{s_star:07}")).join("dcp");
-    let mut loading = args.clone();
-    loading.extend(["--load", at.to_str().unwrap()]);
-    let fresh = run(2, &loading, &[]);
-    let want = final_digest(&fresh.logs[0], STEPS);
-    assert_eq!(final_digest(&first, STEPS), want, "{}", logs(&outs));
-    assert_eq!(final_digest(&last, STEPS), want, "{}", logs(&outs));
-    // Every step's loss after s*: old rank 2 is rank 1 of the fresh run.
-    let losses = |log: &[serde_json::Value]| -> std::collections::BTreeMap<u64, String> {
-        events(log, "step")
+    // Where each rank resumed: rank 0 twice (the shrink, the grow), the
+    // rank that joined once (the grow).
+    let resumes = |rank: usize| -> Vec<u64> {
+        events(&hosts.log(rank), "resume")
             .iter()
-            .map(|e| (e["step"].as_u64().unwrap(), e["loss"].to_string()))
-            .filter(|(step, _)| *step > s_star)
+            .filter_map(|e| e["step"].as_u64())
             .collect()
     };
-    assert_eq!(losses(&first), losses(&fresh.logs[0]));
-    assert_eq!(losses(&last), losses(&fresh.logs[1]));
+    let (s1, s2) = match resumes(0)[..] {
+        [s1, s2] => (s1, s2),
+        ref r => panic!("rank 0 resumed at {r:?}:\n{}", logs(&outs)),
+    };
+    assert!(
+        (10..=12).contains(&s1) && s1 < s2 && s2 < STEPS,
+        "resized at {s1} and {s2}"
+    );
+    assert_eq!(resumes(1), [s2], "the joining rank:\n{}", logs(&outs));
+    // Every step at the size of its leg (a step redone after a resize
+    // counts as redone), as old rank 3 saw it.
+    for e in events(&hosts.log(3), "step") {
+        let step = e["step"].as_u64().unwrap();
+        let want = if step <= s1 || step > s2 { 4 } else { 3 };
+        assert_eq!(e["world_size"], want, "step {step}");
+    }
+
+    // The legs without faults, chained through the agent's checkpoints:
+    // four ranks saved at s1; three loaded from it, saved at s2; four
+    // loaded from that.
+    let leg = |ranks: usize, load: Option<&std::path::Path>, save_at: Option<u64>, name: &str| {
+        let saves = hosts.tmp.path().join(name);
+        let interval = save_at.map(|s| s.to_string());
+        let mut leg = args.clone();
+        if let Some(interval) = &interval {
+            leg.extend([
+                "--save",
+                saves.to_str().unwrap(),
+                "--save-interval",
+                interval,
+            ]);
+        }
+        let load = load.map(|p| p.join("dcp"));
+        if let Some(load) = &load {
+            leg.extend(["--load", load.to_str().unwrap()]);
+        }
+        let run = run(ranks, &leg, &[]);
+        (save_at.map(|s| saves.join(format!("iter_{s:07}"))), run)
+    };
+    let (at_s1, _) = leg(4, None, Some(s1), "four");
+    let (at_s2, three) = leg(3, at_s1.as_deref(), Some(s2), "three");
+    let (_, four) = leg(4, at_s2.as_deref(), None, "four-again");
+    let losses = |log: &[serde_json::Value], from: u64, to: u64| -> Vec<(u64, String)> {
+        let mut by_step: std::collections::BTreeMap<u64, String> = Default::default();
+        for e in events(log, "step") {
+            let step = e["step"].as_u64().unwrap();
+            if step > from && step <= to {
+                // The last time a step ran is the one that counts.
+                by_step.insert(step, e["loss"].to_string());
+            }
+        }
+        by_step.into_iter().collect()
+    };
+    // Ranks 0, 2, 3 of the job were places 0, 1, 2 of three; the joining
+    // rank 1 took place 1 of four again.
+    for (place, rank) in [(0, 0), (1, 2), (2, 3)] {
+        assert_eq!(
+            losses(&hosts.log(rank), s1, s2),
+            losses(&three.logs[place], s1, s2),
+            "rank {rank} (place {place} of three)"
+        );
+    }
+    let want = final_digest(&four.logs[0], STEPS);
+    for rank in 0..4 {
+        assert_eq!(
+            losses(&hosts.log(rank), s2, STEPS),
+            losses(&four.logs[rank], s2, STEPS),
+            "rank {rank} after the grow"
+        );
+        assert_eq!(
+            final_digest(&hosts.log(rank), STEPS),
+            want,
+            "rank {rank}:\n{}",
+            logs(&outs)
+        );
+    }
 }

@@ -70,8 +70,9 @@ collective blocked on a dead or hung peer returns; with NCCL,
 
 A job may span hosts (its group meets in the agent's store). With
 ``--enable-elastic-training`` a DDP job shrinks when a host is lost with no
-standby (``hatrain.torchelastic``); ``job.rank`` and ``job.world`` then give
-each rank's new place, from which the script takes its share of the batch.
+standby, and grows back when one is heard (``hatrain.torchelastic``);
+``job.rank`` and ``job.world`` then give each rank's new place, from which
+the script takes its share of the batch.
 """
 
 from __future__ import annotations

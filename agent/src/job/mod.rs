@@ -233,6 +233,10 @@ struct Driver<'a> {
     /// filled from their replicas.
     adopted: BTreeSet<usize>,
     filled: BTreeSet<usize>,
+    /// Ranks this host took to join a growing group that have not
+    /// registered yet: they start by waiting for the reshape that takes
+    /// them in, whatever this host has heard of the controller so far.
+    joining: BTreeSet<usize>,
     /// Per rank of this host, the leaving ranks whose replicas it brings to
     /// a shrink (elastic training).
     donations: std::collections::BTreeMap<usize, (u64, BTreeSet<usize>)>,
@@ -280,6 +284,7 @@ impl<'a> Driver<'a> {
             specs_for,
             adopted: BTreeSet::new(),
             filled: BTreeSet::new(),
+            joining: BTreeSet::new(),
             donations: std::collections::BTreeMap::new(),
             filling: HashMap::new(),
             keeper: None,

@@ -9,7 +9,7 @@ use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{
     CopyReport, HeldTimeReport, InjectKind, MembershipReport, Request, Response, SnapshotReport,
-    StatusReport, WorkerReport,
+    StartMode, StatusReport, WorkerReport,
 };
 use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
 use hatrain_shared::statemap::StateMap;
@@ -322,7 +322,11 @@ impl Driver<'_> {
                 }
             }
         }
-        let start = self.decider.start_mode();
+        let start = if self.joining.remove(&rank) {
+            StartMode::AwaitDirective
+        } else {
+            self.decider.start_mode()
+        };
         tracing::info!(rank, pid, ?start, "worker registered");
         if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
             // The replicas go with the map that says what their bytes are

@@ -160,14 +160,54 @@ impl Decider {
     }
 
     /// How a rank that registers now starts: normally while the job runs,
-    /// else it waits for a directive (a replacement joins the recovery).
+    /// else it waits for a directive (a replacement joins the recovery, a
+    /// rank joining a growing group the reshape), as the controller's
+    /// machine says.
     pub fn start_mode(&self) -> StartMode {
         match self {
             Self::Controller(c) => c.machine.start_mode(),
-            Self::Follower(f) if f.mirror.recovering => StartMode::AwaitDirective,
+            Self::Follower(f) if f.mirror.recovering || f.mirror.reshape.is_some() => {
+                StartMode::AwaitDirective
+            }
             Self::Follower(f) => StartMode::Fresh {
                 epoch: f.mirror.epoch,
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recovery::Reshaping;
+    use std::time::Duration;
+
+    fn mirror(d: &mut Decider) -> &mut Mirror {
+        match d {
+            Decider::Follower(f) => &mut f.mirror,
+            Decider::Controller(_) => unreachable!("a follower"),
+        }
+    }
+
+    /// A follower starts a rank as its controller's machine would: a
+    /// rank joining a growing group waits for the reshape even before the
+    /// group pauses for it.
+    #[test]
+    fn a_follower_starts_ranks_as_the_controllers_machine_says() {
+        let mut d = Decider::Follower(Box::new(Follower::new()));
+        mirror(&mut d).epoch = 3;
+        assert_eq!(d.start_mode(), StartMode::Fresh { epoch: 3 });
+        mirror(&mut d).reshape = Some(Reshaping {
+            leaving: Vec::new(),
+            joining: vec![1],
+            from: 3,
+            fault: None,
+            since: Duration::ZERO,
+            resumed: None,
+        });
+        assert_eq!(d.start_mode(), StartMode::AwaitDirective);
+        mirror(&mut d).reshape = None;
+        mirror(&mut d).recovering = true;
+        assert_eq!(d.start_mode(), StartMode::AwaitDirective);
     }
 }

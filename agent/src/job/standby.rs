@@ -90,6 +90,7 @@ impl Driver<'_> {
         }
         if !a.fill {
             self.filled.extend(&a.ranks);
+            self.joining.extend(&a.ranks);
         }
         self.adopted.extend(a.ranks);
     }
