@@ -221,6 +221,7 @@ fn report(
                 views,
                 events,
                 held: Vec::new(),
+                hold: None,
             },
         }],
     };

@@ -23,6 +23,10 @@
 //! - A host lost with the only holder of its replicas: the job stops at
 //!   once, naming the ranks whose state is gone and the newest complete
 //!   checkpoint on disk; nothing claims a later step.
+//! - A host whose replica streams are starved of CPU (a busy loop on every
+//!   core, the job training on): lost once its ranks trained 3 or more
+//!   steps past their replicas, it is still recovered from memory (the
+//!   step the replicas and the other hosts have in common is kept).
 //! - A host whose NPU must be isolated (a SeparateNPU event from the
 //!   stand-in DCMI library): it leaves the job as a lost host does, and its
 //!   ranks are recovered on the standby from their peer replicas.
@@ -98,6 +102,90 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
         standby["rejected_malformed"], 0,
         "the standby counted no frame as malformed: {standby}"
     );
+    let outs = c.ends(&[0, 2, 3]);
+    host1_recovered_on_the_standby(&c, &outs, &reference);
+}
+
+/// Processes that keep every core busy, ended by pid when dropped.
+struct Burners(Vec<std::process::Child>);
+
+impl Burners {
+    fn start() -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self(
+            (0..cores)
+                .map(|_| {
+                    std::process::Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .unwrap()
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Burners {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Host 1's replica streams starved of CPU: a burner on every core beside
+/// streams that take idle CPU only (`SCHED_IDLE`), while the job trains on
+/// (no nap). The replicas of host 1's ranks fall steps behind what the
+/// other hosts' stores would keep, and the job keeps the step they have in
+/// common (the replica hold). Host 1 vanishes while its stream lags: its
+/// ranks are recovered on the standby from their replicas, never "no
+/// common step", and the run equals the reference.
+#[test]
+fn a_host_whose_replica_stream_is_starved_of_cpu_is_recovered_from_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Long enough for the replicas to fall behind while the job trains.
+    let mut train = tiny_args(400);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let log = tmp.path().join("ref.jsonl");
+    let mut args = train.clone();
+    args.extend(["--log-jsonl".into(), log.display().to_string()]);
+    assert_success(&run_launch(6, "starved-ref", &args), "one host, six ranks");
+    let reference = read_log(&log);
+    let mut c = Cluster::start_with_plan(tmp, "starved", 1, &[], &train, "");
+    let burners = Burners::start();
+    // Host 1's ranks have trained 3 steps or more past the newest step of
+    // their replicas (without the hold the other hosts' stores, of 3
+    // slots, would hold no step of those), with a common step kept.
+    let lagging = poll_agentctl(&c.socket(1), "status", Duration::from_secs(120), |v| {
+        let s = &v["status"];
+        let trained = s["workers"]
+            .as_array()?
+            .iter()
+            .filter_map(|w| w["step"].as_u64())
+            .min()?;
+        let replica = s["replicas"]["streams"]
+            .as_array()?
+            .iter()
+            .flat_map(|s| s["ranks"].as_array().into_iter().flatten())
+            .map(|k| k["replica_step"].as_u64())
+            .collect::<Option<Vec<u64>>>()?
+            .into_iter()
+            .max()?;
+        let common = s["replicas"]["kept"]["common"].as_u64()?;
+        (trained >= replica + 3 && (5..350).contains(&trained))
+            .then_some((trained, replica, common))
+    });
+    if lagging.is_none() {
+        drop(burners);
+        panic!(
+            "host 1's stream never lagged with a common step kept:\n{}",
+            c.kill_all()
+        );
+    }
+    c.vanish(&[1]);
+    drop(burners);
     let outs = c.ends(&[0, 2, 3]);
     host1_recovered_on_the_standby(&c, &outs, &reference);
 }

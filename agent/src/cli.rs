@@ -209,11 +209,15 @@ pub struct HaArgs {
     /// restore; `off` copies every part whole.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub snapshot_slices: String,
-    /// Snapshot slots per rank. While the agent writes a checkpoint from a
+    /// Snapshot slots per rank (default 2 on one node, 3 where ranks stream
+    /// replicas to peer hosts). While the agent writes a checkpoint from a
     /// slot, that slot is held; with 2, snapshots wait meanwhile, with 3
-    /// they go on.
-    #[arg(long, default_value_t = 2)]
-    pub snapshot_slots: usize,
+    /// they go on. With peer replicas and 3 slots or more, the step the
+    /// replicas and the other ranks have in common is never overwritten
+    /// (snapshots thin out while a replica catches up); with 2 it is only
+    /// watched.
+    #[arg(long)]
+    pub snapshot_slots: Option<usize>,
     /// Let the trainer write its own --save-interval checkpoints (a
     /// collective save on the training path). By default the agent writes
     /// them from the snapshots when one host holds every rank.

@@ -104,6 +104,7 @@ pub fn render(reports: &[StatusReport]) -> String {
     let copy_cpu = Family::<RankLabels, Counter<f64, AtomicU64>>::default();
     let copy_bytes = Family::<RankLabels, Counter>::default();
     let copy_skipped = Family::<RankLabels, Counter>::default();
+    let copy_thinned = Family::<RankLabels, Counter>::default();
     let faults = Family::<FaultLabels, Counter>::default();
     let recovery = Family::<JobLabel, Histogram>::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.1, 2.0, 13))
@@ -156,6 +157,7 @@ pub fn render(reports: &[StatusReport]) -> String {
                 copy_cpu.get_or_create(&l).inc_by(c.cpu_s);
                 copy_bytes.get_or_create(&l).inc_by(c.bytes);
                 copy_skipped.get_or_create(&l).inc_by(c.skipped);
+                copy_thinned.get_or_create(&l).inc_by(c.thinned);
             }
         }
         for f in &r.faults {
@@ -320,6 +322,11 @@ pub fn render(reports: &[StatusReport]) -> String {
         "hatrain_snapshots_skipped",
         "Snapshots abandoned because the update began before their copy finished (--snapshot-window skip)",
         copy_skipped,
+    );
+    reg.register(
+        "hatrain_snapshots_thinned",
+        "Snapshots not taken because every slot but the newest was held (for a checkpoint being written, or for the peer replicas while they catch up)",
+        copy_thinned,
     );
     reg.register(
         "hatrain_faults",
@@ -591,6 +598,7 @@ mod tests {
                 rejected_replayed: 0,
                 received_bytes: 1_000_000_000,
                 receive_cpu_s: 0.25,
+                kept: Default::default(),
             }),
             membership: None,
             resizes: vec![],

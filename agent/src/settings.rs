@@ -59,7 +59,9 @@ pub fn launch_config(
             .shm_root
             .clone()
             .unwrap_or_else(hatrain_shared::trust::default_shm_root),
-        slots: h.snapshot_slots,
+        slots: h
+            .snapshot_slots
+            .unwrap_or(if a.nnodes > 1 && h.replicas > 0 { 3 } else { 2 }),
         pause_timeout: seconds("--pause-timeout-secs", h.pause_timeout_secs)?,
         hang: HangPolicy {
             fixed: h

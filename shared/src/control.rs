@@ -282,12 +282,16 @@ pub struct CopyReport {
     pub cpu_s_per_gb: f64,
     pub skipped: u64,
     pub waited_after_misses: u64,
+    /// Snapshots not taken because every slot but the newest was held
+    /// (for the persister, or for the replicas while they catch up).
+    #[serde(default)]
+    pub thinned: u64,
 }
 
 impl CopyReport {
     /// The report of a control page's statistics; `None` before any copy.
     pub fn of(c: &crate::shm::CommitStats) -> Option<Self> {
-        (c.sealed > 0 || c.skipped > 0).then(|| Self {
+        (c.sealed > 0 || c.skipped > 0 || c.thinned > 0).then(|| Self {
             sealed: c.sealed,
             copy_ms_mean: c.sealed_ns as f64 / 1e6 / c.sealed.max(1) as f64,
             bytes: c.sealed_bytes,
@@ -300,6 +304,7 @@ impl CopyReport {
             },
             skipped: c.skipped,
             waited_after_misses: c.waited_after_misses,
+            thinned: c.thinned,
         })
     }
 }
@@ -466,6 +471,10 @@ pub struct ReplicaReport {
     pub received_bytes: u64,
     #[serde(default)]
     pub receive_cpu_s: f64,
+    /// The steps every store and replica keeps for the replicas: the one
+    /// held everywhere, and the next (see [`crate::shm::Kept`]).
+    #[serde(default)]
+    pub kept: crate::shm::Kept,
 }
 
 /// One stream of this host's snapshots to a peer.

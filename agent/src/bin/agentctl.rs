@@ -334,6 +334,12 @@ fn print_replicas(r: &ReplicaReport) {
         "peer replicas: taken on {} | frames refused: {} malformed, {} forged or altered, {} replayed",
         r.listen, r.rejected_malformed, r.rejected_forged, r.rejected_replayed
     );
+    let step = |s: Option<u64>| s.map_or("-".to_string(), |s| s.to_string());
+    println!(
+        "  kept for the replicas: step {} (held by every rank and a replica of each) | next: the first snapshot at or after step {}",
+        step(r.kept.common),
+        step(r.kept.target)
+    );
     for s in &r.streams {
         println!(
             "  to node {} at {}{} | {} MiB in {} chunks | sender {}",
@@ -345,7 +351,6 @@ fn print_replicas(r: &ReplicaReport) {
             per_gb(s.cpu_s, s.bytes_sent),
         );
         for k in &s.ranks {
-            let step = |s: Option<u64>| s.map_or("-".to_string(), |s| s.to_string());
             println!(
                 "    rank {:>5}: local step {} | replica step {} | lag {} step(s), {} bytes | {} abandoned{}",
                 k.rank,
@@ -423,7 +428,7 @@ fn print_workers(w: &[WorkerReport]) {
         .any(|r| r.held_time.is_some() || r.copies.is_some())
     {
         println!(
-            "{:>5} {:>26} {:>9} | {:>13} {:>9} {:>8} {:>8}",
+            "{:>5} {:>26} {:>9} | {:>13} {:>9} {:>8} {:>8} {:>8}",
             "rank",
             "held/step ms p50 p99 max",
             "steps",
@@ -431,6 +436,7 @@ fn print_workers(w: &[WorkerReport]) {
             "CPU s/GB",
             "skipped",
             "waited",
+            "thinned",
         );
         for r in w {
             let held = r.held_time.as_ref().map_or(("-".into(), "-".into()), |h| {
@@ -439,20 +445,28 @@ fn print_workers(w: &[WorkerReport]) {
                     h.steps.to_string(),
                 )
             });
-            let copies =
-                r.copies
-                    .as_ref()
-                    .map_or(("-".into(), "-".into(), "-".into(), "-".into()), |c| {
-                        (
-                            format!("{:.2}", c.copy_ms_mean),
-                            format!("{:.3}", c.cpu_s_per_gb),
-                            c.skipped.to_string(),
-                            c.waited_after_misses.to_string(),
-                        )
-                    });
+            let copies = r.copies.as_ref().map_or(
+                [
+                    "-".to_string(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                ],
+                |c| {
+                    [
+                        format!("{:.2}", c.copy_ms_mean),
+                        format!("{:.3}", c.cpu_s_per_gb),
+                        c.skipped.to_string(),
+                        c.waited_after_misses.to_string(),
+                        c.thinned.to_string(),
+                    ]
+                },
+            );
+            let [copy, cpu, skipped, waited, thinned] = copies;
             println!(
-                "{:>5} {:>26} {:>9} | {:>13} {:>9} {:>8} {:>8}",
-                r.rank, held.0, held.1, copies.0, copies.1, copies.2, copies.3
+                "{:>5} {:>26} {:>9} | {:>13} {:>9} {:>8} {:>8} {:>8}",
+                r.rank, held.0, held.1, copy, cpu, skipped, waited, thinned
             );
         }
     }

@@ -34,12 +34,14 @@ use std::time::Duration;
 
 pub(super) use super::role::{Decider, Follower};
 pub(super) use crate::coordinator::wire::Inbox;
+pub use hold::HoldReport;
 pub(super) use hosts::{Handover, LossFacts, OnLoss};
 pub use messages::{Adopt, Down, Give, Mirror, Up, WritePart};
 pub(super) use saves::{FINAL_WAIT, FinalSave, Share};
 pub use shared::{WriteEnd, WriteStart};
 pub use step::{Facts, Input, Ready, Rules, SUCCESSOR_WAIT};
 
+mod hold;
 mod hosts;
 mod messages;
 mod minority;
@@ -93,6 +95,8 @@ pub struct Controller {
     /// The ranks whose peer replicas each host holds (with a sealed step),
     /// as it last reported.
     held: BTreeMap<u64, BTreeSet<usize>>,
+    /// The steps every host keeps for the peer replicas.
+    hold: hold::Hold,
     /// Ranks a standby took and has not registered yet: their stores are
     /// still being filled from their replicas.
     filling: BTreeSet<usize>,
@@ -186,6 +190,7 @@ impl Controller {
             sent: None,
             ended: BTreeSet::new(),
             held: BTreeMap::new(),
+            hold: hold::Hold::default(),
             filling: BTreeSet::new(),
             settling: None,
             cut_off: None,
@@ -252,6 +257,12 @@ impl Controller {
     /// Host `node` holds replicas of `ranks` (each with a sealed step).
     pub(in crate::job) fn note_held(&mut self, node: u64, ranks: impl IntoIterator<Item = usize>) {
         self.held.insert(node, ranks.into_iter().collect());
+    }
+
+    /// A controller that took over keeps what this host keeps for the
+    /// replicas until every host has reported (`hold`).
+    pub(in crate::job) fn inherit_kept(&mut self, own: hatrain_shared::shm::Kept) {
+        self.hold = hold::Hold::inherited(own);
     }
 
     /// Rank `rank` registered on `node`: a standby's filled store.

@@ -233,6 +233,9 @@ struct Driver<'a> {
     /// filled from their replicas.
     adopted: BTreeSet<usize>,
     filled: BTreeSet<usize>,
+    /// The steps the stores keep for the peer replicas, as the controller
+    /// last said (`decider::hold`).
+    kept: hatrain_shared::shm::Kept,
     /// Ranks this host took to join a growing group that have not
     /// registered yet: they start by waiting for the reshape that takes
     /// them in, whatever this host has heard of the controller so far.
@@ -285,6 +288,7 @@ impl<'a> Driver<'a> {
             adopted: BTreeSet::new(),
             filled: BTreeSet::new(),
             joining: BTreeSet::new(),
+            kept: Default::default(),
             donations: std::collections::BTreeMap::new(),
             filling: HashMap::new(),
             keeper: None,

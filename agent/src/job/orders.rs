@@ -6,11 +6,14 @@
 //! frames on the heartbeat sessions; a message that does not parse is
 //! dropped and logged.
 
-use super::decider::{Admit, Decider, Down, Facts, Inbox, Input, REPORT_EVERY, Up, admit};
+use super::decider::{
+    Admit, Decider, Down, Facts, HoldReport, Inbox, Input, REPORT_EVERY, Up, admit,
+};
 use super::{Collected, Driver, log};
 use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::Response;
+use hatrain_shared::shm::Kept;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -62,6 +65,9 @@ impl Driver<'_> {
             if let Some(m) = &ready.mirror {
                 self.standbys_ready(m);
             }
+            if let Some(k) = ready.keep {
+                self.set_kept(k);
+            }
             for (n, down) in ready.orders {
                 self.send_down(n, down);
             }
@@ -97,6 +103,7 @@ impl Driver<'_> {
         Facts {
             view,
             gone: self.lost.clone(),
+            own_hold: self.hold_report(),
             own_held: match losses {
                 true => held_replicas(self.peers.as_ref()),
                 false => Vec::new(),
@@ -130,23 +137,58 @@ impl Driver<'_> {
     /// A follower sends the controller its views (when they changed, or
     /// `force`) and its events.
     fn report(&mut self, views: Vec<RankView>, events: Vec<Event>, force: bool) {
+        let hold = self.hold_report();
         let Decider::Follower(f) = &mut self.decider else {
             return;
         };
         let held = held_replicas(self.peers.as_ref());
-        let stale = f
-            .last
-            .as_ref()
-            .is_none_or(|(at, v, h)| *v != views || *h != held || at.elapsed() >= REPORT_EVERY);
+        let stale = f.last.as_ref().is_none_or(|(at, v, h, k)| {
+            *v != views || *h != held || *k != hold || at.elapsed() >= REPORT_EVERY
+        });
         if !(force || stale || !events.is_empty()) {
             return;
         }
-        f.last = Some((Instant::now(), views.clone(), held.clone()));
+        f.last = Some((Instant::now(), views.clone(), held.clone(), hold.clone()));
         self.send_up(&Up::Report {
             views,
             events,
             held,
+            hold,
         });
+    }
+
+    /// What this host tells the controller for the replica hold: the
+    /// replicas it holds, and the snapshot each of its ranks' stores keeps
+    /// for the target. `None` without replicas.
+    fn hold_report(&self) -> Option<HoldReport> {
+        let r = self.peers.as_ref()?.replicator.as_ref()?;
+        let mut kept: Vec<(usize, Option<(u64, u64)>)> = self
+            .stores
+            .iter()
+            .map(|(&rank, s)| (rank, s.kept_for_target().map(|i| (i.step, i.epoch))))
+            .collect();
+        kept.sort_unstable();
+        Some(HoldReport {
+            replicas: r.replica_steps(),
+            common: self.kept.common,
+            target: self.kept.target,
+            kept,
+        })
+    }
+
+    /// The steps the controller says to keep for the replicas: every store
+    /// of this host's ranks, and every replica it holds, keeps them.
+    pub(super) fn set_kept(&mut self, kept: Kept) {
+        if kept != self.kept {
+            tracing::debug!(common = ?kept.common, target = ?kept.target, "steps kept for the replicas");
+        }
+        self.kept = kept;
+        for s in self.stores.values() {
+            s.page().set_kept(kept);
+        }
+        if let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref()) {
+            r.set_kept(kept);
+        }
     }
 
     pub(super) fn send_up(&self, up: &Up) {
@@ -283,6 +325,12 @@ impl Driver<'_> {
         }
         f.final_done |= down.final_done;
         let mirror = down.mirror.clone();
+        if let Some(k) = down.keep {
+            self.set_kept(k);
+        }
+        let Decider::Follower(f) = &mut self.decider else {
+            return;
+        };
         if let Some(m) = down.mirror {
             f.mirror = std::sync::Arc::unwrap_or_clone(m);
         }

@@ -8,8 +8,8 @@ use crate::persister::Persister;
 use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 use hatrain_shared::control::{
-    CopyReport, HeldTimeReport, InjectKind, MembershipReport, Request, Response, SnapshotReport,
-    StartMode, StatusReport, WorkerReport,
+    CopyReport, HeldTimeReport, InjectKind, MembershipReport, ReplicaReport, Request, Response,
+    SnapshotReport, StartMode, StatusReport, WorkerReport,
 };
 use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
 use hatrain_shared::statemap::StateMap;
@@ -313,6 +313,7 @@ impl Driver<'_> {
             match created {
                 Ok(s) => {
                     tracing::info!(rank, pid, bytes = total, sliced, slots = geometry.slots, path = %s.path().display(), "snapshot store created");
+                    s.page().set_kept(self.kept);
                     self.stores.insert(rank, Arc::new(s));
                 }
                 Err(e) => {
@@ -417,7 +418,10 @@ impl Driver<'_> {
                 .peers
                 .as_ref()
                 .and_then(|p| p.replicator.as_ref())
-                .map(|r| r.report()),
+                .map(|r| ReplicaReport {
+                    kept: self.kept,
+                    ..r.report()
+                }),
             membership: self.peers.as_ref().map(|p| {
                 let seen = p.membership.seen();
                 let lost = seen.lost();

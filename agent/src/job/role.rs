@@ -3,7 +3,7 @@
 //! (when its controller's host was lost, when it last reported, when a
 //! shutdown it passed on is due), on the agent's own clock.
 
-use super::decider::{CONTROLLER, Controller, Mirror};
+use super::decider::{CONTROLLER, Controller, HoldReport, Mirror};
 use crate::recovery::{HostLoss, RankView, Written};
 use hatrain_shared::control::{FaultRecord, StartMode};
 use std::time::Instant;
@@ -19,8 +19,8 @@ pub(super) struct Follower {
     pub mirror: Mirror,
     /// The newest controller term seen.
     pub term: u64,
-    /// The views and replicas last reported, and when.
-    pub last: Option<(Instant, Vec<RankView>, Vec<usize>)>,
+    /// What was last reported, and when.
+    pub last: Option<Reported>,
     /// Set when a shutdown was passed on: a controller that has not ended
     /// the job by then, nor begun its last words, is not coming.
     pub shutdown_by: Option<Instant>,
@@ -39,6 +39,10 @@ pub(super) struct Follower {
     /// The controller settled the final checkpoint.
     pub final_done: bool,
 }
+
+/// A follower's last report: when, its views, the ranks whose replicas it
+/// held, and its replica hold.
+pub(super) type Reported = (Instant, Vec<RankView>, Vec<usize>, Option<HoldReport>);
 
 impl Follower {
     pub fn new() -> Self {

@@ -158,6 +158,7 @@ impl Driver<'_> {
             now,
         );
         c.rules = rules;
+        c.inherit_kept(self.kept);
         if let Some(s) = &mut c.settling {
             s.losses = std::mem::take(&mut f.losses);
         }

@@ -460,6 +460,15 @@ impl Machine {
 
     // ---- views ----
 
+    /// The ranks of the group (not finished, not left), each with the last
+    /// step it completed.
+    pub fn members_at(&self) -> Vec<(usize, u64)> {
+        self.participants()
+            .into_iter()
+            .map(|r| (r, self.view(r).step))
+            .collect()
+    }
+
     /// Ranks that take part in pauses and resumes: all but those finished.
     fn participants(&self) -> Vec<usize> {
         self.ranks

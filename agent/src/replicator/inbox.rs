@@ -24,7 +24,7 @@
 
 use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::peer::{self, ChunkHeader, DropCode, Kind, PeerError, Rejection, Session};
-use hatrain_shared::shm::{Geometry, Receiving, Store};
+use hatrain_shared::shm::{Geometry, Kept, Receiving, Store};
 use hatrain_shared::statemap::StateMap;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -93,8 +93,10 @@ pub struct Held {
     pub rank: u64,
     /// The node that sent it.
     pub from: u64,
-    /// Sealed steps, newest first (headers only: verified when used).
+    /// Sealed steps, newest first (headers only: verified when used), and
+    /// the epoch each was sealed in.
     pub steps: Vec<u64>,
+    pub epochs: Vec<u64>,
     pub stored: u64,
     pub dropped: u64,
     pub path: PathBuf,
@@ -118,6 +120,9 @@ pub struct Inbox {
     pub rejected: Rejected,
     /// Snapshot bytes written into the replicas held.
     pub received_bytes: u64,
+    /// The steps the job keeps for the replicas: each replica store keeps
+    /// them too.
+    kept: Kept,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -162,6 +167,16 @@ impl Inbox {
             maps: BTreeMap::new(),
             rejected: Rejected::default(),
             received_bytes: 0,
+            kept: Kept::default(),
+        }
+    }
+
+    /// The steps the job keeps for the replicas now: every replica store
+    /// keeps them ([`Store::writable_slot`]).
+    pub fn set_kept(&mut self, kept: Kept) {
+        self.kept = kept;
+        for h in self.stores.values() {
+            h.store.page().set_kept(kept);
         }
     }
 
@@ -387,6 +402,7 @@ impl Inbox {
             let store = Store::create(&path, h.rank as usize, geometry, h.layout_hash, h.job_hash)
                 .map_err(HoldError::Create)?;
             tracing::info!(rank = h.rank, from, path = %path.display(), bytes = geometry.file_len(), "replica store made");
+            store.page().set_kept(self.kept);
             self.stores.insert(
                 h.rank,
                 Holding {
@@ -419,6 +435,7 @@ impl Inbox {
                 rank: *rank,
                 from: h.from,
                 steps: h.store.sealed().iter().map(|i| i.step).collect(),
+                epochs: h.store.sealed().iter().map(|i| i.epoch).collect(),
                 stored: h.stored,
                 dropped: h.dropped,
                 path: h.store.path().to_path_buf(),

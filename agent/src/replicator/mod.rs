@@ -31,7 +31,7 @@ use ring::{Ring, resolve};
 use hatrain_shared::auth::{NONCE_LEN, Secret};
 use hatrain_shared::control::{HeldReport, RankReplicaReport, ReplicaReport, StreamReport};
 use hatrain_shared::peer;
-use hatrain_shared::shm::Store;
+use hatrain_shared::shm::{Kept, Store};
 use hatrain_shared::statemap::StateMap;
 use inbox::Inbox;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -126,6 +126,11 @@ struct Shared {
     receive_cpu_ns: u64,
     /// Replicas to give up (the inbox's thread removes them).
     release: Vec<u64>,
+    /// The steps the job keeps for the replicas (the inbox's thread gives
+    /// them to the replica stores), and those the stores kept when `held`
+    /// was read.
+    kept: Kept,
+    held_kept: Kept,
 }
 
 /// The replicator of one agent: its listening socket, and its streams.
@@ -408,6 +413,27 @@ impl Replicator {
             .push(rank as u64);
     }
 
+    /// The steps the job keeps for the replicas: the replica stores held
+    /// here keep them (within the inbox's next turn).
+    pub fn set_kept(&self, kept: Kept) {
+        self.shared.lock().expect("not poisoned").kept = kept;
+    }
+
+    /// The sealed steps of each replica held here, with their epochs, by
+    /// rank; none until the replica stores keep the steps the job keeps
+    /// now (a step seen before could be rewritten before they did).
+    pub fn replica_steps(&self) -> Vec<(usize, Vec<(u64, u64)>)> {
+        let sh = self.shared.lock().expect("not poisoned");
+        let current = sh.held_kept == sh.kept;
+        sh.held
+            .iter()
+            .map(|h| {
+                let sealed = h.steps.iter().copied().zip(h.epochs.iter().copied());
+                (h.rank as usize, sealed.filter(|_| current).collect())
+            })
+            .collect()
+    }
+
     /// The state map (JSON) each replica held came with, by rank.
     pub fn replica_maps(&self) -> HashMap<u64, Arc<[u8]>> {
         let sh = self.shared.lock().expect("not poisoned");
@@ -440,6 +466,7 @@ impl Replicator {
                 rejected_replayed: 0,
                 received_bytes: 0,
                 receive_cpu_s: 0.0,
+                kept: Kept::default(),
             }),
         }
     }
@@ -493,6 +520,7 @@ impl Replicator {
             rejected_replayed: sh.rejected.replayed,
             received_bytes: sh.received_bytes,
             receive_cpu_s: sh.receive_cpu_ns as f64 / 1e9,
+            kept: sh.kept,
         }
     }
 
@@ -614,6 +642,8 @@ fn publish(inbox: &mut Inbox, shared: &Mutex<Shared>, last: &mut Instant, force:
         for rank in std::mem::take(&mut sh.release) {
             inbox.release(rank);
         }
+        inbox.set_kept(sh.kept);
+        sh.held_kept = sh.kept;
         sh.held = inbox.held();
         sh.rejected = inbox.rejected;
         sh.received_bytes = inbox.received_bytes;

@@ -34,6 +34,16 @@ pub struct ChunkPlan {
     pub len: u64,
 }
 
+/// The snapshot kept as a rank's replicas' next common step: its step,
+/// whether all of it went out, and whether the peer stored it (in this
+/// session).
+#[derive(Debug, Clone, Copy)]
+struct Target {
+    step: u64,
+    sent: bool,
+    stored: bool,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Transfer {
     offer: Offer,
@@ -71,6 +81,8 @@ pub struct Outbox {
     /// Per rank, the steps the peer stored in this session, newest first
     /// ([`PEER_STEPS`] at most).
     peer_steps: BTreeMap<u64, Vec<u64>>,
+    /// Per rank, the snapshot kept as the replicas' next common step.
+    targets: BTreeMap<u64, Target>,
     pub chunks_sent: u64,
     pub bytes_sent: u64,
 }
@@ -88,6 +100,7 @@ impl Outbox {
             last: None,
             progress: BTreeMap::new(),
             peer_steps: BTreeMap::new(),
+            targets: BTreeMap::new(),
             chunks_sent: 0,
             bytes_sent: 0,
         }
@@ -103,6 +116,44 @@ impl Outbox {
         p.local_step = Some(o.step);
         p.local_len = o.len;
         self.waiting.insert(o.rank, o);
+    }
+
+    /// The snapshot the job keeps as its replicas' next common step
+    /// ([`hatrain_shared::shm::Kept`]): it waits to go ahead of newer ones
+    /// (after the transfer in progress), unless the peer stored it, or it
+    /// went and is not acknowledged yet. True until the peer stored it:
+    /// the rank's newer snapshots are not offered meanwhile.
+    pub fn offer_target(&mut self, o: Offer) -> bool {
+        let stored = self
+            .peer_steps
+            .get(&o.rank)
+            .is_some_and(|s| s.contains(&o.step));
+        let fresh = Target {
+            step: o.step,
+            sent: false,
+            stored: false,
+        };
+        let target = self.targets.entry(o.rank).or_insert(fresh);
+        if target.step != o.step {
+            *target = fresh;
+        }
+        target.stored |= stored;
+        if target.stored {
+            return false;
+        }
+        // Under way, or all sent and not acknowledged yet.
+        if target.sent
+            || self
+                .sending
+                .get(&o.rank)
+                .is_some_and(|t| t.offer.step == o.step)
+        {
+            return true;
+        }
+        self.waiting.insert(o.rank, o);
+        // A newer snapshot is offered again once it went.
+        self.progress.entry(o.rank).or_default().local_step = Some(o.step);
+        true
     }
 
     /// The peer grants `n` more chunks.
@@ -136,6 +187,9 @@ impl Outbox {
         if p.stored_step.is_none_or(|s| s < step) {
             p.stored_step = Some(step);
         }
+        if let Some(t) = self.targets.get_mut(&rank).filter(|t| t.step == step) {
+            t.stored = true;
+        }
         let steps = self.peer_steps.entry(rank).or_default();
         if !steps.contains(&step) {
             steps.push(step);
@@ -148,6 +202,10 @@ impl Outbox {
     /// progress ends (the peer would drop the rest of its chunks too), and
     /// it counts once as abandoned however many of its chunks were dropped.
     pub fn dropped(&mut self, rank: u64, step: u64) {
+        if let Some(t) = self.targets.get_mut(&rank).filter(|t| t.step == step) {
+            // It goes again.
+            t.sent = false;
+        }
         let p = self.progress.entry(rank).or_default();
         if p.dropped_step != Some(step) {
             p.dropped_step = Some(step);
@@ -178,6 +236,7 @@ impl Outbox {
         self.sending.remove(&rank);
         self.progress.remove(&rank);
         self.peer_steps.remove(&rank);
+        self.targets.remove(&rank);
     }
 
     /// The slot of `rank`'s transfer was rewritten while it was read: the
@@ -195,6 +254,7 @@ impl Outbox {
         self.credit = 0;
         // A new session may be with a holder that lost what it held.
         self.peer_steps.clear();
+        self.targets.clear();
         for (rank, t) in std::mem::take(&mut self.sending) {
             self.waiting.entry(rank).or_insert(t.offer);
         }
@@ -235,6 +295,13 @@ impl Outbox {
         let next = t.next + len;
         if next >= t.offer.len {
             self.sending.remove(&rank);
+            if let Some(target) = self
+                .targets
+                .get_mut(&rank)
+                .filter(|x| x.step == t.offer.step)
+            {
+                target.sent = true;
+            }
         } else {
             self.sending.insert(rank, Transfer { next, ..t });
         }
@@ -439,6 +506,39 @@ mod tests {
         o.offer(offer(3, 29, 25));
         let again = o.next_chunk().expect("the snapshot goes again");
         assert_eq!((again.offer.step, again.offset), (29, 0));
+    }
+
+    /// The snapshot kept for the replicas' next common step goes ahead of
+    /// newer ones, after the transfer in progress, once: stored, the
+    /// newest go again, and it is not sent again when older steps fall out
+    /// of what the peer is known to hold.
+    #[test]
+    fn the_kept_target_goes_once_ahead_of_newer_snapshots() {
+        let mut o = Outbox::new(10);
+        o.credit(100);
+        o.offer(offer(0, 7, 20));
+        assert_eq!(o.next_chunk().map(|c| c.offer.step), Some(7));
+        o.offer(offer(0, 9, 20));
+        assert!(o.offer_target(offer(0, 8, 20)));
+        // The transfer of 7 ends first; then 8, not 9.
+        assert_eq!(drain(&mut o), [(0, 7, 10), (0, 8, 0), (0, 8, 10)]);
+        assert!(o.offer_target(offer(0, 8, 20)), "not stored yet");
+        assert_eq!(o.next_chunk(), None, "all sent already");
+        o.stored(0, 7);
+        o.stored(0, 8);
+        assert!(!o.offer_target(offer(0, 8, 20)));
+        o.offer(offer(0, 9, 20));
+        assert_eq!(drain(&mut o), [(0, 9, 0), (0, 9, 10)]);
+        for step in 10..40 {
+            o.stored(0, step);
+        }
+        assert!(!o.offer_target(offer(0, 8, 20)), "stored once is enough");
+        // A new target goes; a new session sends it again.
+        assert!(o.offer_target(offer(0, 41, 20)));
+        o.stored(0, 41);
+        assert!(!o.offer_target(offer(0, 41, 20)));
+        o.reset();
+        assert!(o.offer_target(offer(0, 41, 20)));
     }
 
     #[test]

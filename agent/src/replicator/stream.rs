@@ -278,6 +278,18 @@ pub(super) fn send(
                 if refusals.holds_back(*rank, now) {
                     continue;
                 }
+                // The snapshot kept for the replicas' next common step
+                // goes first: the job keeps it until every holder has it.
+                if let Some(t) = store.kept_for_target()
+                    && outbox.offer_target(Offer {
+                        rank: *rank,
+                        step: t.step,
+                        slot: t.slot,
+                        len: t.len,
+                    })
+                {
+                    continue;
+                }
                 if let Some(newest) = store.sealed().into_iter().next() {
                     outbox.offer(Offer {
                         rank: *rank,

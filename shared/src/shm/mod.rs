@@ -6,7 +6,8 @@
 //! agent maps it to read slots (for s\*, checkpoints) and to write
 //! directives. Every word, bit and packing of the protocol is defined here
 //! once: the layout in [`page`] and the slot header in [`slot`], and one
-//! module per protocol on the page ([`directive`], [`hold`], [`fault`]).
+//! module per protocol on the page ([`directive`], [`hold`], [`fault`],
+//! [`kept`]).
 //!
 //! ```text
 //! file: rank_NNNNN.shm
@@ -38,6 +39,9 @@
 //!     thread's CPU ns for them   456 snapshots skipped (missed their window)
 //! 464 updates that waited for a copy after too many misses
 //! 472 snapshots sealed
+//! 480 step kept for the replicas, held everywhere; 488 the step to be
+//!     kept next (each 0: none, else step + 1) (2.3)
+//! 496 snapshots not taken for want of a slot (2.3)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\2"   8 version   16 seq (odd while written)
@@ -54,6 +58,7 @@ mod copy;
 mod directive;
 mod fault;
 mod hold;
+mod kept;
 mod mapping;
 mod page;
 mod slot;
@@ -61,6 +66,7 @@ mod slot;
 pub use directive::Directive;
 pub use fault::{FaultFlags, Injection, UceSite};
 pub use hold::{Hold, HoldRefused};
+pub use kept::Kept;
 pub use page::{CommitStats, ControlPage, HELD_BUCKETS, HeldStats, Phase, held_bucket_le_ns};
 pub use slot::{HeaderWord, Receiving, SLOT_MAGIC, SlotInfo};
 
@@ -74,7 +80,7 @@ use std::sync::atomic::Ordering;
 
 pub const PAGE: usize = 4096;
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"HTRCTL\0\x02");
-pub const VERSION: (u16, u16) = (2, 2);
+pub const VERSION: (u16, u16) = (2, 3);
 const VERSION_WORD: u64 = ((VERSION.0 as u64) << 16) | VERSION.1 as u64;
 /// Most slots a store may have.
 pub const MAX_SLOTS: usize = 16;
@@ -458,7 +464,7 @@ mod tests {
     }
 
     #[test]
-    fn a_store_filled_from_a_replica_holds_its_newest_snapshot_identically() {
+    fn a_store_filled_from_a_replica_holds_its_snapshots_identically() {
         let d = tempfile::tempdir().unwrap();
         let src = store(d.path(), 10_000);
         let empty = Store::create(&d.path().join("e.shm"), 3, src.geometry(), 7, 9).unwrap();
@@ -474,6 +480,12 @@ mod tests {
         let mut back = vec![0u8; new.len()];
         dst.read_slot(info.slot, &mut [&mut back]).unwrap();
         assert_eq!(back, new);
+        // The older one too (it may be the step kept for the replicas),
+        // and the newest stays the newest.
+        let older = dst.find_step(4).unwrap();
+        dst.read_slot(older.slot, &mut [&mut back]).unwrap();
+        assert_eq!(back, old);
+        assert_eq!(dst.sealed()[0].step, 5);
         // Another job's store: its checksum cannot match, nothing seals.
         let other = Store::create(&d.path().join("o.shm"), 3, src.geometry(), 8, 9).unwrap();
         assert!(other.fill_from(&src).is_err());

@@ -107,6 +107,13 @@ pub struct ControlPage {
     skipped: AtomicU64,
     waited_after_misses: AtomicU64,
     sealed: AtomicU64,
+    /// The steps kept for the peer replicas (2.3): the common one and
+    /// the target, each 0 for none, else step + 1; written by the agent.
+    pub(super) keep: AtomicU64,
+    pub(super) keep_target: AtomicU64,
+    /// Snapshots not taken because every slot but the newest was held
+    /// (for the persister, or for the replicas' step) (2.3).
+    thinned: AtomicU64,
 }
 
 /// Buckets of the held-time histogram: bucket `k` counts the steps held
@@ -151,7 +158,10 @@ const _: () = {
     assert!(offset_of!(ControlPage, sealed_ns) == 432);
     assert!(offset_of!(ControlPage, waited_after_misses) == 464);
     assert!(offset_of!(ControlPage, sealed) == 472);
-    assert!(size_of::<ControlPage>() == 480);
+    assert!(offset_of!(ControlPage, keep) == 480);
+    assert!(offset_of!(ControlPage, keep_target) == 488);
+    assert!(offset_of!(ControlPage, thinned) == 496);
+    assert!(size_of::<ControlPage>() == 504);
     assert!(size_of::<ControlPage>() <= super::PAGE);
 };
 
@@ -262,6 +272,11 @@ impl ControlPage {
     pub fn record_waited_after_misses(&self) {
         self.waited_after_misses.fetch_add(1, Ordering::Relaxed);
     }
+    /// Records a snapshot not taken because every slot but the newest was
+    /// held.
+    pub fn record_thinned(&self) {
+        self.thinned.fetch_add(1, Ordering::Relaxed);
+    }
     /// The commit statistics.
     pub fn commit_stats(&self) -> CommitStats {
         CommitStats {
@@ -274,6 +289,7 @@ impl ControlPage {
             sealed_cpu_ns: self.sealed_cpu_ns.load(Ordering::Relaxed),
             skipped: self.skipped.load(Ordering::Relaxed),
             waited_after_misses: self.waited_after_misses.load(Ordering::Relaxed),
+            thinned: self.thinned.load(Ordering::Relaxed),
         }
     }
 }
@@ -296,6 +312,8 @@ pub struct CommitStats {
     pub skipped: u64,
     /// Updates that waited for a copy after too many misses.
     pub waited_after_misses: u64,
+    /// Snapshots not taken because every slot but the newest was held.
+    pub thinned: u64,
 }
 
 /// The time a worker's training thread spent in hatrain's calls, per step.

@@ -156,19 +156,57 @@ impl Store {
 
     /// The slot a new snapshot may be written to: never the newest sealed
     /// one nor a held one; an unsealed slot if there is one, else the oldest
-    /// sealed. `None` when every other slot is held for the persister.
+    /// sealed. `None` when every other slot is held, for the persister or
+    /// for the replicas.
+    ///
+    /// With three slots or more, the slots holding the steps kept for the
+    /// replicas are held too: the common step, and the first step sealed
+    /// at or after the target ([`Store::kept_for_target`]); when they
+    /// leave no other slot, the newest is rewritten (a rank killed
+    /// meanwhile returns to a kept step). With two, keeping one would
+    /// leave only the newest: they are not kept (the replicas are then
+    /// only watched).
+    ///
+    /// [`ControlPage::kept`]: super::ControlPage::kept
     pub fn writable_slot(&self) -> Option<usize> {
+        self.writable_slot_keeping(true)
+    }
+
+    /// [`Store::writable_slot`], with the replicas' steps kept or not (the
+    /// job's last snapshot is taken even where the replicas lag).
+    pub fn writable_slot_keeping(&self, keep: bool) -> Option<usize> {
         let sealed = self.sealed();
         let held = self.page().held().map(|h| h.slot);
         let newest = sealed.first().map(|i| i.slot);
-        let usable = |s: &usize| Some(*s) != held && Some(*s) != newest;
+        let keeps = keep && self.geometry.slots >= 3;
+        // Read once: a common step and the target it came with.
+        let steps = self.page().kept();
+        let target = keeps
+            .then(|| super::kept::first_at_or_after(&sealed, steps.target))
+            .flatten()
+            .map(|i| i.slot);
+        let kept = |s: &usize| {
+            Some(*s) == target
+                || (keeps
+                    && sealed
+                        .iter()
+                        .any(|i| i.slot == *s && Some(i.step) == steps.common))
+        };
+        let usable = |s: &usize| Some(*s) != held && Some(*s) != newest && !kept(s);
         if let Some(free) = (0..self.geometry.slots)
             .filter(usable)
             .find(|s| !sealed.iter().any(|i| i.slot == *s))
         {
             return Some(free);
         }
-        sealed.iter().rev().map(|i| i.slot).find(usable)
+        if let Some(oldest) = sealed.iter().rev().map(|i| i.slot).find(usable) {
+            return Some(oldest);
+        }
+        // Every other slot is kept for the replicas: the newest is
+        // rewritten. The kept steps are consistent steps every rank holds
+        // to return to meanwhile, so the snapshots do not stop while a
+        // replica catches up.
+        newest.filter(|n| keeps && Some(*n) != held && !kept(n))
     }
 
     /// Empties every sealed slot newer than `step` (writer side, while no
@@ -439,26 +477,40 @@ impl Store {
         Ok(out)
     }
 
-    /// Copies `from`'s newest verified snapshot into a writable slot of this
-    /// store (a standby filling a rank's store from its peer replica),
-    /// checked against its owner's checksum on the way as a received
-    /// replica is; both stores must be made with the owner's job and layout
-    /// hashes. The caller must be this store's only writer.
+    /// Copies `from`'s verified snapshots (the newest this store has slots
+    /// for, oldest first, so that the newest stays the newest) into this
+    /// store (a standby filling a rank's store from its peer replica): a
+    /// replica may hold the step the other ranks kept for it
+    /// ([`ControlPage::kept`](super::ControlPage::kept)) beside newer ones.
+    /// Each is checked against its owner's checksum on the way as a
+    /// received replica is; both stores must be made with the owner's job
+    /// and layout hashes. The caller must be this store's only writer.
+    /// Returns the newest copied.
     pub fn fill_from(&self, from: &Store) -> Result<SlotInfo, ShmError> {
+        let (mut steps, _) = from.verified_steps();
+        steps.dedup();
+        steps.truncate(self.geometry.slots);
+        let mut newest = None;
+        for &step in steps.iter().rev() {
+            let info = from.find_step(step).ok_or_else(|| {
+                from.bad(0, format!("the snapshot of step {step} went while copied"))
+            })?;
+            newest = Some(self.copy_in(from, &info)?);
+        }
+        newest.ok_or_else(|| from.bad(0, "no verified snapshot to copy".into()))
+    }
+
+    /// Copies `from`'s snapshot `info` into a writable slot of this store.
+    fn copy_in(&self, from: &Store, info: &SlotInfo) -> Result<SlotInfo, ShmError> {
         const PIECE: u64 = 4 << 20;
-        let (steps, _) = from.verified_steps();
-        let info = steps
-            .first()
-            .and_then(|&step| from.find_step(step))
-            .ok_or_else(|| from.bad(0, "no verified snapshot to copy".into()))?;
         let slot = self
-            .writable_slot()
+            .writable_slot_keeping(false)
             .ok_or_else(|| self.bad(0, "no slot to write to".into()))?;
         let mut rx = self.receive(slot, info.len)?;
         let mut at = 0;
         while at < info.len {
             let len = PIECE.min(info.len - at);
-            from.with_range(&info, at, len, |bytes| rx.write(self, bytes))??;
+            from.with_range(info, at, len, |bytes| rx.write(self, bytes))??;
             at += len;
         }
         rx.seal(

@@ -129,12 +129,21 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
                 }
             }
             None => {
-                if !said_blocked && let Some(h) = store.page().held() {
+                store.page().record_thinned();
+                if !said_blocked {
                     said_blocked = true;
-                    eprintln!(
-                        "rank {rank}: snapshot of step {} skipped: its slot is held while the agent writes iteration {} to disk (with --snapshot-slots 3 snapshots go on meanwhile; said once)",
-                        job.step, h.step
-                    );
+                    let page = store.page();
+                    match (page.held(), page.kept().common) {
+                        (Some(h), _) => eprintln!(
+                            "rank {rank}: snapshot of step {} skipped: its slot is held while the agent writes iteration {} to disk (with --snapshot-slots 3 snapshots go on meanwhile; said once)",
+                            job.step, h.step
+                        ),
+                        (None, Some(k)) => eprintln!(
+                            "rank {rank}: snapshot of step {} skipped: steps are kept for the peer replicas (step {k} held by all, and the next), which lag (snapshots thin out until they catch up; said once)",
+                            job.step
+                        ),
+                        (None, None) => {}
+                    }
                 }
                 Outcome::Skipped
             }
@@ -160,13 +169,20 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
     }
 }
 
-/// The slot for `job`'s snapshot, when every slot but the newest is held
-/// for the persister: a save step takes the place of an unclaimed hold (the
+/// The slot for `job`'s snapshot. When every slot but the newest is held,
+/// the job's last step takes the one kept for the replicas; when one is
+/// held for the persister, a save step takes the place of an unclaimed hold (the
 /// persister skips to the newest), and the final step waits for a claimed
 /// one to be written out; any other step is not snapshotted (`None`).
 fn free_slot(store: &Store, job: &CommitJob) -> Option<usize> {
     loop {
         if let Some(slot) = store.writable_slot() {
+            return Some(slot);
+        }
+        if job.last
+            && let Some(slot) = store.writable_slot_keeping(false)
+        {
+            // The job's last step: the checkpoint at its end takes it.
             return Some(slot);
         }
         let h = store.page().held()?;

@@ -20,6 +20,9 @@ pub enum Up {
         /// sealed step.
         #[serde(default)]
         held: Vec<usize>,
+        /// What the steps kept for the replicas are chosen from.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hold: Option<super::HoldReport>,
     },
     /// The host's ranks' verified snapshot steps, for the collection of
     /// `epoch`.
@@ -85,6 +88,10 @@ pub struct Down {
     /// that sent its share may leave.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub final_done: bool,
+    /// To every host, when they change: the steps its ranks' stores and
+    /// the replicas it holds keep for the replicas (`super::hold`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<hatrain_shared::shm::Kept>,
 }
 
 /// A host's share of a checkpoint: the directories of `ranks` (its own,

@@ -265,6 +265,7 @@ impl Cluster {
             own_held: (0..self.ranks.len())
                 .filter(|&r| self.holder(r) == leader)
                 .collect(),
+            own_hold: None,
             on_disk: None,
         }
     }
@@ -669,6 +670,7 @@ impl Cluster {
                 views,
                 events,
                 held,
+                hold: None,
             };
             self.send(node, self.leader, Msg::Up(up));
         }

@@ -19,6 +19,7 @@ use super::unled::{UnledVerdict, is_fault};
 use super::{Controller, Down, Give, Handover, LossFacts, Mirror, OnLoss, Routed, Up};
 use crate::coordinator::View;
 use crate::recovery::{Command, Event, HostLoss, Level, Note, OnDisk, Outcome, RankView};
+use hatrain_shared::shm::Kept;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,6 +70,9 @@ pub struct Facts {
     pub gone: Vec<u64>,
     /// The ranks whose replicas this host holds, each with a sealed step.
     pub own_held: Vec<usize>,
+    /// This host's replicas and its stores' kept snapshots, for the
+    /// replica hold (with peers).
+    pub own_hold: Option<super::HoldReport>,
     /// The newest complete checkpoint on disk, where the job saves.
     pub on_disk: Option<OnDisk>,
 }
@@ -127,6 +131,9 @@ pub struct Ready {
     /// The machine's state changed: followers are shown this, and the
     /// next agent of a served job inherits it.
     pub mirror: Option<Arc<Mirror>>,
+    /// The steps this host's stores keep for the replicas changed (every
+    /// other host is sent them among the orders).
+    pub keep: Option<Kept>,
     /// The controller stops the job (the outcome, when it is not the last
     /// words' own), and why, in words.
     pub stop: Option<(Option<Outcome>, String)>,
@@ -187,6 +194,9 @@ impl Controller {
         {
             self.heard = v.live.iter().copied().collect();
         }
+        // The step kept for the replicas is chosen again on ticks (not on
+        // each of thousands of reports).
+        let tick = matches!(input, Input::Tick | Input::Event(Event::Tick(_)));
         if std::mem::take(&mut self.interrupted) {
             // The faults its predecessor had not recovered from yet.
             self.decide(now, Event::Interrupted, &mut out);
@@ -235,6 +245,9 @@ impl Controller {
             );
         } else {
             self.flush(&mut out, true);
+        }
+        if tick {
+            self.keep_for_replicas(now, facts, &mut out);
         }
         out.ready
     }
@@ -369,8 +382,12 @@ impl Controller {
                 views,
                 events,
                 held,
+                hold,
             } => {
                 self.note_held(from, held);
+                if let Some(h) = hold {
+                    self.hold.report(now, from, h);
+                }
                 let settled = self.settle(Some(from), now);
                 if let Some(v) = views.iter().find(|v| !self.holds(from, v.rank)) {
                     out.ready.note(

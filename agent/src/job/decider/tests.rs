@@ -209,6 +209,12 @@ fn messages_round_trip_and_garbage_is_an_error() {
             checkpoint: true,
         }],
         held: vec![0, 1],
+        hold: Some(HoldReport {
+            replicas: vec![(1, vec![(12, 2), (11, 2)])],
+            common: Some(9),
+            target: Some(12),
+            kept: vec![(3, Some((12, 2))), (4, None)],
+        }),
     };
     let bytes = serde_json::to_vec(&up).unwrap();
     assert_eq!(serde_json::from_slice::<Up>(&bytes).unwrap(), up);
@@ -234,6 +240,10 @@ fn messages_round_trip_and_garbage_is_an_error() {
         }),
         orphans: vec![2],
         final_done: true,
+        keep: Some(hatrain_shared::shm::Kept {
+            common: Some(12),
+            target: Some(15),
+        }),
     };
     let bytes = serde_json::to_vec(&down).unwrap();
     assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);
