@@ -83,14 +83,8 @@ pub(super) fn first_at_or_after(sealed: &[SlotInfo], target: Option<u64>) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shm::tests::seal;
     use crate::shm::{Geometry, store_path};
-
-    fn seal(s: &Store, step: u64, data: &[u8]) -> usize {
-        let slot = s.writable_slot().unwrap();
-        s.write_slot(slot, 3, step, 0, &[data], &mut |_, _| true)
-            .unwrap();
-        slot
-    }
 
     /// The steps kept for the replicas are never overwritten in a store
     /// of three slots (the others rotate; with both kept and sealed, the

@@ -377,7 +377,8 @@ mod tests {
         Store::create(&store_path(dir, 3), 3, Geometry::new(2, len), 7, 9).unwrap()
     }
 
-    fn seal(s: &Store, step: u64, data: &[u8]) -> usize {
+    /// Seals `data` as rank 3's snapshot of `step` in a writable slot.
+    pub(super) fn seal(s: &Store, step: u64, data: &[u8]) -> usize {
         let slot = s.writable_slot().unwrap();
         s.write_slot(slot, 3, step, 0, &[data], &mut |_, _| true)
             .unwrap();
