@@ -10,6 +10,8 @@
 //! - [`statemap`]: the self-describing map of a rank's state;
 //! - [`checkpoint`]: the on-disk checkpoint format, its writer and reader;
 //! - [`shard`]: how a flat buffer is split across the ranks of a group;
+//! - [`resize`]: what moves, from which rank to which, when the group is
+//!   resized;
 //! - [`ha`]: the high-availability switches;
 //! - [`ident`]: job ids, which are names and never paths;
 //! - [`joblock`]: the lock that claims a job's folder, and who holds it;
@@ -31,6 +33,7 @@ pub mod joblock;
 pub mod npu;
 pub mod peer;
 pub mod rendezvous;
+pub mod resize;
 pub mod shard;
 pub mod shm;
 pub mod statemap;

@@ -36,17 +36,31 @@ pub struct Etcd {
 
 impl Etcd {
     /// Starts `n` members under `dir` and waits until each takes
-    /// connections.
+    /// connections. A port chosen free may be taken by another test before
+    /// etcd binds it: the members are then started again on other ports.
     pub fn start(dir: &Path, n: usize) -> Self {
         install();
+        for attempt in 0.. {
+            match Self::try_start(dir, n, attempt) {
+                Ok(e) => return e,
+                Err(e) if attempt < 4 => drop(e),
+                Err(e) => panic!("etcd never started on free ports:\n{}", e.logs()),
+            }
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    /// [`Etcd::start`], once: `Err` (the members stopped) when one could
+    /// not bind its ports.
+    fn try_start(dir: &Path, n: usize, attempt: usize) -> Result<Self, Self> {
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
                 name: format!("m{i}"),
                 client: free_port(),
                 peer: free_port(),
-                dir: dir.join(format!("etcd-m{i}")),
+                dir: dir.join(format!("etcd-m{i}-{attempt}")),
                 child: None,
-                log: dir.join(format!("etcd-m{i}.log")),
+                log: dir.join(format!("etcd-m{i}-{attempt}.log")),
             })
             .collect();
         let cluster = members
@@ -59,9 +73,11 @@ impl Etcd {
             e.run(i, "new");
         }
         for i in 0..n {
-            e.wait_up(i);
+            if !e.wait_up(i) {
+                return Err(e);
+            }
         }
-        e
+        Ok(e)
     }
 
     /// `etcd://...` naming every member.
@@ -124,19 +140,31 @@ impl Etcd {
         m.child = Some(child);
     }
 
-    fn wait_up(&self, i: usize) {
-        let m = &self.members[i];
+    /// Waits until member `i` takes connections; false if it could not
+    /// bind its ports (another process took one first).
+    fn wait_up(&mut self, i: usize) -> bool {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let addr = format!("127.0.0.1:{}", m.client).parse().unwrap();
+        let addr = format!("127.0.0.1:{}", self.members[i].client)
+            .parse()
+            .unwrap();
         while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            let m = &mut self.members[i];
+            let log = std::fs::read_to_string(&m.log).unwrap_or_default();
+            let exited = m
+                .child
+                .as_mut()
+                .is_some_and(|c| c.try_wait().ok().flatten().is_some());
+            if exited && log.contains("address already in use") {
+                return false;
+            }
             assert!(
                 Instant::now() < deadline,
-                "etcd member {} never took connections:\n{}",
+                "etcd member {} never took connections:\n{log}",
                 m.name,
-                std::fs::read_to_string(&m.log).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+        true
     }
 
     /// SIGKILLs member `i`.
@@ -150,7 +178,12 @@ impl Etcd {
     /// Starts member `i` again, on its data.
     pub fn restart(&mut self, i: usize) {
         self.run(i, "existing");
-        self.wait_up(i);
+        assert!(
+            self.wait_up(i),
+            "etcd member {} could not take its ports again:\n{}",
+            self.members[i].name,
+            self.logs()
+        );
     }
 
     /// Every member's log.
