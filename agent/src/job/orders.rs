@@ -103,7 +103,10 @@ impl Driver<'_> {
         Facts {
             view,
             gone: self.lost.clone(),
-            own_hold: self.hold_report(),
+            // Read only where it is used: on ticks (`Controller::step`).
+            own_hold: matches!(input, Input::Tick | Input::Event(Event::Tick(_)))
+                .then(|| self.hold_report())
+                .flatten(),
             own_held: match losses {
                 true => held_replicas(self.peers.as_ref()),
                 false => Vec::new(),
