@@ -79,6 +79,7 @@ fn recovery(m: &mut Machine, n: usize, now: &mut Duration, step: u64) -> (f64, f
         Event::Registered {
             rank: dead,
             checkpoint: true,
+            global_batch: None,
         },
     );
     let epoch = m.epoch();
@@ -176,6 +177,7 @@ fn run(agents: usize) {
             Event::Registered {
                 rank: r,
                 checkpoint: true,
+                global_batch: None,
             },
         );
     }
@@ -270,6 +272,7 @@ fn round(c: &mut Controller, agents: usize, now: &mut Duration, step: u64) -> [f
     let registered = Event::Registered {
         rank: dead,
         checkpoint: true,
+        global_batch: None,
     };
     report(c, *now, host, Vec::new(), vec![registered]);
     let epoch = c.mirror().epoch;
@@ -345,6 +348,7 @@ fn through_the_controller(agents: usize) {
             .map(|rank| Event::Registered {
                 rank,
                 checkpoint: true,
+                global_batch: None,
             })
             .collect();
         report(&mut c, now, h, Vec::new(), events);

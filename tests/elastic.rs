@@ -11,6 +11,8 @@
 //!   the lost host).
 //! - 4 hosts × 1 rank and a late standby: shrink, grow back, shrink again;
 //!   and a host lost during a grow.
+//! - 4 hosts × 1 rank of a global batch of 8, one lost: the group goes on
+//!   at 2 (a size that divides 8), the third rank standing by.
 //! - Below `--min-nodes`: the last words, and a stop that says why.
 //!
 //! The elastic invariant, at every resize: the run after it equals, bit for
@@ -488,5 +490,101 @@ fn a_loss_below_min_nodes_writes_the_last_words_and_stops() {
             logs(&outs)
         );
         assert_nothing_left(&c.shm[*k]);
+    }
+}
+
+/// Four hosts of one rank and a global batch of 8: host 1 is lost, and
+/// the 3 ranks left do not divide 8. The controller keeps the group at 2
+/// (the largest size that divides it): rank 3 stands by (its host is the
+/// highest, and its replica is held by host 0, which stays), its state
+/// brought to the reshape from that replica as the lost rank's is from
+/// host 2's. The choice shows in `agentctl status` (the fault's action),
+/// and the run equals a fresh run of 2 ranks loaded from a checkpoint of
+/// s* written by a fault-free run of 4.
+#[test]
+fn a_size_that_does_not_divide_the_global_batch_leaves_ranks_standing_by() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let mut train = tiny_args(60);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "8".into();
+    let mut c = Cluster::start_shape(
+        tmp,
+        "elastic-divides",
+        (4, 1),
+        0,
+        &["--enable-elastic-training"],
+        &train,
+        NAP,
+    );
+    c.wait_held(2, &[1]);
+    c.wait_held(0, &[3]);
+    c.vanish(&[1]);
+    let socket = c.shm[2].join(&c.job).join("agent.sock");
+    let mut last = serde_json::Value::Null;
+    let fault = poll_agentctl(&socket, "status", Duration::from_secs(60), |v| {
+        last = v["status"].clone();
+        (last["world_size"] == 2).then(|| last["faults"][0].clone())
+    });
+    let Some(fault) = fault else {
+        let outs = c.ends(&[0, 2, 3]);
+        panic!(
+            "host 2's status never showed the group at 2 ranks: {last}\n{}",
+            logs(&outs)
+        );
+    };
+    let action = fault["action"].as_str().unwrap_or_default();
+    assert!(
+        action.contains("go on with 2 ranks") && action.contains("ranks [3] stand by"),
+        "{fault}"
+    );
+    let outs = c.ends(&[0, 2, 3]);
+    for (k, out) in &outs {
+        assert_success(out, &format!("host {k}\n{}", logs(&outs)));
+    }
+    let run = read_log(&c.log);
+    let reshapes: Vec<(u64, u64)> = run
+        .iter()
+        .filter(|e| e["event"] == "reshape")
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["world_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let [(s_star, 2)] = reshapes[..] else {
+        panic!("one resize, to 2 ranks: {reshapes:?}\n{}", logs(&outs));
+    };
+    assert!((29..=30).contains(&s_star), "resized at step {s_star}");
+    for e in run.iter().filter(|e| e["event"] == "step") {
+        let step = e["step"].as_u64().unwrap();
+        let world = if step > s_star { 2 } else { 4 };
+        assert_eq!(e["world_size"], world, "step {step}");
+        assert_eq!(e["samples"], step * 8, "samples consumed by step {step}");
+    }
+
+    // Four ranks without faults to s*, saved; two from there to the end.
+    let save = dir.join("at-s-star");
+    let mut first = train.clone();
+    let at = first.iter().position(|a| a == "--train-iters").unwrap();
+    first[at + 1] = s_star.to_string();
+    first.extend(s(&["--save", save.to_str().unwrap()]));
+    assert_success(&run_launch(4, "divides-4", &first), "four ranks to s*");
+    let fresh_log = dir.join("fresh2.jsonl");
+    let mut fresh = train.clone();
+    fresh.extend(s(&["--load", save.to_str().unwrap(), "--log-jsonl"]));
+    fresh.push(fresh_log.display().to_string());
+    assert_success(&run_launch(2, "divides-2", &fresh), "two ranks from s*");
+    let fresh = read_log(&fresh_log);
+    let ours = final_losses(&run);
+    let want = final_losses(&fresh);
+    assert_eq!(want.keys().next().copied(), Some(s_star + 1));
+    for (step, loss) in &want {
+        assert_eq!(ours[step].to_bits(), loss.to_bits(), "loss of step {step}");
+    }
+    assert_eq!(final_checksum(&run), final_checksum(&fresh));
+    for k in [0, 2, 3] {
+        assert_nothing_left(&c.shm[k]);
     }
 }

@@ -112,5 +112,6 @@ pub fn map(rank: usize, world: usize, dir: &Path, interval: u64) -> StateMap {
             ],
             linked: None,
         }),
+        global_batch: None,
     }
 }

@@ -736,7 +736,8 @@ mod tests {
                 pid: 1,
                 map: StateMap {
                     parts: vec![],
-                    checkpoint: None
+                    checkpoint: None,
+                    global_batch: None,
                 },
                 slots: None,
             }
@@ -749,7 +750,7 @@ mod tests {
         #[test]
         fn requests_round_trip(rank in 0usize..100_000, pid in any::<u32>(), name in "[a-z_]{0,12}", len in any::<u64>()) {
             use crate::statemap::{Dtype, Part, Sharing};
-            let map = StateMap { parts: vec![Part { name, dtype: Dtype::F32, len, sharing: Sharing::Unique }], checkpoint: None };
+            let map = StateMap { parts: vec![Part { name, dtype: Dtype::F32, len, sharing: Sharing::Unique }], checkpoint: None, global_batch: None };
             let req = Request::Register { rank, pid, map, slots: (pid % 3 == 0).then_some(3) };
             let mut buf = Vec::new();
             PROTOCOL.send_json(&mut buf, &req).unwrap();

@@ -224,6 +224,11 @@ pub struct StateMap {
     /// Absent when checkpoints of this worker are not the agent's to write.
     #[serde(default)]
     pub checkpoint: Option<CheckpointMap>,
+    /// The samples of one step across the whole group, when the worker
+    /// keeps it whatever the group's size: a resize then chooses a size
+    /// that divides it (the others stand by).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch: Option<u64>,
 }
 
 /// Why a map was refused.
@@ -382,6 +387,9 @@ impl StateMap {
                     p.name
                 ));
             }
+        }
+        if self.global_batch == Some(0) {
+            return bad("a global batch of 0 samples".into());
         }
         let Some(total) = self.total_bytes() else {
             return bad("the parts' sizes overflow".into());
@@ -612,6 +620,7 @@ mod tests {
                 }],
                 linked: None,
             }),
+            global_batch: None,
         }
     }
 
@@ -741,6 +750,7 @@ mod tests {
                     fields: vec![MetaField { name: "x".into(), value: FieldValue::U64 { part: 0, offset } }],
                     linked: None,
                 }),
+                global_batch: None,
             };
             if m.validate().is_ok() {
                 let offs = m.offsets();

@@ -47,6 +47,8 @@ pub fn state_map(
     save: Option<&SaveTo>,
     args: serde_json::Value,
 ) -> StateMap {
+    // The trainer keeps its global batch at every size (`--global-batch`).
+    let global_batch = args.get("global_batch").and_then(serde_json::Value::as_u64);
     let numel = model.numel();
     let shard = shard_range(numel, world, rank);
     let n = shard.len() as u64;
@@ -121,7 +123,11 @@ pub fn state_map(
         ],
         linked: None,
     });
-    StateMap { parts, checkpoint }
+    StateMap {
+        parts,
+        checkpoint,
+        global_batch,
+    }
 }
 
 /// The trainer's fields of a `meta.json`.

@@ -391,12 +391,21 @@ impl Controller {
             // Each leaving rank's replica goes from a live holder that
             // verified the step; a rank nobody holds at it is left out, and
             // the reshape names it.
+            // It is a host with a rank that stays, which brings it.
             Command::Donate { step, leaving } => {
+                let staying: BTreeSet<u64> = self
+                    .machine
+                    .members_at()
+                    .iter()
+                    .map(|&(r, _)| self.node_of(r))
+                    .collect();
                 let mut by: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
                 for rank in leaving {
                     let holder = self.replica_steps.get(&rank).and_then(|held| {
                         held.iter()
-                            .find(|(n, s)| self.members.contains(n) && s.contains(&step))
+                            .find(|(n, s)| {
+                                self.members.contains(n) && staying.contains(n) && s.contains(&step)
+                            })
                             .map(|(n, _)| *n)
                     });
                     if let Some(n) = holder {
@@ -458,13 +467,16 @@ impl Controller {
         let orphans: BTreeMap<usize, Vec<(u64, Vec<u64>)>> = g
             .replicas
             .into_iter()
-            .filter(|(r, _)| {
-                *r < self.nodes as usize * self.per_node
-                    && !self.members.contains(&self.node_of(*r))
-                    && !self.machine.retired().contains(r)
-            })
+            .filter(|(r, _)| self.orphans().contains(r))
             .collect();
-        let mut steps: Vec<(usize, Vec<u64>)> = g.got.into_values().flatten().collect();
+        // A rank standing by counts with its replica, from which it is
+        // brought to the reshape, not with its own store.
+        let mut steps: Vec<(usize, Vec<u64>)> = g
+            .got
+            .into_values()
+            .flatten()
+            .filter(|(r, _)| !orphans.contains_key(r))
+            .collect();
         for (rank, held) in &orphans {
             let mut any: Vec<u64> = held.iter().flat_map(|(_, s)| s.iter().copied()).collect();
             any.sort_unstable_by(|a, b| b.cmp(a));
@@ -480,12 +492,15 @@ impl Controller {
         self.gather.as_ref().map(|g| g.epoch)
     }
 
-    /// Ranks no live host holds: a lost host's, with no standby to take
-    /// them.
+    /// Ranks no live host holds (a lost host's, with no standby to take
+    /// them), and ranks standing by while the group reshapes without them:
+    /// each counts and goes on with its replicas.
     pub(in crate::job) fn orphans(&self) -> Vec<usize> {
+        let leaving = self.machine.leaving();
         (0..self.nodes as usize * self.per_node)
             .filter(|&r| {
-                !self.members.contains(&self.node_of(r)) && !self.machine.retired().contains(&r)
+                (!self.members.contains(&self.node_of(r)) || leaving.contains(&r))
+                    && !self.machine.retired().contains(&r)
             })
             .collect()
     }
@@ -557,6 +572,7 @@ impl Controller {
             retired: m.retired().clone(),
             places: m.places().clone(),
             reshape: m.reshaping().cloned(),
+            global_batch: m.global_batch(),
         }
     }
 }

@@ -527,6 +527,7 @@ impl Driver<'_> {
                 state_lost: Vec::new(),
                 on_disk: None,
                 hosts_left: 0,
+                stand_by: Vec::new(),
             });
         }
         out

@@ -96,6 +96,15 @@ pub fn unfit_message(
 }
 
 impl Driver<'_> {
+    /// A rank's registration, as the machine takes it.
+    pub(super) fn registered_event(&self, rank: usize, checkpoint: bool) -> Event {
+        Event::Registered {
+            rank,
+            checkpoint,
+            global_batch: self.maps.get(&rank).and_then(|m| m.global_batch),
+        }
+    }
+
     pub(super) fn on_request(&mut self, sup: &mut Supervisor, msg: ControlMsg) {
         let response = match msg.request {
             Request::Dump => {
@@ -145,7 +154,7 @@ impl Driver<'_> {
                             let _ = msg.reply.send(r);
                         }
                     }
-                    self.feed(sup, Event::Registered { rank, checkpoint });
+                    self.feed(sup, self.registered_event(rank, checkpoint));
                     return;
                 }
                 r

@@ -3,7 +3,6 @@
 
 use super::Driver;
 use super::decider::{Adopt, Give, Mirror};
-use crate::recovery::Event;
 use crate::supervisor::Supervisor;
 
 impl Driver<'_> {
@@ -120,7 +119,7 @@ impl Driver<'_> {
                     };
                     self.filled.insert(rank);
                     self.unanswered.insert(rank, (reply, answer));
-                    self.feed(sup, Event::Registered { rank, checkpoint });
+                    self.feed(sup, self.registered_event(rank, checkpoint));
                     if self.adopted.iter().all(|r| self.filled.contains(r))
                         && let Some(r) = self.peers.as_ref().and_then(|p| p.replicator.as_ref())
                     {

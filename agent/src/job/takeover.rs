@@ -129,7 +129,7 @@ impl Driver<'_> {
             {
                 let _ = reply.send(answer);
             }
-            self.feed(sup, Event::Registered { rank, checkpoint });
+            self.feed(sup, self.registered_event(rank, checkpoint));
         }
     }
 

@@ -96,6 +96,7 @@ fn registered(d: &mut Driver<'_>, sup: &mut Supervisor) {
             Event::Registered {
                 rank,
                 checkpoint: true,
+                global_batch: None,
             },
         );
     }

@@ -53,6 +53,7 @@ pub(super) fn map() -> StateMap {
             }],
             linked: None,
         }),
+        global_batch: None,
     }
 }
 

@@ -132,6 +132,8 @@ pub struct Inherited {
     pub places: BTreeMap<usize, (u64, u64)>,
     /// The resize the old controller had under way: it goes on.
     pub reshape: Option<Reshaping>,
+    /// The global batch the group's size divides.
+    pub global_batch: Option<u64>,
 }
 
 /// What one [`Machine::step`] decided.
@@ -191,6 +193,9 @@ pub struct Machine {
     resizes: Vec<Resize>,
     /// Each rank's place after the last resize (none before one).
     places: BTreeMap<usize, (u64, u64)>,
+    /// The global batch the ranks registered: a resize keeps the group's
+    /// size a divisor of it.
+    global_batch: Option<u64>,
     out: Step,
 }
 
@@ -227,6 +232,7 @@ impl Machine {
             retired: BTreeSet::new(),
             resizes: Vec::new(),
             places: BTreeMap::new(),
+            global_batch: None,
             out: Step::default(),
         }
     }
@@ -268,6 +274,7 @@ impl Machine {
         m.retired = from.retired;
         m.resizes = from.resizes;
         m.places = from.places;
+        m.global_batch = from.global_batch;
         // The ranks a resize under way takes out are gone with their
         // host: none of their exits is coming.
         if let Some(r) = &from.reshape {
@@ -281,6 +288,12 @@ impl Machine {
     /// When the job started (seconds since the Unix epoch).
     pub fn started_unix_s(&self) -> f64 {
         self.started_unix_s
+    }
+
+    /// The global batch the ranks registered, which the group's size
+    /// divides.
+    pub fn global_batch(&self) -> Option<u64> {
+        self.global_batch
     }
 
     /// Whether some rank registered a checkpoint layout.
@@ -300,8 +313,12 @@ impl Machine {
                 cause,
             } => self.exited(now, rank, status, cause),
             Event::Unfit { rank, reason } => self.unfit(now, rank, reason),
-            Event::Registered { rank, checkpoint } => {
-                self.registered(rank, checkpoint);
+            Event::Registered {
+                rank,
+                checkpoint,
+                global_batch,
+            } => {
+                self.registered(rank, checkpoint, global_batch);
                 self.maybe_reshape(now);
             }
             Event::Uce { rank, part, offset } => self.uce(now, rank, &part, offset),

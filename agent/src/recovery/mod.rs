@@ -126,8 +126,14 @@ pub enum Event {
     /// shm root, or no resources): the job cannot run here.
     Unfit { rank: usize, reason: String },
     /// A rank registered; `checkpoint` when its state map says how to write
-    /// a checkpoint.
-    Registered { rank: usize, checkpoint: bool },
+    /// a checkpoint, `global_batch` when it says the group's size must
+    /// divide one.
+    Registered {
+        rank: usize,
+        checkpoint: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        global_batch: Option<u64>,
+    },
     /// A rank repaired an uncorrectable memory error in state part `part`.
     Uce {
         rank: usize,
@@ -197,6 +203,11 @@ pub struct HostLoss {
     pub on_disk: Option<OnDisk>,
     /// Hosts that hold ranks after this loss.
     pub hosts_left: usize,
+    /// Should the group shrink, the ranks that stand by so that its size
+    /// divides the global batch (whole hosts whose ranks' replicas are
+    /// held by hosts that stay).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stand_by: Vec<usize>,
 }
 
 /// The newest complete checkpoint in a save directory, as its tracker

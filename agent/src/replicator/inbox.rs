@@ -592,6 +592,7 @@ mod tests {
                 sharing: hatrain_shared::statemap::Sharing::Unique,
             }],
             checkpoint: None,
+            global_batch: None,
         };
         let json = serde_json::to_vec(&map).unwrap();
         let mut frame = |rank: u64, body: &[u8]| s.seal(Kind::Map, &[&rank.to_le_bytes(), body]);

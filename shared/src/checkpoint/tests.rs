@@ -63,6 +63,7 @@ fn map(world: usize, n: u64) -> StateMap {
             ],
             linked: None,
         }),
+        global_batch: None,
     }
 }
 

@@ -169,6 +169,9 @@ pub struct Mirror {
     /// The resize under way: a successor carries it on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reshape: Option<Reshaping>,
+    /// The global batch the group's size divides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch: Option<u64>,
 }
 
 impl Mirror {
@@ -188,6 +191,7 @@ impl Mirror {
             resizes: self.resizes.clone(),
             places: self.places.clone(),
             reshape: self.reshape.clone(),
+            global_batch: self.global_batch,
         }
     }
 }

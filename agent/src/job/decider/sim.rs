@@ -204,6 +204,7 @@ impl Cluster {
             c.hosts[node as usize].events.push(Event::Registered {
                 rank: r,
                 checkpoint: true,
+                global_batch: None,
             });
         }
         c
@@ -557,6 +558,7 @@ impl Cluster {
                 self.hosts[node as usize].events.push(Event::Registered {
                     rank,
                     checkpoint: true,
+                    global_batch: None,
                 });
             }
             for rank in self.ranks_of(node) {
@@ -707,6 +709,7 @@ impl Cluster {
             state_lost: Vec::new(),
             on_disk: None,
             hosts_left: 0,
+            stand_by: Vec::new(),
         }
     }
 

@@ -207,6 +207,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
         events: vec![Event::Registered {
             rank: 3,
             checkpoint: true,
+            global_batch: None,
         }],
         held: vec![0, 1],
         hold: Some(HoldReport {
@@ -388,6 +389,7 @@ fn lost(node: u64) -> HostLoss {
         state_lost: Vec::new(),
         on_disk: None,
         hosts_left: 0,
+        stand_by: Vec::new(),
     }
 }
 

@@ -61,8 +61,16 @@ impl Machine {
     }
 
     /// Shrinks the group by `leaving` (the ranks of a lost host), for fault
-    /// `f`: the other ranks resume at their new places.
-    pub(super) fn shrink(&mut self, now: Duration, f: usize, leaving: &[usize]) {
+    /// `f`, and `stand_by` (live ranks left out so that the group's size
+    /// divides the global batch; they stop, their state goes on in their
+    /// replicas): the other ranks resume at their new places.
+    pub(super) fn shrink(
+        &mut self,
+        now: Duration,
+        f: usize,
+        leaving: &[usize],
+        stand_by: &[usize],
+    ) {
         let from = self.participants().len();
         for r in leaving {
             if let Some(v) = self.views.get_mut(r) {
@@ -71,6 +79,17 @@ impl Machine {
             self.exits.insert(*r);
             self.protected.remove(r);
         }
+        for &r in stand_by {
+            self.protected.remove(&r);
+            if self.view(r).alive {
+                self.cmd(Command::Post {
+                    rank: r,
+                    directive: Directive::Stop,
+                });
+            }
+        }
+        let leaving: Vec<usize> = leaving.iter().chain(stand_by).copied().collect();
+        let leaving = leaving.as_slice();
         match &mut self.reshape {
             // A shrink during a shrink: one reshape, all of them leaving.
             Some(r) => r.leaving.extend_from_slice(leaving),

@@ -41,8 +41,19 @@ impl Machine {
         true
     }
 
-    pub(super) fn registered(&mut self, rank: usize, checkpoint: bool) {
+    pub(super) fn registered(&mut self, rank: usize, checkpoint: bool, global_batch: Option<u64>) {
         self.checkpoint |= checkpoint;
+        match (self.global_batch, global_batch) {
+            (None, Some(b)) => self.global_batch = Some(b),
+            (Some(a), Some(b)) if a != b => self.note(
+                Level::Warn,
+                Some(rank),
+                format!(
+                    "rank {rank} registered a global batch of {b}, the group's is {a}: a resize keeps the size a divisor of {a}"
+                ),
+            ),
+            _ => {}
+        }
         self.protected.insert(rank);
         self.exits.remove(&rank);
         let v = self.views.entry(rank).or_insert(RankView::absent(rank));
@@ -81,6 +92,16 @@ impl Machine {
         self.exits.insert(rank);
         self.last_status.insert(rank, status);
         if matches!(self.state, State::Done(_)) {
+            return;
+        }
+        if self.left(rank) {
+            // A rank told to stand by when the group shrank to a size
+            // dividing the global batch: its state goes on in its replica.
+            self.note(
+                Level::Info,
+                Some(rank),
+                format!("rank {rank}, standing by outside the group, ended ({status})"),
+            );
             return;
         }
         if status.success() && !self.killed.contains_key(&rank) {
@@ -527,6 +548,7 @@ impl Machine {
             state_lost,
             on_disk,
             hosts_left,
+            stand_by,
         } = loss;
         if matches!(
             self.state,
@@ -562,11 +584,25 @@ impl Machine {
             && state_lost.is_empty()
             && unprotected.is_empty();
         let shrink = elastic && self.can_shrink(hosts_left);
+        let stand_by: Vec<usize> = if shrink {
+            stand_by
+                .into_iter()
+                .filter(|r| !ranks.contains(r) && self.participants().contains(r))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let stay = self
             .participants()
             .iter()
-            .filter(|r| !ranks.contains(r))
+            .filter(|r| !ranks.contains(r) && !stand_by.contains(r))
             .count();
+        let standing = match self.global_batch {
+            Some(b) if !stand_by.is_empty() => format!(
+                "; ranks {stand_by:?} stand by, since the global batch of {b} needs a group size that divides it"
+            ),
+            _ => String::new(),
+        };
         let min = self.cfg.min_nodes;
         let newest = on_disk.map_or_else(
             || "none (no rank registered a checkpoint directory)".to_string(),
@@ -584,9 +620,12 @@ impl Machine {
             _ if shrink => (
                 Level::Warn,
                 format!("host {node} lost: shrinking the data-parallel group"),
-                (FaultAction::Shrink, format!("go on with {stay} ranks")),
+                (
+                    FaultAction::Shrink,
+                    format!("go on with {stay} ranks{standing}"),
+                ),
                 format!(
-                    "no standby host is left to take ranks {ranks:?}: with elastic training the {hosts_left} hosts left go on with {stay} ranks, their optimizer shards re-sliced from their snapshots and the lost ranks' peer replicas"
+                    "no standby host is left to take ranks {ranks:?}: with elastic training the {hosts_left} hosts left go on with {stay} ranks, their optimizer shards re-sliced from their snapshots and the leaving ranks' peer replicas{standing}"
                 ),
             ),
             _ if elastic && self.cfg.modes.dump => (
@@ -665,7 +704,7 @@ impl Machine {
         named.extend(&state_lost);
         self.faults[f].ranks = named.into_iter().collect();
         if shrink {
-            self.shrink(now, f, &ranks);
+            self.shrink(now, f, &ranks, &stand_by);
             return;
         }
         if standby.is_none() {

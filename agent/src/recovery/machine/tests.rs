@@ -117,6 +117,7 @@ impl Sim {
             sim.feed(Event::Registered {
                 rank: r,
                 checkpoint: true,
+                global_batch: None,
             });
         }
         sim
@@ -229,14 +230,26 @@ impl Sim {
             self.feed(Event::Registered {
                 rank,
                 checkpoint: true,
+                global_batch: None,
             });
         }
-        for r in self
+        for (rank, r) in self
             .ranks
             .iter_mut()
-            .filter(|r| r.alive && r.registered && r.responsive)
+            .enumerate()
+            .filter(|(_, r)| r.alive && r.registered && r.responsive)
         {
             match r.directive {
+                Directive::Stop => {
+                    // The rank leaves its loop and exits 0.
+                    r.alive = false;
+                    r.gone = true;
+                    self.queue.push_back(Event::Exited {
+                        rank,
+                        status: ExitStatus::Exited(0),
+                        cause: ExitCause::Status,
+                    });
+                }
                 Directive::Pause { .. } if r.acked != Some(r.directive) => {
                     r.acked = Some(r.directive);
                     r.phase = Phase::Paused;

@@ -20,6 +20,7 @@ fn loss(hosts_left: usize) -> Event {
         state_lost: vec![],
         on_disk: None,
         hosts_left,
+        stand_by: Vec::new(),
     })
 }
 
@@ -112,6 +113,7 @@ fn shrunk() -> Sim {
         state_lost: vec![],
         on_disk: None,
         hosts_left: 3,
+        stand_by: Vec::new(),
     }));
     sim.run_until("the shrink", 300, |s| !s.m.recovering());
     assert_eq!(sim.m.world_size(), 3);
@@ -176,6 +178,7 @@ fn a_host_lost_during_a_grow_leaves_in_the_same_reshape() {
         state_lost: vec![],
         on_disk: None,
         hosts_left: 3,
+        stand_by: Vec::new(),
     }));
     sim.run_until("the reshape", 300, |s| {
         !s.m.recovering() && s.m.joining().is_empty()
@@ -198,6 +201,7 @@ fn a_host_lost_during_a_grow_leaves_in_the_same_reshape() {
         state_lost: vec![],
         on_disk: None,
         hosts_left: 3,
+        stand_by: Vec::new(),
     }));
     sim.run_until("the reshape", 300, |s| {
         !s.m.recovering() && s.m.joining().is_empty()
@@ -234,4 +238,82 @@ fn a_successor_knows_the_ranks_that_left() {
     let m = Machine::take_over(elastic(1), (0..4).collect(), from);
     assert_eq!(m.world_size(), 3);
     assert_eq!(m.retired(), &BTreeSet::from([1]));
+}
+
+#[test]
+fn a_shrink_to_a_size_that_does_not_divide_the_global_batch_stands_ranks_by() {
+    // Four ranks of a global batch of 8 lose rank 1's host: the controller
+    // chose rank 3 to stand by, so the group goes on with 2.
+    let mut sim = Sim::with(4, elastic(1));
+    sim.feed(Event::Registered {
+        rank: 0,
+        checkpoint: true,
+        global_batch: Some(8),
+    });
+    sim.run(14);
+    sim.ranks[1].alive = false;
+    sim.ranks[1].gone = true;
+    sim.feed(Event::HostLost(HostLoss {
+        node: 1,
+        ranks: vec![1],
+        detail: "no heartbeat".into(),
+        spare: None,
+        state_lost: vec![],
+        on_disk: None,
+        hosts_left: 3,
+        stand_by: vec![3],
+    }));
+    assert_eq!(sim.m.world_size(), 2);
+    assert!(sim.commands.contains(&Command::Post {
+        rank: 3,
+        directive: Directive::Stop
+    }));
+    sim.run_until("the reshape", 300, |s| !s.m.recovering());
+    assert_eq!(sim.outcome, None, "{:?}", sim.notes);
+    let s_star = sim.m.faults()[0].s_star.expect("an s*");
+    for (rank, place) in [(0, 0), (2, 1)] {
+        let want = Directive::Reshape {
+            epoch: sim.m.epoch(),
+            step: s_star,
+            rank: place,
+            world: 2,
+        };
+        assert!(
+            sim.commands.contains(&Command::Post {
+                rank,
+                directive: want
+            }),
+            "rank {rank} takes place {place}: {:?}",
+            sim.commands
+        );
+    }
+    // The stood-by rank's state comes from its replica, as the lost one's.
+    assert!(sim.commands.contains(&Command::Donate {
+        step: s_star,
+        leaving: vec![1, 3]
+    }));
+    assert!(
+        !sim.commands
+            .iter()
+            .any(|c| matches!(c, Command::Respawn { .. } | Command::Finish(_))),
+        "{:?}",
+        sim.commands
+    );
+    assert_eq!(
+        sim.m.faults().len(),
+        1,
+        "its exit is no fault: {:?}",
+        sim.m.faults()
+    );
+    let f = &sim.m.faults()[0];
+    assert!(
+        f.action.contains("go on with 2 ranks") && f.action.contains("[3] stand by"),
+        "{f:?}"
+    );
+    assert_eq!(sim.m.retired(), &BTreeSet::from([1, 3]));
+    let resize = &sim.m.resizes()[0];
+    assert_eq!((resize.from, resize.to), (4, 2));
+    let before = sim.ranks[0].step;
+    sim.run(20);
+    assert!(sim.ranks[0].step > before + 10, "training goes on");
 }

@@ -33,6 +33,7 @@ fn a_host_lost_with_its_replicas_stops_at_once_naming_the_ranks_and_the_disk() {
                 iteration: Some(10),
             }),
             hosts_left: 2,
+            stand_by: Vec::new(),
         })
     };
     let mut sim = Sim::new(6);
