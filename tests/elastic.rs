@@ -557,6 +557,20 @@ fn a_size_that_does_not_divide_the_global_batch_leaves_ranks_standing_by() {
         panic!("one resize, to 2 ranks: {reshapes:?}\n{}", logs(&outs));
     };
     assert!((29..=30).contains(&s_star), "resized at step {s_star}");
+    // Only what rank 0 lacks moved to it: of each moment, the old quarter
+    // of its new half that rank 1 (brought by rank 2) held, and at most
+    // the parameters past its slice, 5 bytes per parameter at the most;
+    // an all-gather would have sent it the moments' three other quarters
+    // alone, 6 bytes per parameter.
+    let start = run.iter().find(|e| e["event"] == "start").unwrap();
+    let numel = start["params"].as_u64().expect("the start event's params");
+    let reshape = run.iter().find(|e| e["event"] == "reshape").unwrap();
+    let received = reshape["bytes_received"].as_u64().unwrap();
+    eprintln!("the reshape sent rank 0 {received} bytes for {numel} parameters");
+    assert!(
+        received > 0 && received < 6 * numel,
+        "rank 0 received {received} bytes for {numel} parameters"
+    );
     for e in run.iter().filter(|e| e["event"] == "step") {
         let step = e["step"].as_u64().unwrap();
         let world = if step > s_star { 2 } else { 4 };

@@ -96,6 +96,12 @@ pub enum ResizeError {
     },
     #[error("part {part} is replicated and no rank of the new group holds it")]
     NoWhole { part: usize },
+    #[error("elements {range:?} of part {part}, which place {to} needs, are held by no place")]
+    Unheld {
+        part: usize,
+        range: Range<usize>,
+        to: usize,
+    },
 }
 
 /// The moves of resize `r` of `parts` (see the module's doc), ordered by
@@ -126,6 +132,68 @@ pub fn plan(parts: &[Part], r: &Resize) -> Result<Vec<Move>, ResizeError> {
         match part.layout {
             Layout::Sliced => sliced(i, part.numel, r, &mut moves)?,
             Layout::Replicated => replicated(i, part.numel, r, &holders, &mut moves)?,
+        }
+    }
+    Ok(moves)
+}
+
+/// The moves that give every place the elements it needs of each part
+/// from the places that hold them, whatever they hold: `holds[place][part]`
+/// and `needs[place][part]` are element ranges. What a place holds already
+/// does not move; each element it lacks comes exactly once, from the first
+/// place after it (in ring order) that holds it, so that the places that
+/// lack a part take it from different holders. Ordered by receiving place,
+/// then part. This is [`plan`] for holdings that are not whole slices (a
+/// rank whose snapshots hold only its slice of a replicated part).
+pub fn route(
+    holds: &[Vec<Vec<Range<usize>>>],
+    needs: &[Vec<Vec<Range<usize>>>],
+) -> Result<Vec<Move>, ResizeError> {
+    let world = needs.len();
+    if holds.len() != world {
+        return Err(ResizeError::Shape {
+            old_world: holds.len(),
+            new_world: world,
+            brought: holds.len(),
+            whole: needs.len(),
+        });
+    }
+    let mut moves = Vec::new();
+    for (to, need) in needs.iter().enumerate() {
+        for (part, wanted) in need.iter().enumerate() {
+            let held = |p: usize| holds[p].get(part).map_or(&[][..], Vec::as_slice);
+            let mut lack: Vec<Range<usize>> =
+                wanted.iter().filter(|r| !r.is_empty()).cloned().collect();
+            for k in 0..world {
+                let from = (to + k) % world;
+                for have in held(from) {
+                    let mut rest = Vec::with_capacity(lack.len());
+                    for r in lack.drain(..) {
+                        let (lo, hi) = (r.start.max(have.start), r.end.min(have.end));
+                        if lo >= hi {
+                            rest.push(r);
+                            continue;
+                        }
+                        if from != to {
+                            moves.push(Move {
+                                part,
+                                range: lo..hi,
+                                from,
+                                to,
+                            });
+                        }
+                        rest.extend(
+                            [r.start..lo, hi..r.end]
+                                .into_iter()
+                                .filter(|x| !x.is_empty()),
+                        );
+                    }
+                    lack = rest;
+                }
+            }
+            if let Some(range) = lack.into_iter().min_by_key(|r| r.start) {
+                return Err(ResizeError::Unheld { part, range, to });
+            }
         }
     }
     Ok(moves)
@@ -378,6 +446,82 @@ mod tests {
             plan(&parts, &short),
             Err(ResizeError::Shape { .. })
         ));
+    }
+
+    #[test]
+    fn a_route_takes_what_a_place_lacks_from_the_next_holder() {
+        // Three places hold thirds of a part that each needs whole, and
+        // halves of another: each takes the thirds it lacks from the
+        // places after it, and nothing it holds.
+        let thirds = |p: usize| vec![vec![p * 10..(p + 1) * 10]];
+        let holds: Vec<_> = (0..3).map(thirds).collect();
+        let needs = vec![vec![vec![0..30]]; 3];
+        let moves = route(&holds, &needs).unwrap();
+        assert_eq!(moves.len(), 6);
+        assert!(moves.contains(&Move {
+            part: 0,
+            range: 10..20,
+            from: 1,
+            to: 0
+        }));
+        assert!(moves.contains(&Move {
+            part: 0,
+            range: 0..10,
+            from: 0,
+            to: 2
+        }));
+        assert!(moves.iter().all(|m| m.from != m.to));
+        // What no place holds is named.
+        let holds = vec![vec![vec![0..5]], vec![vec![]]];
+        let needs = vec![vec![vec![]], vec![vec![0..8]]];
+        assert_eq!(
+            route(&holds, &needs),
+            Err(ResizeError::Unheld {
+                part: 0,
+                range: 5..8,
+                to: 1
+            })
+        );
+    }
+
+    proptest! {
+        /// Whatever the places hold, each element a place needs and lacks
+        /// arrives once from a place holding it, and nothing else moves.
+        #[test]
+        fn a_route_brings_each_lacking_element_once(
+            world in 1usize..6,
+            numel in 1usize..80,
+            cuts in proptest::collection::vec((0usize..6, 0usize..80, 0usize..80), 0..16),
+            needs_whole in proptest::collection::vec(any::<bool>(), 6),
+        ) {
+            // Every element is held somewhere: slices of an old layout,
+            // plus arbitrary extra ranges.
+            let mut holds: Vec<Vec<Vec<Range<usize>>>> =
+                (0..world).map(|p| vec![vec![shard_range(numel, world, p)]]).collect();
+            for (p, a, b) in cuts {
+                let (lo, hi) = (a.min(b).min(numel), a.max(b).min(numel));
+                holds[p % world][0].push(lo..hi);
+            }
+            let needs: Vec<Vec<Vec<Range<usize>>>> = (0..world)
+                .map(|p| vec![vec![if needs_whole[p] { 0..numel } else { shard_range(numel, world, (p + 1) % world) }]])
+                .collect();
+            let moves = route(&holds, &needs).unwrap();
+            for (to, need) in needs.iter().enumerate() {
+                let held = |p: usize, e: usize| holds[p][0].iter().any(|r| r.contains(&e));
+                let mut got = vec![0u32; numel];
+                for m in moves.iter().filter(|m| m.to == to) {
+                    prop_assert_ne!(m.from, m.to);
+                    for e in m.range.clone() {
+                        prop_assert!(held(m.from, e), "{:?} from a place without element {}", m, e);
+                        got[e] += 1;
+                    }
+                }
+                for (e, n) in got.iter().enumerate() {
+                    let want = u32::from(need[0][0].contains(&e) && !held(to, e));
+                    prop_assert_eq!(*n, want, "element {} at place {}", e, to);
+                }
+            }
+        }
     }
 
     proptest! {

@@ -55,6 +55,7 @@
 //! blocked in `read` or `write` then returns [`CollectiveError::Aborted`].
 //! This is how a rank stuck on a hung peer is released.
 
+mod all_to_all;
 mod handshake;
 
 use handshake::{CANCEL_SLICE, HELLO, Link, RING_ACCEPT, RING_CONNECT, link_bytes, read_full};
@@ -698,7 +699,7 @@ mod tests {
         })
     }
 
-    fn run_ranks<T: Send + 'static>(
+    pub(super) fn run_ranks<T: Send + 'static>(
         world: usize,
         f: impl Fn(Communicator) -> T + Send + Sync + Clone + 'static,
     ) -> Vec<T> {

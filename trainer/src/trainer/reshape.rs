@@ -6,11 +6,14 @@
 //!    of both moments, and the lost ranks' state its agent reads from their
 //!    replicas (the donations).
 //! 2. It builds the communicator of `W′` at its new place.
-//! 3. Every rank gathers every contribution and keeps, of each moment, the
-//!    elements of its new shard `shard_range(numel, W′, r′)`; the
-//!    parameters are the same on every rank and move only when a rank lacks
-//!    some (a sliced restore). Every element of the new shards must come
-//!    from somewhere, and every contributor must agree on the scalars.
+//! 3. The ranks tell each other what they hold (an all-gather of element
+//!    ranges, not elements) and every contributor must agree on the
+//!    scalars. Each then takes, of each moment, the elements of its new
+//!    shard `shard_range(numel, W′, r′)`, and of the parameters (the same
+//!    on every rank) those it lacks after a sliced restore: each element it
+//!    does not hold comes from one holder, point to point over the ring
+//!    ([`hatrain_shared::resize::route`], `all_to_all_bytes`), and what it
+//!    holds does not move. Every element must come from somewhere.
 //! 4. Only then does it take the new place with the runtime (new state
 //!    map, new store), and commit `s*` as the first snapshot of the new
 //!    layout.
@@ -63,60 +66,119 @@ impl Trainer<'_> {
         let mut comm = dist.communicator(epoch, &|| rt.directive_pending())?;
         rt.set_communicator(&comm);
 
-        // 3. Everyone's contributions; each keeps its new shard. The
-        //    parameters move only when some rank lacks some of them.
+        // 3. Who holds what (a small all-gather); then each place takes
+        //    only the elements of its new shard and of the parameters it
+        //    lacks, each from one holder, point to point.
         let shard = shard_range(numel, world, rank);
-        let full = params_held == (0..numel);
-        let flags = comm.all_gather_f64(if full { 1.0 } else { 0.0 })?;
-        let all_full = flags.iter().all(|f| *f == 1.0);
-        // The first rank holding all the parameters gives them; with none,
-        // every rank gives the slice it holds.
-        let giver = flags.iter().position(|f| *f == 1.0);
-        if all_full || giver.is_some_and(|g| g != rank) {
-            pieces.retain(|p| p.part != 1);
-        } else if !params_held.is_empty() {
-            let p = read(&self.state.params);
-            pieces.push(Piece {
-                part: 1,
-                start: params_held.start,
-                data: p[params_held.clone()].to_vec(),
-            });
+        let mut held: Held = pieces
+            .iter()
+            .map(|p| (p.part, p.start..p.start + p.data.len()))
+            .collect();
+        if !params_held.is_empty() {
+            held.push((1, params_held.clone()));
         }
-        let gathered = comm.all_gather_bytes(&encode(scalars.as_ref(), &pieces))?;
+        let described = comm.all_gather_bytes(&describe(scalars.as_ref(), &held))?;
         let mut agreed = scalars;
+        let mut holds = Vec::with_capacity(world);
+        for (from, bytes) in described.iter().enumerate() {
+            let (s, theirs) = undescribe(bytes, numel).ok_or_else(|| {
+                TrainError::Args(format!("reshape: rank {from}'s holdings are malformed"))
+            })?;
+            match (s, agreed) {
+                (Some(s), Some(a)) if s != a => {
+                    return Err(TrainError::Args(format!(
+                        "reshape: rank {from} is at step {} (data position {}), another at step {} ({})",
+                        s.step, s.data_position, a.step, a.data_position
+                    )));
+                }
+                (Some(s), None) => agreed = Some(s),
+                _ => {}
+            }
+            let mut by_part = vec![Vec::new(); 3];
+            for (part, range) in theirs {
+                by_part[usize::from(part) - 1].push(range);
+            }
+            holds.push(by_part);
+        }
+        let needs: Vec<Vec<Vec<Range<usize>>>> = (0..world)
+            .map(|q| {
+                let s = shard_range(numel, world, q);
+                vec![vec![0..numel], vec![s.clone()], vec![s]]
+            })
+            .collect();
+        let moves = hatrain_shared::resize::route(&holds, &needs).map_err(|e| {
+            TrainError::Args(format!(
+                "reshape to {world} ranks at step {step}: {e} (a lost rank's replica is missing)"
+            ))
+        })?;
+        let mut out = vec![Vec::new(); world];
+        {
+            let p = read(&self.state.params);
+            let mut to_send: Vec<Vec<Piece>> = vec![Vec::new(); world];
+            for m in moves.iter().filter(|m| m.from == rank) {
+                let part = m.part as u8 + 1;
+                let data = if part == 1
+                    && params_held.start <= m.range.start
+                    && m.range.end <= params_held.end
+                {
+                    p[m.range.clone()].to_vec()
+                } else {
+                    pieces
+                        .iter()
+                        .find(|x| {
+                            x.part == part
+                                && x.start <= m.range.start
+                                && m.range.end <= x.start + x.data.len()
+                        })
+                        .map(|x| x.data[m.range.start - x.start..m.range.end - x.start].to_vec())
+                        .ok_or_else(|| {
+                            TrainError::Args(format!(
+                                "reshape: this rank was to send {m:?}, which it does not hold"
+                            ))
+                        })?
+                };
+                to_send[m.to].push(Piece {
+                    part,
+                    start: m.range.start,
+                    data,
+                });
+            }
+            for (t, ps) in to_send.iter().enumerate() {
+                if !ps.is_empty() {
+                    out[t] = encode(None, ps);
+                }
+            }
+        }
+        let sent: usize = out.iter().map(Vec::len).sum();
+        let got = comm.all_to_all_bytes(out)?;
+        let received: usize = got.iter().map(Vec::len).sum();
         let (mut m, mut v) = (vec![0f32; shard.len()], vec![0f32; shard.len()]);
         let mut have = [vec![false; shard.len()], vec![false; shard.len()]];
-        let mut params_have = vec![all_full; numel];
+        let mut params_have = vec![false; numel];
+        params_have[params_held.clone()].fill(true);
         {
             let mut p = write(&self.state.params);
-            for (from, bytes) in gathered.iter().enumerate() {
-                let (s, theirs) = decode(bytes, numel).ok_or_else(|| {
-                    TrainError::Args(format!("reshape: rank {from}'s contribution is malformed"))
+            // What this rank holds itself, then what it was sent.
+            let mut theirs_all = vec![pieces];
+            for (from, bytes) in got.iter().enumerate().filter(|(_, b)| !b.is_empty()) {
+                let (_, theirs) = decode(bytes, numel).ok_or_else(|| {
+                    TrainError::Args(format!("reshape: rank {from}'s pieces are malformed"))
                 })?;
-                match (s, agreed) {
-                    (Some(s), Some(a)) if s != a => {
-                        return Err(TrainError::Args(format!(
-                            "reshape: rank {from} is at step {} (data position {}), another at step {} ({})",
-                            s.step, s.data_position, a.step, a.data_position
-                        )));
-                    }
-                    (Some(s), None) => agreed = Some(s),
-                    _ => {}
-                }
-                for piece in theirs {
-                    let range = piece.start..piece.start + piece.data.len();
-                    let (dst, seen, base) = match piece.part {
-                        1 => (&mut p[..], &mut params_have[..], 0),
-                        2 => (&mut m[..], &mut have[0][..], shard.start),
-                        _ => (&mut v[..], &mut have[1][..], shard.start),
-                    };
-                    let lo = range.start.max(base);
-                    let hi = range.end.min(base + dst.len());
-                    if lo < hi {
-                        dst[lo - base..hi - base]
-                            .copy_from_slice(&piece.data[lo - range.start..hi - range.start]);
-                        seen[lo - base..hi - base].fill(true);
-                    }
+                theirs_all.push(theirs);
+            }
+            for piece in theirs_all.into_iter().flatten() {
+                let range = piece.start..piece.start + piece.data.len();
+                let (dst, seen, base) = match piece.part {
+                    1 => (&mut p[..], &mut params_have[..], 0),
+                    2 => (&mut m[..], &mut have[0][..], shard.start),
+                    _ => (&mut v[..], &mut have[1][..], shard.start),
+                };
+                let lo = range.start.max(base);
+                let hi = range.end.min(base + dst.len());
+                if lo < hi {
+                    dst[lo - base..hi - base]
+                        .copy_from_slice(&piece.data[lo - range.start..hi - range.start]);
+                    seen[lo - base..hi - base].fill(true);
                 }
             }
         }
@@ -180,9 +242,12 @@ impl Trainer<'_> {
         self.torn = false;
         rt.commit(step, epoch, scalars.encode(), CommitOf::Start);
         self.log = JsonLog::open(self.args.log_jsonl.as_deref(), rank == 0)?;
-        eprintln!("rank {rank}: reshaped to {world} ranks at step {step} under epoch {epoch}");
+        eprintln!(
+            "rank {rank}: reshaped to {world} ranks at step {step} under epoch {epoch} ({sent} bytes sent, {received} received)"
+        );
         self.log.write(serde_json::json!({
             "event": "reshape", "step": step, "epoch": epoch, "world_size": world,
+            "bytes_sent": sent, "bytes_received": received,
         }))?;
         Ok(comm)
     }
@@ -281,6 +346,55 @@ fn donation_pieces(d: &Donated, numel: usize) -> Result<Vec<Piece>, TrainError> 
     ])
 }
 
+/// Runs of elements a rank holds: part (1 parameters, 2 and 3 the
+/// moments) and range.
+type Held = Vec<(u8, Range<usize>)>;
+
+/// What a rank holds, for the others to plan the moves by: whether it
+/// holds the state (u8), its scalars, the number of runs, then each run:
+/// part (u8), start and length (u64).
+fn describe(scalars: Option<&Scalars>, held: &[(u8, Range<usize>)]) -> Vec<u8> {
+    let mut out = vec![u8::from(scalars.is_some())];
+    out.extend(scalars.map_or_else(|| vec![0; META_LEN], Scalars::encode));
+    out.extend_from_slice(&(held.len() as u64).to_le_bytes());
+    for (part, r) in held {
+        out.push(*part);
+        out.extend_from_slice(&(r.start as u64).to_le_bytes());
+        out.extend_from_slice(&(r.len() as u64).to_le_bytes());
+    }
+    out
+}
+
+/// The holdings in `b`; `None` unless every run lies inside a buffer of
+/// `numel` elements and the bytes end with the last one.
+fn undescribe(b: &[u8], numel: usize) -> Option<(Option<Scalars>, Held)> {
+    let holds = match *b.first()? {
+        0 => false,
+        1 => true,
+        _ => return None,
+    };
+    let scalars = holds.then_some(Scalars::decode(b.get(1..1 + META_LEN)?)?);
+    let mut at = 1 + META_LEN;
+    let word = |at: &mut usize| -> Option<usize> {
+        let w = u64::from_le_bytes(b.get(*at..at.checked_add(8)?)?.try_into().ok()?);
+        *at += 8;
+        usize::try_from(w).ok()
+    };
+    let n = word(&mut at)?;
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let part = *b.get(at)?;
+        at += 1;
+        let start = word(&mut at)?;
+        let len = word(&mut at)?;
+        if !(1..=3).contains(&part) || start.checked_add(len)? > numel {
+            return None;
+        }
+        held.push((part, start..start + len));
+    }
+    (at == b.len()).then_some((scalars, held))
+}
+
 /// Whether the rank holds the state (u8) and then its scalars, the
 /// number of pieces, then each piece: part (u8), start and length (u64),
 /// values.
@@ -370,10 +484,26 @@ mod tests {
         assert!(decode(&bytes[..bytes.len() - 1], 10).is_none());
     }
 
+    #[test]
+    fn holdings_round_trip() {
+        let s = Scalars {
+            step: 7,
+            rng: SplitMix64::new(9),
+            data_position: 84,
+        };
+        let held = vec![(2u8, 3..9), (1, 0..10)];
+        let b = describe(Some(&s), &held);
+        assert_eq!(undescribe(&b, 10), Some((Some(s), held)));
+        assert!(undescribe(&b, 9).is_none(), "a run past the buffer");
+        assert!(undescribe(&b[..b.len() - 1], 10).is_none());
+        assert_eq!(undescribe(&describe(None, &[]), 4), Some((None, vec![])));
+    }
+
     proptest! {
         #[test]
         fn decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256), numel in 0usize..64) {
             let _ = decode(&bytes, numel);
+            let _ = undescribe(&bytes, numel);
         }
     }
 }
