@@ -54,6 +54,13 @@ struct StatLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    job: String,
+    rank: String,
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SideLabels {
     job: String,
     side: String,
@@ -105,6 +112,8 @@ pub fn render(reports: &[StatusReport]) -> String {
     let copy_bytes = Family::<RankLabels, Counter>::default();
     let copy_skipped = Family::<RankLabels, Counter>::default();
     let copy_thinned = Family::<RankLabels, Counter>::default();
+    let phase_s = Family::<PhaseLabels, Counter<f64, AtomicU64>>::default();
+    let timed_steps = Family::<RankLabels, Counter>::default();
     let faults = Family::<FaultLabels, Counter>::default();
     let recovery = Family::<JobLabel, Histogram>::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.1, 2.0, 13))
@@ -151,6 +160,24 @@ pub fn render(reports: &[StatusReport]) -> String {
                     .get_or_create(&l)
                     .inc_by(h.mean_ms * h.steps as f64 / 1e3);
                 held_steps.get_or_create(&l).inc_by(h.steps);
+            }
+            if let Some(t) = &w.step_times {
+                let phases = [
+                    ("data", t.data_ms),
+                    ("compute", t.compute_ms),
+                    ("collective", t.collective_ms),
+                    ("update", t.update_ms),
+                    ("step", t.step_ms),
+                ];
+                for (phase, ms) in phases {
+                    let pl = PhaseLabels {
+                        job: r.job.clone(),
+                        rank: w.rank.to_string(),
+                        phase: phase.into(),
+                    };
+                    phase_s.get_or_create(&pl).inc_by(ms * t.steps as f64 / 1e3);
+                }
+                timed_steps.get_or_create(&l).inc_by(t.steps);
             }
             if let Some(c) = &w.copies {
                 copy_s.get_or_create(&l).inc_by(c.copy_s);
@@ -322,6 +349,17 @@ pub fn render(reports: &[StatusReport]) -> String {
         "hatrain_snapshots_skipped",
         "Snapshots abandoned because the update began before their copy finished (--snapshot-window skip)",
         copy_skipped,
+    );
+    reg.register_with_unit(
+        "hatrain_rank_phase",
+        "Time each rank's training steps spent in each phase (data, compute, collective, update) and in whole steps, summed over the steps timed",
+        Unit::Seconds,
+        phase_s,
+    );
+    reg.register(
+        "hatrain_rank_timed_steps",
+        "Steps whose phases are timed",
+        timed_steps,
     );
     reg.register(
         "hatrain_snapshots_thinned",

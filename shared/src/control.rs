@@ -234,6 +234,10 @@ pub struct WorkerReport {
     /// The rank's snapshot copies.
     #[serde(default)]
     pub copies: Option<CopyReport>,
+    /// Where its steps went, phase by phase (absent before its second
+    /// step, or from an older worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_times: Option<crate::shm::StepTimesReport>,
 }
 
 /// The time a rank's training thread spent in hatrain's calls per step: the

@@ -14,7 +14,9 @@
 //! part PART) or `uce-outside` (one outside the registered state). An
 //! optional fifth field names the incarnation (restart count) the entry
 //! fires in: a number (default 0, the first process) or `*` for every one.
-//! An entry fires at most once per process.
+//! STEP may be a range `FIRST-LAST`, every step of it (a rank slow for a
+//! while), and POINT `data` (in the data path, before the batch is ready).
+//! An entry fires at most once per step and process.
 //!
 //! The plan is the trainer's, not the runtime's: it reaches into the
 //! runtime only through [`Hooks`] (a fault halfway through a commit) and the
@@ -24,7 +26,7 @@ use hatrain_worker::comm::Hooks;
 use hatrain_worker::runtime::{UceInjector, hang};
 use nix::sys::signal::{Signal, raise};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::Duration;
 
@@ -40,6 +42,8 @@ pub enum PlanError {
 /// Where in a step a planned fault fires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Point {
+    /// Loading the step's batch.
+    Data,
     Forward,
     Update,
     Commit,
@@ -74,7 +78,8 @@ enum Action {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PlanEntry {
     rank: usize,
-    step: u64,
+    /// The first and last step it fires at.
+    steps: (u64, u64),
     point: Point,
     action: Action,
 }
@@ -82,7 +87,8 @@ struct PlanEntry {
 /// The planned faults of this rank.
 #[derive(Debug, Default)]
 pub struct FaultPlan {
-    entries: Vec<(PlanEntry, AtomicBool)>,
+    /// Each entry, and the step after the last it fired at (0: none).
+    entries: Vec<(PlanEntry, AtomicU64)>,
     /// Where a planned UCE goes: the state map's part names, and the
     /// runtime's injector (set once the runtime is connected).
     targets: OnceLock<(Vec<String>, UceInjector)>,
@@ -114,8 +120,19 @@ impl FaultPlan {
             };
             let e = PlanEntry {
                 rank: r.parse().map_err(|_| bad("RANK is not a number"))?,
-                step: s.parse().map_err(|_| bad("STEP is not a number"))?,
+                steps: {
+                    let n = |x: &str| {
+                        x.parse::<u64>()
+                            .map_err(|_| bad("STEP is not a number or FIRST-LAST"))
+                    };
+                    match s.split_once('-') {
+                        Some((a, b)) if n(a)? <= n(b)? => (n(a)?, n(b)?),
+                        Some(_) => return Err(bad("STEP range FIRST-LAST ends before it begins")),
+                        None => (n(s)?, n(s)?),
+                    }
+                },
                 point: match p {
+                    "data" => Point::Data,
                     "forward" => Point::Forward,
                     "update" => Point::Update,
                     "commit" => Point::Commit,
@@ -124,7 +141,7 @@ impl FaultPlan {
                     "end" => Point::End,
                     _ => {
                         return Err(bad(
-                            "POINT must be forward, update, commit, copy, rebuild or end",
+                            "POINT must be data, forward, update, commit, copy, rebuild or end",
                         ));
                     }
                 },
@@ -163,7 +180,7 @@ impl FaultPlan {
                 },
             };
             if e.rank == rank && fires_now {
-                entries.push((e, AtomicBool::new(false)));
+                entries.push((e, AtomicU64::new(0)));
             }
         }
         Ok(Self {
@@ -175,7 +192,8 @@ impl FaultPlan {
     /// Fires the entry for (`step`, `point`), if any and not yet fired.
     pub fn hit(&self, step: u64, point: Point) {
         for (e, fired) in &self.entries {
-            if e.step == step && e.point == point && !fired.swap(true, Ordering::SeqCst) {
+            let within = e.steps.0 <= step && step <= e.steps.1;
+            if within && e.point == point && fired.fetch_max(step + 1, Ordering::SeqCst) <= step {
                 eprintln!(
                     "fault plan: rank {} {:?} at step {step} ({point:?})",
                     e.rank, e.action
@@ -212,9 +230,9 @@ impl FaultPlan {
     /// Whether a `fail` entry names (`step`, `point`): unlike the others it
     /// holds every time it is asked (a rebuild that keeps failing).
     pub fn fails(&self, step: u64, point: Point) -> bool {
-        self.entries
-            .iter()
-            .any(|(e, _)| e.step == step && e.point == point && e.action == Action::Fail)
+        self.entries.iter().any(|(e, _)| {
+            e.steps.0 <= step && step <= e.steps.1 && e.point == point && e.action == Action::Fail
+        })
     }
 
     /// Tells the plan where its UCEs go: the part names of the rank's
@@ -269,8 +287,23 @@ mod tests {
                 .entries
                 .is_empty()
         );
+        let p = FaultPlan::parse("0:5-7:data:sleep0;0:9:data:sleep0", 0, 0).unwrap();
+        assert_eq!(p.entries[0].0.steps, (5, 7));
+        assert_eq!(p.entries[1].0.steps, (9, 9));
+        // Once per step of the range: 5, 6 and 7 each fire once.
+        for step in [4, 5, 5, 6, 7, 7, 8] {
+            p.hit(step, Point::Data);
+        }
+        assert_eq!(p.entries[0].1.load(Ordering::SeqCst), 8);
+        assert_eq!(
+            p.entries[1].1.load(Ordering::SeqCst),
+            0,
+            "step 9 not reached"
+        );
         for bad in [
             "1:12:forward",
+            "1:7-5:forward:sleep1",
+            "1:5-x:forward:sleep1",
             "x:1:forward:stop",
             "1:1:sideways:stop",
             "1:1:forward:nap",

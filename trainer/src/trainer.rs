@@ -511,7 +511,6 @@ impl Trainer<'_> {
         // step's hand-off, made after its log line, counts in this one.
         let mut held = std::mem::take(&mut self.handoff);
         held!(held, rt.begin_step(step));
-        self.plan.hit(step, Point::Forward);
         // 1. The global batch's seeds (drawn from a copy of the RNG, which
         //    becomes the state only when the step is complete).
         let local_batch = args.global_batch / self.world;
@@ -532,6 +531,9 @@ impl Trainer<'_> {
                 targets.push(tokens[t]);
             }
         }
+        self.plan.hit(step, Point::Data);
+        rt.batch_ready();
+        self.plan.hit(step, Point::Forward);
         // 2. Forward and backward (on the model, or an emulated device).
         let loss = match &self.device {
             Some(device) => device.forward_backward(step, &mut self.grads),

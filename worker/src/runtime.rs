@@ -30,6 +30,7 @@
 mod background;
 mod reshape;
 mod siblings;
+mod timing;
 mod uce;
 mod window;
 
@@ -179,6 +180,7 @@ pub struct Runtime {
     /// Snapshots skipped in a row (see [`Window`]).
     misses: AtomicU64,
     held_clock: HeldClock,
+    step_clock: timing::StepClock,
 }
 
 /// The store whose control page the SIGBUS handler records fatal faults
@@ -291,6 +293,7 @@ impl Runtime {
             window: Window::Wait,
             misses: AtomicU64::new(0),
             held_clock: HeldClock::default(),
+            step_clock: timing::StepClock::default(),
             map,
         };
         let Some(socket) = std::env::var_os(control::ENV_SOCKET).map(PathBuf::from) else {
@@ -467,6 +470,7 @@ impl Runtime {
     /// that `agentctl inject` left for this step.
     pub fn begin_step(&self, step: u64) {
         let t = Instant::now();
+        self.time_step_begins();
         self.close_held_step(true);
         self.begin_step_injections(step);
         self.held_clock.add(t);
@@ -500,7 +504,9 @@ impl Runtime {
         if let Some(p) = page {
             p.set_in_collective(true);
         }
+        let before = self.time_collective_begins();
         let r = f();
+        self.time_collective_ends(before);
         if let Some(p) = page {
             p.set_in_collective(false);
         }

@@ -470,6 +470,26 @@ fn print_workers(w: &[WorkerReport]) {
             );
         }
     }
+    if w.iter().any(|r| r.step_times.is_some()) {
+        println!(
+            "{:>5} {:>9} | ms per step: {:>9} {:>9} {:>10} {:>9} {:>9}",
+            "rank", "steps", "data", "compute", "collective", "update", "step"
+        );
+        for r in w {
+            if let Some(t) = &r.step_times {
+                println!(
+                    "{:>5} {:>9} |              {:>9.3} {:>9.3} {:>10.3} {:>9.3} {:>9.3}",
+                    r.rank,
+                    t.steps,
+                    t.data_ms,
+                    t.compute_ms,
+                    t.collective_ms,
+                    t.update_ms,
+                    t.step_ms
+                );
+            }
+        }
+    }
 }
 
 fn print_device_faults(d: &[DeviceFaultRecord]) {

@@ -11,7 +11,7 @@ use hatrain_shared::control::{
     CopyReport, HeldTimeReport, InjectKind, MembershipReport, ReplicaReport, Request, Response,
     SnapshotReport, StartMode, StatusReport, WorkerReport,
 };
-use hatrain_shared::shm::{self, Geometry, Injection, Phase, Store};
+use hatrain_shared::shm::{self, Geometry, Injection, Phase, StepTimesReport, Store};
 use hatrain_shared::statemap::StateMap;
 use hatrain_shared::store::StoreServer;
 use std::sync::Arc;
@@ -490,6 +490,7 @@ impl Driver<'_> {
                     protected: self.decider.protected(rank),
                     held_time: s.and_then(|s| HeldTimeReport::of(&s.page().held_stats())),
                     copies: stats.as_ref().and_then(CopyReport::of),
+                    step_times: s.and_then(|s| StepTimesReport::of(&s.page().step_times())),
                 }
             })
             .collect()

@@ -42,6 +42,8 @@
 //! 480 step kept for the replicas, held everywhere; 488 the step to be
 //!     kept next (each 0: none, else step + 1) (2.3)
 //! 496 snapshots not taken for want of a slot (2.3)
+//! 504 steps timed   512.. ns in each phase, summed over them: data,
+//!     compute, collective, update, and the whole step (2.4)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\2"   8 version   16 seq (odd while written)
@@ -62,6 +64,7 @@ mod kept;
 mod mapping;
 mod page;
 mod slot;
+mod timing;
 
 pub use directive::Directive;
 pub use fault::{FaultFlags, Injection, UceSite};
@@ -69,6 +72,7 @@ pub use hold::{Hold, HoldRefused};
 pub use kept::Kept;
 pub use page::{CommitStats, ControlPage, HELD_BUCKETS, HeldStats, Phase, held_bucket_le_ns};
 pub use slot::{HeaderWord, Receiving, SLOT_MAGIC, SlotInfo};
+pub use timing::{StepPhase, StepTimes, StepTimesReport};
 
 use mapping::Mapping;
 use std::fs::OpenOptions;
@@ -80,7 +84,7 @@ use std::sync::atomic::Ordering;
 
 pub const PAGE: usize = 4096;
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"HTRCTL\0\x02");
-pub const VERSION: (u16, u16) = (2, 3);
+pub const VERSION: (u16, u16) = (2, 4);
 const VERSION_WORD: u64 = ((VERSION.0 as u64) << 16) | VERSION.1 as u64;
 /// Most slots a store may have.
 pub const MAX_SLOTS: usize = 16;

@@ -114,6 +114,10 @@ pub struct ControlPage {
     /// Snapshots not taken because every slot but the newest was held
     /// (for the persister, or for the replicas' step) (2.3).
     thinned: AtomicU64,
+    /// Where the training thread's steps went (2.4): steps timed, then
+    /// summed over them, ns of each phase (see [`super::timing`]).
+    pub(super) timed_steps: AtomicU64,
+    pub(super) phase_ns: [AtomicU64; super::timing::PHASES],
 }
 
 /// Buckets of the held-time histogram: bucket `k` counts the steps held
@@ -161,7 +165,9 @@ const _: () = {
     assert!(offset_of!(ControlPage, keep) == 480);
     assert!(offset_of!(ControlPage, keep_target) == 488);
     assert!(offset_of!(ControlPage, thinned) == 496);
-    assert!(size_of::<ControlPage>() == 504);
+    assert!(offset_of!(ControlPage, timed_steps) == 504);
+    assert!(offset_of!(ControlPage, phase_ns) == 512);
+    assert!(size_of::<ControlPage>() == 512 + 8 * super::timing::PHASES);
     assert!(size_of::<ControlPage>() <= super::PAGE);
 };
 

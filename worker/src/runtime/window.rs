@@ -113,10 +113,12 @@ impl Runtime {
     pub fn start_update(&self) {
         if let Some(a) = &self.attached {
             let t = Instant::now();
+            self.time_fence();
             self.close_window();
             let blocked = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
             a.store.page().record_commit_blocking(blocked);
             a.store.page().set_phase(Phase::Updating);
+            self.time_update_begins();
             self.held_clock.add(t);
         }
     }
@@ -127,6 +129,7 @@ impl Runtime {
             let t = Instant::now();
             a.store.page().set_step(step);
             a.store.page().set_phase(Phase::Computing);
+            self.time_fence();
             self.held_clock.add(t);
         }
     }
