@@ -106,34 +106,6 @@ fn a_lost_host_is_recovered_on_a_standby_from_its_peer_replicas() {
     host1_recovered_on_the_standby(&c, &outs, &reference);
 }
 
-/// Processes that keep every core busy, ended by pid when dropped.
-struct Burners(Vec<std::process::Child>);
-
-impl Burners {
-    fn start() -> Self {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Self(
-            (0..cores)
-                .map(|_| {
-                    std::process::Command::new("sh")
-                        .args(["-c", "while :; do :; done"])
-                        .spawn()
-                        .unwrap()
-                })
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Burners {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Host 1's replica streams starved of CPU: a burner on every core beside
 /// streams that take idle CPU only (`SCHED_IDLE`), while the job trains on
 /// (no nap). The replicas of host 1's ranks fall steps behind what the

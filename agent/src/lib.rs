@@ -44,6 +44,7 @@ pub mod replicator;
 pub mod serve;
 pub mod settings;
 pub mod shim;
+pub mod slow;
 pub mod spec;
 pub mod supervisor;
 

@@ -114,6 +114,7 @@ pub fn render(reports: &[StatusReport]) -> String {
     let copy_thinned = Family::<RankLabels, Counter>::default();
     let phase_s = Family::<PhaseLabels, Counter<f64, AtomicU64>>::default();
     let timed_steps = Family::<RankLabels, Counter>::default();
+    let slowdown = Family::<PhaseLabels, GaugeF>::default();
     let faults = Family::<FaultLabels, Counter>::default();
     let recovery = Family::<JobLabel, Histogram>::new_with_constructor(|| {
         Histogram::new(exponential_buckets(0.1, 2.0, 13))
@@ -186,6 +187,14 @@ pub fn render(reports: &[StatusReport]) -> String {
                 copy_skipped.get_or_create(&l).inc_by(c.skipped);
                 copy_thinned.get_or_create(&l).inc_by(c.thinned);
             }
+        }
+        for f in r.slow.iter().filter(|f| !f.ended && f.step_ms > 0.0) {
+            let pl = PhaseLabels {
+                job: r.job.clone(),
+                rank: f.rank.to_string(),
+                phase: f.phase.clone(),
+            };
+            slowdown.get_or_create(&pl).set(f.excess_ms / f.step_ms);
         }
         for f in &r.faults {
             let l = FaultLabels {
@@ -355,6 +364,11 @@ pub fn render(reports: &[StatusReport]) -> String {
         "Time each rank's training steps spent in each phase (data, compute, collective, update) and in whole steps, summed over the steps timed",
         Unit::Seconds,
         phase_s,
+    );
+    reg.register(
+        "hatrain_rank_slowdown",
+        "A slow rank's excess work per step over the other ranks', as a fraction of the step, by the phase that grew (present while the finding lasts)",
+        slowdown,
     );
     reg.register(
         "hatrain_rank_timed_steps",
@@ -641,6 +655,7 @@ mod tests {
             membership: None,
             resizes: vec![],
             step_time_s: Some(0.25),
+            slow: Vec::new(),
         };
         let om = render(&[r]);
         assert!(om.ends_with("# EOF\n"), "{om}");

@@ -413,6 +413,9 @@ pub struct StatusReport {
     /// The median recent step time the hang watchdog measures.
     #[serde(default)]
     pub step_time_s: Option<f64>,
+    /// Ranks found holding the job back, newest last.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slow: Vec<crate::slowness::SlowFinding>,
 }
 
 /// A resize of the data-parallel group (elastic training).

@@ -36,6 +36,7 @@ pub mod rendezvous;
 pub mod resize;
 pub mod shard;
 pub mod shm;
+pub mod slowness;
 pub mod statemap;
 pub mod store;
 pub mod trust;

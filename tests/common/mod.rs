@@ -357,3 +357,31 @@ pub fn poll_agentctl<T>(
     }
     None
 }
+
+/// Processes that keep every core busy, ended by pid when dropped.
+pub struct Burners(Vec<std::process::Child>);
+
+impl Burners {
+    pub fn start() -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self(
+            (0..cores)
+                .map(|_| {
+                    std::process::Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .unwrap()
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Burners {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -53,6 +53,9 @@ enum Verb {
     Status,
     /// One line per rank.
     Workers,
+    /// The ranks found holding the job back: the phase that grew, by how
+    /// much, since when, and the likely cause.
+    Slow,
     /// The fault history.
     Faults,
     /// Write a last-words checkpoint of the newest consistent step now, and
@@ -187,9 +190,10 @@ fn run(cli: Cli) -> Result<()> {
     }
     let socket = socket(&cli, &root)?;
     let faults = matches!(cli.verb, Verb::Faults);
+    let slow_only = matches!(cli.verb, Verb::Slow);
     let request = match cli.verb {
         Verb::Jobs => unreachable!("answered above"),
-        Verb::Status => Request::Status,
+        Verb::Status | Verb::Slow => Request::Status,
         Verb::Workers => Request::Workers,
         Verb::Faults => Request::Faults,
         Verb::Dump => Request::Dump,
@@ -227,6 +231,17 @@ fn run(cli: Cli) -> Result<()> {
     } else {
         Vec::new()
     };
+    if slow_only {
+        let Response::Status(s) = response else {
+            bail!("unexpected reply: {response:?}");
+        };
+        if cli.json {
+            println!("{}", serde_json::to_string_pretty(&s.slow)?);
+        } else {
+            print_slow(&s.slow);
+        }
+        return Ok(());
+    }
     if cli.json {
         let mut v = serde_json::to_value(&response)?;
         if faults && let Some(o) = v.as_object_mut() {
@@ -306,6 +321,9 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
             print_workers(&s.workers);
+            if s.slow.iter().any(|f| !f.ended) {
+                print_slow(&s.slow);
+            }
             print_faults(&s.faults);
         }
         Response::Workers(w) => print_workers(&w),
@@ -489,6 +507,27 @@ fn print_workers(w: &[WorkerReport]) {
                 );
             }
         }
+    }
+}
+
+fn print_slow(f: &[hatrain_shared::slowness::SlowFinding]) {
+    if f.is_empty() {
+        println!("no slow rank found");
+    }
+    for x in f {
+        println!(
+            "{} rank {} | {} | +{:.1} ms per step over the others ({:.0}% of a {:.1} ms step), +{:.1} ms over its own history | steps {}..{} | {}",
+            if x.ended { "was slow:" } else { "SLOW:" },
+            x.rank,
+            x.phase,
+            x.excess_ms,
+            100.0 * x.excess_ms / x.step_ms.max(f64::MIN_POSITIVE),
+            x.step_ms,
+            x.over_own_history_ms,
+            x.since_step,
+            x.last_step,
+            x.cause
+        );
     }
 }
 

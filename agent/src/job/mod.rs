@@ -236,6 +236,8 @@ struct Driver<'a> {
     /// The steps the stores keep for the peer replicas, as the controller
     /// last said (`decider::hold`).
     kept: hatrain_shared::shm::Kept,
+    /// The slow-rank detector over this host's ranks.
+    slow: crate::slow::Detector,
     /// Ranks this host took to join a growing group that have not
     /// registered yet: they start by waiting for the reshape that takes
     /// them in, whatever this host has heard of the controller so far.
@@ -289,6 +291,7 @@ impl<'a> Driver<'a> {
             filled: BTreeSet::new(),
             joining: BTreeSet::new(),
             kept: Default::default(),
+            slow: Default::default(),
             donations: std::collections::BTreeMap::new(),
             filling: HashMap::new(),
             keeper: None,
@@ -770,5 +773,37 @@ impl Driver<'_> {
         self.fill_adopted(sup);
         self.tick_views(sup);
         self.keep();
+        self.watch_slow();
+    }
+
+    /// Feeds the slow-rank detector this host's ranks' step times; one log
+    /// line per finding that begins or ends.
+    fn watch_slow(&mut self) {
+        let readings: Vec<_> = self
+            .stores
+            .iter()
+            .map(|(&rank, s)| (rank, s.page().step(), s.page().step_times()))
+            .collect();
+        for change in self.slow.observe(&readings) {
+            match change {
+                crate::slow::Change::Began(f) => tracing::warn!(
+                    rank = f.rank,
+                    phase = %f.phase,
+                    excess_ms = f.excess_ms,
+                    step_ms = f.step_ms,
+                    over_own_history_ms = f.over_own_history_ms,
+                    since_step = f.since_step,
+                    cause = %f.cause,
+                    "a slow rank holds the job back"
+                ),
+                crate::slow::Change::Ended(f) => tracing::info!(
+                    rank = f.rank,
+                    phase = %f.phase,
+                    since_step = f.since_step,
+                    last_step = f.last_step,
+                    "the slow rank no longer holds the job back"
+                ),
+            }
+        }
     }
 }

@@ -417,6 +417,7 @@ impl Driver<'_> {
             store_addr: self.store.as_ref().map(|s| s.local_addr().to_string()),
             workers: self.workers(sup),
             step_time_s: self.decider.median_step().map(|d| d.as_secs_f64()),
+            slow: self.slow.findings().to_vec(),
             faults: self.decider.faults().to_vec(),
             persist: self
                 .persister

@@ -1,0 +1,462 @@
+//! The slow-rank detector: a pure machine fed each rank's step times (the
+//! control pages' phase sums) and the steps they were read at; it names
+//! the ranks that hold the job back, the phase that grew, by how much and
+//! since when.
+//!
+//! Every [`WINDOW`] steps a rank's times close a window: its mean ms per
+//! step in each phase. Once every rank has closed a window, the detector
+//! compares each rank with the others in the same steps:
+//!
+//! - its own work (data, compute and update) exceeds the others' median
+//!   by at least [`MIN_EFFECT`] of the job's step, and
+//! - the others waited for it: their collective time exceeds its own by
+//!   at least half that excess (a rank that is merely given more work in
+//!   a step everyone waits for anyway is not slow), and
+//! - its work grew against its own history by at least [`MIN_EFFECT`] of
+//!   the step: a rank is judged once [`HISTORY`] windows of it were seen
+//!   not slow (their moving mean is its history), so that a lasting
+//!   difference between ranks that was always there (one rank's extra
+//!   work, a scheduler's lasting preference under load) is not a change.
+//!
+//! A rank slow in [`CONFIRM`] windows in a row is a finding (a change
+//! point with a minimum effect: one slow window is noise); slow in none of
+//! [`CONFIRM`] windows in a row, the finding ends. A slowdown of every
+//! rank together (the host, the network) raises nothing: no rank stands
+//! out from the others. The phase named is the one that grew most against
+//! the others; the rank's own history (its work before the finding) says
+//! how much it grew.
+
+use hatrain_shared::shm::{StepPhase, StepTimes};
+use hatrain_shared::slowness::SlowFinding;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Steps per window.
+pub const WINDOW: u64 = 10;
+/// The least excess, as a fraction of the step, that counts.
+pub const MIN_EFFECT: f64 = 0.10;
+/// Windows in a row that begin or end a finding.
+pub const CONFIRM: u32 = 3;
+/// Windows of a rank seen not slow before it is judged.
+pub const HISTORY: u32 = 2;
+/// Findings kept (the oldest ended ones go first).
+const KEEP: usize = 64;
+
+/// One window of a rank: mean ms per step in each phase.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Window {
+    data: f64,
+    compute: f64,
+    collective: f64,
+    update: f64,
+    step: f64,
+    /// The first and last steps in it.
+    first_step: u64,
+    last_step: u64,
+}
+
+impl Window {
+    fn of(t: &StepTimes, (first_step, last_step): (u64, u64)) -> Option<Self> {
+        Some(Self {
+            data: t.mean_ms(StepPhase::Data)?,
+            compute: t.mean_ms(StepPhase::Compute)?,
+            collective: t.mean_ms(StepPhase::Collective)?,
+            update: t.mean_ms(StepPhase::Update)?,
+            step: t.mean_ms(StepPhase::Step)?,
+            first_step,
+            last_step,
+        })
+    }
+
+    fn work(&self) -> f64 {
+        self.data + self.compute + self.update
+    }
+}
+
+/// A rank's state in the detector.
+#[derive(Debug, Default)]
+struct Rank {
+    /// The reading its next window starts from, and the step it was at.
+    from: Option<(StepTimes, u64)>,
+    /// Its newest closed window, not yet compared.
+    pending: Option<Window>,
+    /// Windows in a row it was slow, or (with a finding open) not slow,
+    /// and the first step of the first of them.
+    streak: u32,
+    since: u64,
+    /// Its work per step while not slow (a moving mean), and the windows
+    /// it is of.
+    history: Option<f64>,
+    healthy: u32,
+    /// Its open finding, by index.
+    open: Option<usize>,
+}
+
+/// A finding that began or ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    Began(SlowFinding),
+    Ended(SlowFinding),
+}
+
+/// The detector of one job (or of the ranks one agent sees).
+#[derive(Debug, Default)]
+pub struct Detector {
+    ranks: BTreeMap<usize, Rank>,
+    findings: Vec<SlowFinding>,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+impl Detector {
+    /// Every finding so far, open and ended, oldest first.
+    pub fn findings(&self) -> &[SlowFinding] {
+        &self.findings
+    }
+
+    /// A rank's process started again (its page's sums may restart): its
+    /// windows begin anew.
+    pub fn forget(&mut self, rank: usize) {
+        if let Some(r) = self.ranks.get_mut(&rank) {
+            r.from = None;
+            r.pending = None;
+        }
+    }
+
+    /// Each rank's step times as read now, with the step it completed.
+    /// Ranks absent are no longer compared.
+    pub fn observe(&mut self, readings: &[(usize, u64, StepTimes)]) -> Vec<Change> {
+        let seen: BTreeSet<usize> = readings.iter().map(|(r, _, _)| *r).collect();
+        self.ranks.retain(|r, _| seen.contains(r));
+        for &(rank, step, t) in readings {
+            let r = self.ranks.entry(rank).or_default();
+            let Some((from, at)) = r.from.filter(|(f, _)| f.steps <= t.steps) else {
+                r.from = Some((t, step));
+                continue;
+            };
+            let d = t.since(&from);
+            if d.steps >= WINDOW {
+                r.pending = Window::of(&d, (at + 1, step));
+                r.from = Some((t, step));
+            }
+        }
+        if self.ranks.len() < 2 || self.ranks.values().any(|r| r.pending.is_none()) {
+            return Vec::new();
+        }
+        let windows: BTreeMap<usize, Window> = self
+            .ranks
+            .iter_mut()
+            .filter_map(|(&rank, r)| Some((rank, r.pending.take()?)))
+            .collect();
+        self.compare(&windows)
+    }
+
+    fn compare(&mut self, w: &BTreeMap<usize, Window>) -> Vec<Change> {
+        let step = median(w.values().map(|x| x.step).collect());
+        let others = |rank: usize, f: fn(&Window) -> f64| {
+            median(
+                w.iter()
+                    .filter(|(r, _)| **r != rank)
+                    .map(|(_, x)| f(x))
+                    .collect(),
+            )
+        };
+        let min = MIN_EFFECT * step;
+        let slow: BTreeMap<usize, (f64, &'static str, f64)> = w
+            .iter()
+            .filter_map(|(&rank, x)| {
+                let excess = x.work() - others(rank, Window::work);
+                let waited = others(rank, |y| y.collective) - x.collective;
+                let r = &self.ranks[&rank];
+                let grew = r
+                    .history
+                    .filter(|_| r.healthy >= HISTORY)
+                    .map(|h| x.work() - h);
+                if excess < min || waited < 0.5 * excess || grew.is_none_or(|g| g < min) {
+                    return None;
+                }
+                let grew = [
+                    ("data", x.data - others(rank, |y| y.data)),
+                    ("compute", x.compute - others(rank, |y| y.compute)),
+                    ("update", x.update - others(rank, |y| y.update)),
+                ];
+                let (phase, _) = grew.into_iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
+                Some((rank, (excess, phase, x.work())))
+            })
+            .collect();
+        let cause = |phase: &str| match (slow.len(), phase) {
+            (1, "data") => {
+                "one rank's data loading (its input, storage or preprocessing)".to_string()
+            }
+            (1, _) => format!(
+                "one rank alone ({phase}): hardware-like (a throttled or failing device, a noisy neighbour)"
+            ),
+            (n, _) => format!(
+                "{n} ranks at once, not all: data or stage imbalance across the data-parallel ranks"
+            ),
+        };
+        let mut changes = Vec::new();
+        for (&rank, x) in w {
+            let r = self.ranks.get_mut(&rank).expect("a rank in the window");
+            match (slow.get(&rank), r.open) {
+                (Some(&(excess, phase, work)), None) => {
+                    if r.streak == 0 {
+                        r.since = x.first_step;
+                    }
+                    r.streak += 1;
+                    if r.streak >= CONFIRM {
+                        r.streak = 0;
+                        let f = SlowFinding {
+                            rank,
+                            phase: phase.to_string(),
+                            excess_ms: excess,
+                            step_ms: step,
+                            over_own_history_ms: r.history.map_or(0.0, |h| work - h),
+                            since_step: r.since,
+                            last_step: x.last_step,
+                            cause: cause(phase),
+                            ended: false,
+                        };
+                        r.open = Some(self.findings.len());
+                        self.findings.push(f.clone());
+                        changes.push(Change::Began(f));
+                    }
+                }
+                (None, None) => {
+                    r.streak = 0;
+                    r.healthy += 1;
+                    r.history = Some(r.history.map_or(x.work(), |h| 0.8 * h + 0.2 * x.work()));
+                }
+                (Some(&(excess, _, _)), Some(i)) => {
+                    r.streak = 0;
+                    let f = &mut self.findings[i];
+                    f.last_step = x.last_step;
+                    f.excess_ms = f.excess_ms.max(excess);
+                }
+                (None, Some(i)) => {
+                    r.streak += 1;
+                    self.findings[i].last_step = x.last_step;
+                    if r.streak >= CONFIRM {
+                        r.streak = 0;
+                        r.open = None;
+                        self.findings[i].ended = true;
+                        changes.push(Change::Ended(self.findings[i].clone()));
+                    }
+                }
+            }
+        }
+        self.trim();
+        changes
+    }
+
+    /// Drops the oldest ended findings past [`KEEP`].
+    fn trim(&mut self) {
+        while self.findings.len() > KEEP {
+            let Some(i) = self.findings.iter().position(|f| f.ended) else {
+                return;
+            };
+            self.findings.remove(i);
+            for r in self.ranks.values_mut() {
+                if let Some(o) = r.open.as_mut().filter(|o| **o > i) {
+                    *o -= 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Cumulative times of `steps` steps of (data, compute, collective,
+    /// update) ms each, the step their sum plus `other` ms.
+    fn add(t: &mut StepTimes, steps: u64, [d, c, k, u]: [f64; 4], other: f64) {
+        let ns = |ms: f64| (ms * 1e6) as u64 * steps;
+        t.steps += steps;
+        for (i, ms) in [d, c, k, u, d + c + k + u + other].into_iter().enumerate() {
+            t.ns[i] += ns(ms);
+        }
+    }
+
+    /// Runs `windows` windows of 4 ranks; `phase(rank, window)` gives each
+    /// rank's phases in that window. Returns the changes.
+    fn run(
+        d: &mut Detector,
+        at: &mut [StepTimes; 4],
+        step: &mut u64,
+        windows: usize,
+        phase: impl Fn(usize, usize) -> [f64; 4],
+    ) -> Vec<Change> {
+        let mut changes = Vec::new();
+        for w in 0..windows {
+            *step += WINDOW;
+            for (r, t) in at.iter_mut().enumerate() {
+                add(t, WINDOW, phase(r, w), 1.0);
+            }
+            let readings: Vec<_> = at.iter().enumerate().map(|(r, t)| (r, *step, *t)).collect();
+            changes.extend(d.observe(&readings));
+        }
+        changes
+    }
+
+    const HEALTHY: [f64; 4] = [1.0, 80.0, 5.0, 10.0];
+
+    #[test]
+    fn a_rank_whose_compute_grew_while_the_others_waited_is_named_then_ended() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        assert!(run(&mut d, &mut at, &mut step, 4, |_, _| HEALTHY).is_empty());
+        // Rank 2's compute grows by 30 ms; the others wait that long.
+        let slowed = |r: usize, _| {
+            if r == 2 {
+                [1.0, 110.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 35.0, 10.0]
+            }
+        };
+        let changes = run(&mut d, &mut at, &mut step, CONFIRM as usize, slowed);
+        let [Change::Began(f)] = &changes[..] else {
+            panic!("one finding: {changes:?}");
+        };
+        assert_eq!((f.rank, f.phase.as_str()), (2, "compute"));
+        assert!((f.excess_ms - 30.0).abs() < 0.5, "{f:?}");
+        assert!((f.over_own_history_ms - 30.0).abs() < 0.5, "{f:?}");
+        assert!(f.cause.starts_with("one rank alone"), "{f:?}");
+        // Still slow: nothing new; then healthy again: it ends.
+        assert!(run(&mut d, &mut at, &mut step, 5, slowed).is_empty());
+        let changes = run(&mut d, &mut at, &mut step, CONFIRM as usize, |_, _| HEALTHY);
+        assert!(
+            matches!(&changes[..], [Change::Ended(f)] if f.rank == 2 && f.ended),
+            "{changes:?}"
+        );
+        assert_eq!(d.findings().len(), 1);
+    }
+
+    #[test]
+    fn slow_data_is_named_as_data() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        let slowed = |r: usize, _| {
+            if r == 1 {
+                [40.0, 80.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 44.0, 10.0]
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 4, |_, _| HEALTHY).is_empty());
+        let changes = run(&mut d, &mut at, &mut step, CONFIRM as usize, slowed);
+        let [Change::Began(f)] = &changes[..] else {
+            panic!("one finding: {changes:?}");
+        };
+        assert_eq!((f.rank, f.phase.as_str()), (1, "data"));
+        assert_eq!((f.since_step, f.last_step), (41, 70), "{f:?}");
+        assert!(f.cause.contains("data loading"), "{f:?}");
+    }
+
+    #[test]
+    fn no_finding_when_every_rank_slows_or_the_excess_is_small_or_brief() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        // Every rank twice as slow: nobody stands out.
+        assert!(
+            run(&mut d, &mut at, &mut step, 8, |_, _| [
+                2.0, 160.0, 5.0, 20.0
+            ])
+            .is_empty()
+        );
+        // One rank 5% slower (under the minimum effect), persistently.
+        let small = |r: usize, _| {
+            if r == 3 {
+                [1.0, 85.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 10.0, 10.0]
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 8, small).is_empty());
+        // One rank much slower in single windows, never CONFIRM in a row.
+        let brief = |r: usize, w: usize| {
+            if r == 0 && w % 2 == 0 {
+                [1.0, 140.0, 5.0, 10.0]
+            } else if w % 2 == 0 {
+                [1.0, 80.0, 65.0, 10.0]
+            } else {
+                HEALTHY
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 12, brief).is_empty());
+        // One rank with more work whom nobody waits for (as much collective
+        // as the others): not slow.
+        let unwaited = |r: usize, _| {
+            if r == 0 {
+                [1.0, 100.0, 5.0, 10.0]
+            } else {
+                HEALTHY
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 8, unwaited).is_empty());
+        assert!(d.findings().is_empty());
+    }
+
+    #[test]
+    fn a_difference_there_from_the_start_is_no_change() {
+        // Rank 3 always took 15 ms more, and the others waited: it did not
+        // grow against its own history.
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        let always = |r: usize, _| {
+            if r == 3 {
+                [1.0, 95.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 20.0, 10.0]
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 12, always).is_empty());
+        // Nor is a rank judged before its history: slow from the first
+        // window, it is never seen healthy.
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        let slowed = |r: usize, _| {
+            if r == 2 {
+                [1.0, 110.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 35.0, 10.0]
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 8, slowed).is_empty());
+    }
+
+    #[test]
+    fn several_ranks_at_once_are_named_as_imbalance() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        let band = |r: usize, _| {
+            if r < 2 {
+                [1.0, 110.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 35.0, 10.0]
+            }
+        };
+        assert!(run(&mut d, &mut at, &mut step, 4, |_, _| HEALTHY).is_empty());
+        let changes = run(&mut d, &mut at, &mut step, CONFIRM as usize, band);
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        for c in &changes {
+            let Change::Began(f) = c else { panic!("{c:?}") };
+            assert!(f.cause.contains("imbalance"), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn a_restarted_rank_starts_its_windows_again() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        run(&mut d, &mut at, &mut step, 2, |_, _| HEALTHY);
+        // Rank 1's page sums restart lower: no window of negative time.
+        at[1] = StepTimes::default();
+        d.forget(1);
+        assert!(run(&mut d, &mut at, &mut step, 6, |_, _| HEALTHY).is_empty());
+    }
+}

@@ -1,0 +1,28 @@
+//! A slow rank, as the agent's detector reports it (`agentctl slow`,
+//! `agentctl status`, the metrics, one log line when it begins and one
+//! when it ends).
+
+use serde::{Deserialize, Serialize};
+
+/// A rank found holding the job back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlowFinding {
+    pub rank: usize,
+    /// The phase that grew on it: `data`, `compute` or `update`.
+    pub phase: String,
+    /// How much longer its own work (data, compute and update) took per
+    /// step than the other ranks' (their median), in the window that
+    /// confirmed it, and the job's step then.
+    pub excess_ms: f64,
+    pub step_ms: f64,
+    /// How much longer than its own work before it was slow.
+    pub over_own_history_ms: f64,
+    /// The step at which it was first seen slow, and the last step seen.
+    pub since_step: u64,
+    pub last_step: u64,
+    /// The likely cause, in words.
+    pub cause: String,
+    /// It no longer holds the job back.
+    pub ended: bool,
+}
