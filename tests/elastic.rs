@@ -193,16 +193,7 @@ fn the_group_shrinks_twice_and_each_leg_equals_a_fresh_run() {
         assert_success(out, &format!("host {k}\n{}", logs(&outs)));
     }
     let run = read_log(&c.log);
-    let resizes: Vec<(u64, u64)> = run
-        .iter()
-        .filter(|e| e["event"] == "reshape")
-        .map(|e| {
-            (
-                e["step"].as_u64().unwrap(),
-                e["world_size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let resizes = reshapes(&run);
     let [(s1, 4), (s2, 3)] = resizes[..] else {
         panic!(
             "two resizes, to 4 then 3 ranks: {resizes:?}\n{}",
@@ -305,16 +296,7 @@ fn the_group_shrinks_grows_back_and_shrinks_again() {
         "{standby}"
     );
     let run = read_log(&c.log);
-    let resizes: Vec<(u64, u64)> = run
-        .iter()
-        .filter(|e| e["event"] == "reshape")
-        .map(|e| {
-            (
-                e["step"].as_u64().unwrap(),
-                e["world_size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let resizes = reshapes(&run);
     let [(s1, 3), (s2, 4), (s3, 3)] = resizes[..] else {
         panic!("resizes to 3, 4, 3 ranks: {resizes:?}\n{}", logs(&outs));
     };
@@ -409,16 +391,7 @@ fn a_host_lost_during_a_grow_leaves_in_the_same_reshape() {
         assert_success(out, &format!("host {k}\n{}", logs(&outs)));
     }
     let run = read_log(&c.log);
-    let resizes: Vec<(u64, u64)> = run
-        .iter()
-        .filter(|e| e["event"] == "reshape")
-        .map(|e| {
-            (
-                e["step"].as_u64().unwrap(),
-                e["world_size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let resizes = reshapes(&run);
     let [(s1, 3), (_, 3)] = resizes[..] else {
         panic!(
             "two reshapes, both to 3 ranks: {resizes:?}\n{}",
@@ -543,16 +516,7 @@ fn a_size_that_does_not_divide_the_global_batch_leaves_ranks_standing_by() {
         assert_success(out, &format!("host {k}\n{}", logs(&outs)));
     }
     let run = read_log(&c.log);
-    let reshapes: Vec<(u64, u64)> = run
-        .iter()
-        .filter(|e| e["event"] == "reshape")
-        .map(|e| {
-            (
-                e["step"].as_u64().unwrap(),
-                e["world_size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let reshapes = reshapes(&run);
     let [(s_star, 2)] = reshapes[..] else {
         panic!("one resize, to 2 ranks: {reshapes:?}\n{}", logs(&outs));
     };
@@ -601,4 +565,17 @@ fn a_size_that_does_not_divide_the_global_batch_leaves_ranks_standing_by() {
     for k in [0, 2, 3] {
         assert_nothing_left(&c.shm[k]);
     }
+}
+
+/// The step and the new size of each reshape in a run's log, in order.
+fn reshapes(run: &[serde_json::Value]) -> Vec<(u64, u64)> {
+    run.iter()
+        .filter(|e| e["event"] == "reshape")
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["world_size"].as_u64().unwrap(),
+            )
+        })
+        .collect()
 }

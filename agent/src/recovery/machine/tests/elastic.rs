@@ -11,6 +11,26 @@ fn elastic(min_nodes: usize) -> MachineConfig {
     cfg
 }
 
+/// Each `(rank, place)` was told to take `place` of `world` at `s_star`.
+fn assert_places(sim: &Sim, s_star: u64, places: &[(usize, u64)], world: u64) {
+    for &(rank, place) in places {
+        let want = Directive::Reshape {
+            epoch: sim.m.epoch(),
+            step: s_star,
+            rank: place,
+            world,
+        };
+        assert!(
+            sim.commands.contains(&Command::Post {
+                rank,
+                directive: want
+            }),
+            "rank {rank} takes place {place}: {:?}",
+            sim.commands
+        );
+    }
+}
+
 fn loss(hosts_left: usize) -> Event {
     Event::HostLost(HostLoss {
         node: 1,
@@ -43,22 +63,7 @@ fn a_host_lost_with_no_standby_shrinks_the_group() {
     assert_eq!(sim.m.layout_size(), 4);
     let s_star = sim.m.faults()[0].s_star.expect("an s*");
     // Ranks 0, 1, 4, 5 take places 0..4 of 4; nobody posts to 2 or 3.
-    for (rank, place) in [(0, 0), (1, 1), (4, 2), (5, 3)] {
-        let want = Directive::Reshape {
-            epoch: sim.m.epoch(),
-            step: s_star,
-            rank: place,
-            world: 4,
-        };
-        assert!(
-            sim.commands.contains(&Command::Post {
-                rank,
-                directive: want
-            }),
-            "rank {rank} takes place {place}: {:?}",
-            sim.commands
-        );
-    }
+    assert_places(&sim, s_star, &[(0, 0), (1, 1), (4, 2), (5, 3)], 4);
     assert!(sim.commands.contains(&Command::Donate {
         step: s_star,
         leaving: vec![2, 3]
@@ -271,22 +276,7 @@ fn a_shrink_to_a_size_that_does_not_divide_the_global_batch_stands_ranks_by() {
     sim.run_until("the reshape", 300, |s| !s.m.recovering());
     assert_eq!(sim.outcome, None, "{:?}", sim.notes);
     let s_star = sim.m.faults()[0].s_star.expect("an s*");
-    for (rank, place) in [(0, 0), (2, 1)] {
-        let want = Directive::Reshape {
-            epoch: sim.m.epoch(),
-            step: s_star,
-            rank: place,
-            world: 2,
-        };
-        assert!(
-            sim.commands.contains(&Command::Post {
-                rank,
-                directive: want
-            }),
-            "rank {rank} takes place {place}: {:?}",
-            sim.commands
-        );
-    }
+    assert_places(&sim, s_star, &[(0, 0), (2, 1)], 2);
     // The stood-by rank's state comes from its replica, as the lost one's.
     assert!(sim.commands.contains(&Command::Donate {
         step: s_star,
