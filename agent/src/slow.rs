@@ -383,9 +383,9 @@ mod tests {
         assert!(run(&mut d, &mut at, &mut step, 8, small).is_empty());
         // One rank much slower in single windows, never CONFIRM in a row.
         let brief = |r: usize, w: usize| {
-            if r == 0 && w % 2 == 0 {
+            if r == 0 && w.is_multiple_of(2) {
                 [1.0, 140.0, 5.0, 10.0]
-            } else if w % 2 == 0 {
+            } else if w.is_multiple_of(2) {
                 [1.0, 80.0, 65.0, 10.0]
             } else {
                 HEALTHY
