@@ -12,7 +12,7 @@
 //!  3  shim replicator coordinator  exec shims' side, peer replicas, membership
 //!  2  persister cli spec           checkpoints, argument types, worker specs
 //!  1  output recovery              worker output, the recovery machine
-//!  0  reaper oom limits faults jobdir control notify metrics
+//!  0  reaper oom limits faults jobdir control notify metrics slow
 //! ```
 
 /// Each module's layer (the table above).
@@ -25,6 +25,7 @@ pub const LAYERS: &[(&str, u8)] = &[
     ("control", 0),
     ("notify", 0),
     ("metrics", 0),
+    ("slow", 0),
     ("output", 1),
     ("recovery", 1),
     ("persister", 2),
