@@ -48,7 +48,8 @@ run() {
         echo "$found" | python3 -c '
 import json, sys
 f = json.load(sys.stdin)[0]
-print(f"{sys.argv[1]}: rank {f[\"rank\"]} {f[\"phase\"]}, found at step {f[\"last_step\"]} (since {f[\"since_step\"]}), +{f[\"excess_ms\"]:.1f} ms on a {f[\"step_ms\"]:.1f} ms step")' "$name"
+print("%s: rank %d %s, found at step %d (since %d), +%.1f ms on a %.1f ms step" % (
+    sys.argv[1], f["rank"], f["phase"], f["last_step"], f["since_step"], f["excess_ms"], f["step_ms"]))' "$name"
     fi
 }
 
