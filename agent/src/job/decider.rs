@@ -464,10 +464,11 @@ impl Controller {
             return None;
         }
         let g = self.gather.take()?;
+        let wanted: BTreeSet<usize> = self.orphans().into_iter().collect();
         let orphans: BTreeMap<usize, Vec<(u64, Vec<u64>)>> = g
             .replicas
             .into_iter()
-            .filter(|(r, _)| self.orphans().contains(r))
+            .filter(|(r, _)| wanted.contains(r))
             .collect();
         // A rank standing by counts with its replica, from which it is
         // brought to the reshape, not with its own store.

@@ -702,6 +702,7 @@ impl Machine {
 
 mod elastic;
 mod faults;
+mod hostloss;
 mod stages;
 mod unreported;
 

@@ -29,7 +29,7 @@ mod scenarios;
 mod succession;
 mod writes;
 
-use rank::{Rank, act};
+use rank::{Rank, act, registration};
 pub use rank::{fold, reference};
 
 pub const TICK: Duration = Duration::from_millis(10);
@@ -201,11 +201,7 @@ impl Cluster {
         for r in 0..world {
             c.ranks[r].answered = false;
             let node = c.plays[r];
-            c.hosts[node as usize].events.push(Event::Registered {
-                rank: r,
-                checkpoint: true,
-                global_batch: None,
-            });
+            c.hosts[node as usize].events.push(registration(r));
         }
         c
     }
@@ -555,11 +551,7 @@ impl Cluster {
             self.hosts[node as usize].heard = self.now;
             for rank in std::mem::take(&mut self.hosts[node as usize].registering) {
                 self.ranks[rank].registered = true;
-                self.hosts[node as usize].events.push(Event::Registered {
-                    rank,
-                    checkpoint: true,
-                    global_batch: None,
-                });
+                self.hosts[node as usize].events.push(registration(rank));
             }
             for rank in self.ranks_of(node) {
                 act(&mut self.ranks[rank]);

@@ -102,3 +102,12 @@ pub(super) fn act(r: &mut Rank) {
         Directive::None | Directive::Stop => {}
     }
 }
+
+/// A rank's registration, as the sims' workers make it.
+pub(super) fn registration(rank: usize) -> crate::recovery::Event {
+    crate::recovery::Event::Registered {
+        rank,
+        checkpoint: true,
+        global_batch: None,
+    }
+}
