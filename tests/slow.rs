@@ -5,17 +5,23 @@
 //! and the detector's findings (`agentctl slow`).
 //!
 //! - a rank slowed in its data path shows the time as data, the rank it
-//!   holds back as collective time; it is named, with data as the phase;
+//!   holds back as collective time; it is named, with data as the phase,
+//!   and not handed over even with `--on-slow replace`;
 //! - a rank slowed in its forward pass is named with compute;
 //! - both ranks slowed together (the host) raise nothing;
-//! - healthy runs of the real model beside a CPU burner raise nothing.
+//! - healthy runs of the real model beside a CPU burner raise nothing;
+//! - a rank throttled for real (a CPU quota on its process, a cgroup v1
+//!   `cpu` group) is named with compute, and with `--on-slow replace` is
+//!   handed to a warm standby once the slowdown has cost the job the price
+//!   of a hand-over; the run ends bit-identical to one never throttled.
 
 mod common;
 use common::*;
 use std::time::Duration;
 
 /// Runs 2 ranks for `steps` steps (an emulated device of `device` ms, or
-/// the real model) under `plan`, polling `agentctl status` until
+/// the real model) under `plan`, with `--on-slow replace` (and worker
+/// reboot, a hand-over priced at nothing) where `replace`, polling `agentctl status` until
 /// `done(status)`; returns the last status seen, whether `done` held, and
 /// the launcher's output.
 fn run(
@@ -23,6 +29,7 @@ fn run(
     steps: u64,
     device: Option<&str>,
     plan: &str,
+    replace: bool,
     done: impl Fn(&serde_json::Value) -> bool,
 ) -> (serde_json::Value, bool, std::process::Output) {
     let d = tempfile::tempdir().unwrap();
@@ -32,12 +39,14 @@ fn run(
     }
     let job = job_id(name);
     let shm = d.path().join("shm");
-    let cmd = Launch::new(2)
-        .job(&job)
-        .shm_root(&shm)
-        .args(args)
-        .fault_plan(plan)
-        .command();
+    let mut launch = Launch::new(2).job(&job).shm_root(&shm);
+    if replace {
+        launch =
+            launch
+                .worker_reboot()
+                .flags(["--on-slow", "replace", "--slow-handover-secs", "0"]);
+    }
+    let cmd = launch.args(args).fault_plan(plan).command();
     let mut running = Job::spawn(cmd, &job);
     let socket = shm.join(&job).join("agent.sock");
     let mut last = serde_json::Value::Null;
@@ -71,8 +80,12 @@ fn findings(status: &serde_json::Value) -> Vec<serde_json::Value> {
 }
 
 #[test]
-fn a_rank_slowed_in_its_data_path_shows_as_data_and_is_named_with_data() {
-    let (status, held, out) = run("slow-data", 150, Some("20"), "1:40-400:data:sleep40", |s| {
+fn a_rank_slowed_in_its_data_path_shows_as_data_is_named_with_data_and_not_replaced() {
+    // With --on-slow replace, the hand-over priced at nothing: a rank slow
+    // in its data path is not handed over (a fresh process loads no
+    // faster).
+    let plan = "1:40-400:data:sleep40";
+    let (status, held, out) = run("slow-data", 150, Some("20"), plan, true, |s| {
         times(s, 0, 100).is_some() && times(s, 1, 100).is_some() && !findings(s).is_empty()
     });
     assert!(held, "no finding after 100 steps: {status}\n{}", text(&out));
@@ -104,6 +117,11 @@ fn a_rank_slowed_in_its_data_path_shows_as_data_and_is_named_with_data() {
         "{f}"
     );
     assert!(f["cause"].as_str().unwrap().contains("data loading"), "{f}");
+    assert_eq!(
+        status["faults"],
+        serde_json::json!([]),
+        "nothing handed over"
+    );
     let since = f["since_step"].as_u64().unwrap();
     assert!(
         (31..=52).contains(&since),
@@ -118,6 +136,7 @@ fn a_rank_slowed_in_its_forward_pass_is_named_with_compute() {
         150,
         Some("20"),
         "0:40-400:forward:sleep30",
+        false,
         |s| !findings(s).is_empty(),
     );
     assert!(held, "no finding: {status}\n{}", text(&out));
@@ -137,7 +156,7 @@ fn a_rank_slowed_in_its_forward_pass_is_named_with_compute() {
 #[test]
 fn both_ranks_slowed_together_raise_nothing() {
     let plan = "0:40-400:forward:sleep30;1:40-400:forward:sleep30";
-    let (status, held, out) = run("slow-both", 150, Some("20"), plan, |s| {
+    let (status, held, out) = run("slow-both", 150, Some("20"), plan, false, |s| {
         times(s, 0, 120).is_some() && times(s, 1, 120).is_some()
     });
     assert!(held, "never 120 steps timed: {status}\n{}", text(&out));
@@ -150,10 +169,170 @@ fn both_ranks_slowed_together_raise_nothing() {
 fn healthy_runs_beside_a_cpu_burner_raise_nothing() {
     let _burners = Burners::start();
     for k in 0..3 {
-        let (status, held, out) = run(&format!("slow-healthy-{k}"), 400, None, "", |s| {
+        let (status, held, out) = run(&format!("slow-healthy-{k}"), 400, None, "", false, |s| {
             times(s, 0, 300).is_some() && times(s, 1, 300).is_some()
         });
         assert!(held, "never 300 steps timed: {status}\n{}", text(&out));
         assert!(findings(&status).is_empty(), "run {k}: {status}");
+    }
+}
+
+/// A cgroup v1 `cpu` group with a quota, removed when dropped (its
+/// processes moved back to the root group first, should the test fail
+/// while they live).
+struct CpuQuota(std::path::PathBuf);
+
+impl CpuQuota {
+    /// `percent` of one core for `pid`.
+    fn new(name: &str, percent: u64, pid: i32) -> Self {
+        let dir = std::path::Path::new("/sys/fs/cgroup/cpu").join(name);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| {
+            panic!("the test throttles a worker in a cgroup v1 cpu group (as root): {dir:?}: {e}")
+        });
+        let q = Self(dir);
+        std::fs::write(q.0.join("cpu.cfs_period_us"), "100000").unwrap();
+        std::fs::write(q.0.join("cpu.cfs_quota_us"), (percent * 1000).to_string()).unwrap();
+        std::fs::write(q.0.join("cgroup.procs"), pid.to_string()).unwrap();
+        q
+    }
+
+    fn procs(&self) -> Vec<i32> {
+        std::fs::read_to_string(self.0.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for CpuQuota {
+    fn drop(&mut self) {
+        for pid in self.procs() {
+            let _ = std::fs::write("/sys/fs/cgroup/cpu/cgroup.procs", pid.to_string());
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Rank 1's process is held to 20% of a core from step 60 on (a cgroup's
+/// CPU quota: the real model's compute, throttled). The detector names it
+/// with compute; `--on-slow replace` with a hand-over priced at 1 s hands
+/// it to the warm standby once the slowdown cost that much (a fault of
+/// kind `slow`, recovered by worker reboot); the standby is not
+/// throttled, so the finding ends (three windows not slow); and the run
+/// ends bit-identical to the same run never throttled (`scripts/slow-detect.sh replace` measures
+/// the step times).
+#[test]
+fn a_rank_throttled_by_a_cpu_quota_is_handed_to_a_warm_standby_and_the_run_stays_bit_identical() {
+    let d = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let with_log = |name: &str| {
+        let mut a = tiny_args(steps);
+        a.extend(s(&["--log-jsonl", d.path().join(name).to_str().unwrap()]));
+        a
+    };
+    let reference = run_launch(2, "slow-replace-ref", &with_log("ref.jsonl"));
+    assert_success(&reference, "the run never throttled");
+    let job = job_id("slow-replace");
+    let shm = d.path().join("shm");
+    let cmd = Launch::new(2)
+        .worker_reboot()
+        .job(&job)
+        .shm_root(&shm)
+        .flags([
+            "--warm-standby",
+            "1",
+            "--on-slow",
+            "replace",
+            "--slow-handover-secs",
+            "1",
+        ])
+        .args(with_log("slowed.jsonl"))
+        .command();
+    let mut running = Job::spawn(cmd, &job);
+    let socket = shm.join(&job).join("agent.sock");
+    let rank1 = |v: &serde_json::Value| {
+        v["status"]["workers"]
+            .as_array()?
+            .iter()
+            .find(|w| w["rank"] == 1)
+            .cloned()
+    };
+    let pid = poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
+        let w = rank1(v)?;
+        (w["step"].as_u64()? >= 60).then(|| w["pid"].as_i64())?
+    })
+    .expect("rank 1 reached step 60") as i32;
+    let quota = CpuQuota::new(&job, 20, pid);
+    // Handed over, and rank 1's finding ended: the standby is not slow.
+    let mut last = serde_json::Value::Null;
+    let seen = poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
+        last = v["status"].clone();
+        let fault = last["faults"]
+            .as_array()?
+            .iter()
+            .find(|f| f["kind"] == "slow" && f["recovery_s"].is_number())
+            .cloned()?;
+        let f = findings(&last)
+            .into_iter()
+            .find(|f| f["rank"] == 1 && f["ended"] == true)?;
+        Some((fault, f))
+    });
+    let out = running.wait_output(Duration::from_secs(240));
+    assert_success(&out, "the throttled run");
+    let (fault, f) = seen.unwrap_or_else(|| {
+        panic!(
+            "never handed over, or still slow after: {last}\n{}",
+            text(&out)
+        )
+    });
+    assert_eq!(fault["ranks"], serde_json::json!([1]), "{fault}");
+    assert_eq!(fault["class"], "reboot", "{fault}");
+    assert!(
+        quota.procs().is_empty(),
+        "the throttled process is gone: {:?}",
+        quota.procs()
+    );
+    assert_eq!(f["phase"], "compute", "{f}");
+    assert_eq!(f["alone"], true, "{f}");
+    let now = last["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["rank"] == 1);
+    let now = now.and_then(|w| w["pid"].as_i64()).unwrap() as i32;
+    assert_ne!(now, pid, "rank 1 runs in another process");
+    let since = f["since_step"].as_u64().unwrap();
+    assert!(since >= 51, "not before the quota: {f}");
+    let slowed = read_log(&d.path().join("slowed.jsonl"));
+    let fresh = read_log(&d.path().join("ref.jsonl"));
+    assert_eq!(final_checksum(&slowed), final_checksum(&fresh));
+    assert_eq!(final_losses(&slowed), final_losses(&fresh));
+}
+
+/// `--on-slow replace` restarts ranks in place: without worker reboot it
+/// is a usage error that names what is missing, before any worker starts;
+/// a policy that does not exist is one too.
+#[test]
+fn on_slow_replace_without_worker_reboot_and_an_unknown_policy_are_usage_errors() {
+    for (flags, says) in [
+        (
+            &["--on-slow", "replace"][..],
+            "--on-slow replace needs --enable-worker-reboot",
+        ),
+        (&["--on-slow", "evict"][..], "'evict'"),
+    ] {
+        let job = job_id("slow-flags");
+        let out = Launch::new(2)
+            .job(&job)
+            .flags(flags)
+            .program("true")
+            .command()
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(says), "{flags:?}: {stderr}");
+        assert!(job_pids(&job).is_empty());
     }
 }

@@ -266,6 +266,19 @@ pub struct HaArgs {
     /// that supports it (hatrain.torch, hatrain-train).
     #[arg(long, default_value_t = 0, value_name = "K")]
     pub warm_standby: usize,
+    /// What a rank found slow gets: `report` (`agentctl slow`, the
+    /// metrics, one log line); or `replace`: one rank slow alone in its
+    /// own compute or update is also restarted in place (to a warm standby
+    /// where there is one, see --warm-standby) once what it has cost the
+    /// job, its excess per step times the steps it lasted, equals the
+    /// price of the hand-over. Needs --enable-worker-reboot.
+    #[arg(long, value_enum, default_value_t = crate::slow::OnSlow::Report)]
+    pub on_slow: crate::slow::OnSlow,
+    /// The price of handing a slow rank over (`--on-slow replace`) until
+    /// this job has measured one: after that, the recovery time of its
+    /// last worker reboot.
+    #[arg(long, default_value_t = 5.0, value_name = "SECS")]
+    pub slow_handover_secs: f64,
     /// Python modules to import once per host (`torch,torch._dynamo`): the
     /// workers, at the start, in a worker reboot or a group restart and as
     /// warm standbys, are forked from a Python server that has imported

@@ -97,6 +97,10 @@ pub struct HaSettings {
     pub standby_nodes: usize,
     /// Warm standby worker processes kept on this host.
     pub warm_standbys: usize,
+    /// What a slow rank gets (`--on-slow`), and the price of handing it
+    /// over until this job measured one (`--slow-handover-secs`).
+    pub on_slow: crate::slow::OnSlow,
+    pub slow_handover: Duration,
     /// Python modules the fork server of the workers imports (`--preload`;
     /// none: no server).
     pub preload: Vec<String>,
@@ -169,6 +173,8 @@ impl Default for HaSettings {
             local_addr: None,
             standby_nodes: 0,
             warm_standbys: 0,
+            on_slow: crate::slow::OnSlow::Report,
+            slow_handover: Duration::from_secs(5),
             preload: Vec::new(),
             standby: false,
             min_nodes: 1,
@@ -398,6 +404,12 @@ impl LaunchConfig {
                 crate::supervisor::PythonCommand::parse(program.as_ref(), args)
                     .map_err(|e| LaunchError::Config(format!("--preload: {e}")))?;
             }
+        }
+        if self.ha.on_slow == crate::slow::OnSlow::Replace && !self.ha.modes.recover {
+            return bad(
+                "--on-slow replace needs --enable-worker-reboot: a slow rank is handed over by restarting it in place (to a warm standby where there is one)"
+                    .to_string(),
+            );
         }
         if self.ha.warm_standbys > MAX_WARM_STANDBYS {
             return bad(format!(

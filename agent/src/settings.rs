@@ -89,6 +89,8 @@ pub fn launch_config(
         local_addr: h.local_addr,
         standby_nodes: h.standby_nodes,
         warm_standbys: h.warm_standby,
+        on_slow: h.on_slow,
+        slow_handover: seconds("--slow-handover-secs", h.slow_handover_secs)?,
         preload: h.preload.clone(),
         min_nodes: usize::try_from(h.min_nodes).unwrap_or(usize::MAX),
         standby: h.standby,

@@ -225,6 +225,7 @@ impl Detector {
                             since_step: r.since,
                             last_step: x.last_step,
                             cause: cause(phase),
+                            alone: slow.len() == 1,
                             ended: false,
                         };
                         r.open = Some(self.findings.len());
@@ -273,6 +274,42 @@ impl Detector {
             }
         }
     }
+}
+
+/// What the agent does with a rank its detector finds slow (`--on-slow`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum OnSlow {
+    /// Report it (`agentctl slow`, the metrics, the log) and nothing more.
+    #[default]
+    Report,
+    /// Also hand one rank slow in its own compute or update to a fresh
+    /// process (a warm standby where there is one), through the worker
+    /// reboot path, once what the slowdown has cost the job equals the
+    /// price of a hand-over.
+    Replace,
+}
+
+/// Whether handing the rank of open finding `f` to a fresh process pays
+/// (`--on-slow replace`), for a hand-over that costs `price_ms`: a rule of
+/// ski rental, which never loses more than twice the best choice made in
+/// hindsight: act once what the slowdown has cost so far
+/// ([`SlowFinding::cost_ms`]) equals the price. Only one rank alone, slow
+/// in its own compute or update, is handed over: a fresh process cures a
+/// throttled or failing device or a noisy neighbour of its process, not
+/// its data loading, nor an imbalance across several ranks.
+pub fn replace_pays(f: &SlowFinding, price_ms: f64) -> bool {
+    !f.ended && f.alone && f.phase != "data" && f.cost_ms() >= price_ms
 }
 
 #[cfg(test)]
@@ -458,5 +495,40 @@ mod tests {
         at[1] = StepTimes::default();
         d.forget(1);
         assert!(run(&mut d, &mut at, &mut step, 6, |_, _| HEALTHY).is_empty());
+    }
+
+    #[test]
+    fn a_hand_over_pays_once_the_slowdown_cost_its_price_and_only_for_one_rank_slow_in_its_own_work()
+     {
+        let f = SlowFinding {
+            rank: 1,
+            phase: "compute".into(),
+            excess_ms: 20.0,
+            step_ms: 100.0,
+            over_own_history_ms: 20.0,
+            since_step: 100,
+            last_step: 149,
+            cause: String::new(),
+            alone: true,
+            ended: false,
+        };
+        assert_eq!(f.cost_ms(), 1000.0, "50 steps of 20 ms");
+        assert!(replace_pays(&f, 1000.0));
+        assert!(!replace_pays(&f, 1000.1), "not yet");
+        let data = SlowFinding {
+            phase: "data".into(),
+            ..f.clone()
+        };
+        assert!(
+            !replace_pays(&data, 1.0),
+            "its data loading: not cured by a new process"
+        );
+        let several = SlowFinding {
+            alone: false,
+            ..f.clone()
+        };
+        assert!(!replace_pays(&several, 1.0), "an imbalance across ranks");
+        let ended = SlowFinding { ended: true, ..f };
+        assert!(!replace_pays(&ended, 1.0));
     }
 }

@@ -18,8 +18,9 @@ pub const PROTOCOL: Protocol = Protocol {
     name: "control",
     magic: *b"HTCL",
     major: 1,
-    // 1.7: a fault record's `class`.
-    minor: 7,
+    // 1.7: a fault record's `class`. 1.8: fault kind `slow`, and whether a
+    // slow-rank finding is of one rank alone.
+    minor: 8,
     max_payload: 1 << 20,
 };
 
@@ -585,6 +586,10 @@ pub enum FaultKind {
     /// A device fault source (an NPU's driver) took a device out: its
     /// ranks cannot go on on this host (since protocol 1.5).
     Device,
+    /// A rank held the job back long enough that handing it to a fresh
+    /// process (a warm standby) costs less than leaving it
+    /// (`--on-slow replace`; since protocol 1.8).
+    Slow,
 }
 
 /// One report of a device fault source, and what the agent decided.
@@ -623,6 +628,7 @@ impl std::fmt::Display for FaultKind {
             Self::Store => "no store",
             Self::HostLost => "host lost",
             Self::Device => "device",
+            Self::Slow => "slow",
         })
     }
 }

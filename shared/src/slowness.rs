@@ -23,6 +23,19 @@ pub struct SlowFinding {
     pub last_step: u64,
     /// The likely cause, in words.
     pub cause: String,
+    /// It was the only rank slow when it was confirmed (since control
+    /// protocol 1.8).
+    #[serde(default)]
+    pub alone: bool,
     /// It no longer holds the job back.
     pub ended: bool,
+}
+
+impl SlowFinding {
+    /// What it has cost the job so far: every rank waited its excess in
+    /// each step from the first seen slow to the last.
+    pub fn cost_ms(&self) -> f64 {
+        let steps = self.last_step.saturating_sub(self.since_step) + 1;
+        self.excess_ms * steps as f64
+    }
 }

@@ -237,8 +237,10 @@ struct Driver<'a> {
     /// The steps the stores keep for the peer replicas, as the controller
     /// last said (`decider::hold`).
     kept: hatrain_shared::shm::Kept,
-    /// The slow-rank detector over this host's ranks.
+    /// The slow-rank detector over this host's ranks, and the findings
+    /// handed over (`--on-slow replace`), by rank and first slow step.
     slow: crate::slow::Detector,
+    slow_handed: BTreeSet<(usize, u64)>,
     /// Ranks this host took to join a growing group that have not
     /// registered yet: they start by waiting for the reshape that takes
     /// them in, whatever this host has heard of the controller so far.
@@ -293,6 +295,7 @@ impl<'a> Driver<'a> {
             joining: BTreeSet::new(),
             kept: Default::default(),
             slow: Default::default(),
+            slow_handed: BTreeSet::new(),
             donations: std::collections::BTreeMap::new(),
             filling: HashMap::new(),
             keeper: None,
@@ -774,6 +777,6 @@ impl Driver<'_> {
         self.fill_adopted(sup);
         self.tick_views(sup);
         self.keep();
-        self.watch_slow();
+        self.watch_slow(sup);
     }
 }

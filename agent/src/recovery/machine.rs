@@ -324,6 +324,7 @@ impl Machine {
             Event::Uce { rank, part, offset } => self.uce(now, rank, &part, offset),
             Event::SpawnFailed { rank, error } => self.spawn_failed(now, rank, &error),
             Event::DeviceFault { rank, kind, detail } => self.device_fault(now, rank, kind, detail),
+            Event::Slow { rank, detail } => self.slow(rank, detail),
             Event::RebuildFailed { rank, epoch, peer } => {
                 self.rebuild_failed(now, rank, epoch, peer)
             }

@@ -142,6 +142,9 @@ pub enum Event {
     },
     /// A replacement process could not be started.
     SpawnFailed { rank: usize, error: String },
+    /// `--on-slow replace` found `rank` slow long enough that a fresh
+    /// process costs less than leaving it (`detail` says how slow).
+    Slow { rank: usize, detail: String },
     /// A device fault source reported a fault of `rank`'s device:
     /// `FaultKind::Crash` or `FaultKind::Hang` take the rank down (and
     /// its exit is recovered from as that kind); `FaultKind::Device`

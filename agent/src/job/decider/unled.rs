@@ -31,6 +31,7 @@ pub(in crate::job) fn is_fault(e: &Event) -> bool {
         | Event::Uce { .. }
         | Event::SpawnFailed { .. }
         | Event::DeviceFault { .. }
+        | Event::Slow { .. }
         | Event::RebuildFailed { .. }
         | Event::HostLost(_)
         | Event::Interrupted => true,

@@ -502,6 +502,37 @@ impl Machine {
         self.cmd(Command::Kill { rank });
     }
 
+    /// `rank` is slow and handing it to a fresh process pays: it is killed,
+    /// and its exit recovered from as a [`FaultKind::Slow`] (a worker
+    /// reboot, to a warm standby where there is one). Only while the job
+    /// runs undisturbed and the rank can be restarted in place: a recovery
+    /// under way decides otherwise, and a rank with nothing to refill it
+    /// from is better slow than gone.
+    pub(super) fn slow(&mut self, rank: usize, detail: String) {
+        let why_not = if !matches!(self.state, State::Running) {
+            Some("a recovery or the job's end is under way".to_string())
+        } else if self.killed.contains_key(&rank) || !self.view(rank).alive {
+            Some("it is being restarted already".to_string())
+        } else {
+            self.unrepairable_in_place(rank)
+        };
+        if let Some(why) = why_not {
+            self.note(
+                Level::Info,
+                Some(rank),
+                format!("slow rank {rank} not handed over ({detail}): {why}"),
+            );
+            return;
+        }
+        self.note(
+            Level::Warn,
+            Some(rank),
+            format!("slow rank handed over: restarting rank {rank} in place ({detail})"),
+        );
+        self.killed.insert(rank, (FaultKind::Slow, detail));
+        self.cmd(Command::Kill { rank });
+    }
+
     /// A rank's snapshot store cannot be made: the job cannot run on this
     /// host. It stops at once: nothing can have been snapshotted yet, since
     /// stores are made before a rank trains.
