@@ -214,6 +214,11 @@ pub struct SettingArgs {
     /// Steps between hatrain's snapshots.
     #[arg(long, default_value_t = 1)]
     pub snapshot_every: u32,
+    /// What hatrain does with a slow host: `replace` (hands it to a
+    /// standby host, or out of an elastic group, once the slowdown cost
+    /// the price of the hand-over) or `report` (it is left slow).
+    #[arg(long, default_value = "replace", value_parser = ["report", "replace"])]
+    pub on_slow: String,
 }
 
 impl SettingArgs {
@@ -238,6 +243,7 @@ impl SettingArgs {
             disk_interval_s: self.disk_interval_mins.map(|m| m * 60.0),
             min_hosts_frac: self.min_hosts_frac,
             snapshot_every: self.snapshot_every,
+            on_slow_replace: self.on_slow == "replace",
         })
     }
 }

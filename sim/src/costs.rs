@@ -112,6 +112,10 @@ pub struct Measured {
     /// hatrain's costs per GB of state, for a run scaled to another state
     /// size and host (`crate::scale`); `None` in a file without them.
     pub per_gb: Option<PerGb>,
+    /// Steps from the onset of one rank's slowdown to the agent's finding
+    /// (`scripts/slow-detect.sh delay`); `None` in a file without it: no
+    /// slowdown is detected, so none is handed over.
+    pub slow_detect_steps: Option<f64>,
     /// Every entry as it was read, for the report.
     pub entries: BTreeMap<String, Entry>,
 }
@@ -162,6 +166,16 @@ const PER_GB_KEYS: [(&str, &str, &str, f64, f64); 6] = [
         1e4,
     ),
 ];
+
+/// The slow-rank detector's delay, optional (see
+/// [`Measured::slow_detect_steps`]).
+const SLOW_DETECT: (&str, &str, &str, f64, f64) = (
+    "slow_detect_steps",
+    "steps from a rank's slowdown to the finding",
+    "scripts/slow-detect.sh delay 7 and delay 22",
+    1.0,
+    1e6,
+);
 
 /// `(key, what it is, the bench that measures it, lowest, highest)`.
 const KEYS: [(&str, &str, &str, f64, f64); 10] = [
@@ -319,9 +333,14 @@ impl Measured {
                 pause_state_gb: g[5],
             })
         };
+        let slow_detect_steps = match file.costs.get(SLOW_DETECT.0) {
+            None => None,
+            Some(_) => Some(read_keys(&file, path, [SLOW_DETECT])?[0]),
+        };
         Ok(Self {
             machine: file.machine,
             per_gb,
+            slow_detect_steps,
             snapshot_step_ratio: v[0],
             replica_step_ratio: v[1],
             persist_step_ratio: v[2],
@@ -425,9 +444,14 @@ mod tests {
         let m = Measured::checked_in();
         assert!(m.snapshot_step_ratio >= 1.0);
         assert!(m.per_gb.is_some());
-        assert_eq!(m.entries.len(), KEYS.len() + PER_GB_KEYS.len());
+        assert!(m.slow_detect_steps.is_some());
+        assert_eq!(m.entries.len(), KEYS.len() + PER_GB_KEYS.len() + 1);
         for (k, e) in &m.entries {
-            assert!(e.source.contains("cargo bench"), "{k}: {}", e.source);
+            assert!(
+                e.source.contains("cargo bench") || e.source.starts_with("scripts/"),
+                "{k}: {}",
+                e.source
+            );
             assert_eq!(e.measured.len(), 10, "{k}: {}", e.measured);
         }
     }

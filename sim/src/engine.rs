@@ -18,14 +18,24 @@
 use crate::policy::{Cause, Outcome, Params, Policy, Setting, disk_interval, step_ratio};
 use crate::trace::{Fault, Kind};
 use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
+use std::collections::{BTreeMap, BinaryHeap};
 
-/// An event of the run's own: hosts back from repair, a slowdown over.
+/// An event of the run's own: hosts back from repair, a slowdown over, a
+/// slow host handed over.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Due {
     t: f64,
-    /// Hosts back from repair; 0: a slowdown ends.
-    hosts: u32,
+    what: What,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum What {
+    /// Hosts back from repair.
+    Back(u32),
+    /// Slowdown `id` is over.
+    SlowEnds(u32),
+    /// Slowdown `id` has cost the price of handing its host over.
+    HandOver(u32),
 }
 
 impl Eq for Due {}
@@ -36,9 +46,7 @@ impl PartialOrd for Due {
 }
 impl Ord for Due {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.t
-            .total_cmp(&other.t)
-            .then(self.hosts.cmp(&other.hosts))
+        self.t.total_cmp(&other.t).then(self.what.cmp(&other.what))
     }
 }
 
@@ -84,7 +92,9 @@ struct Run<'a> {
     /// it).
     requeue_until: f64,
     missing: u32,
-    slow: u32,
+    /// The slowdowns under way, by id, with when each would end.
+    slowing: BTreeMap<u32, f64>,
+    next_slow: u32,
     spares: u32,
     durable: f64,
     next_save: f64,
@@ -115,7 +125,8 @@ pub fn simulate(policy: Policy, setting: &Setting, p: &Params, trace: &[Fault]) 
         full_until: 0.0,
         requeue_until: 0.0,
         missing: 0,
-        slow: 0,
+        slowing: BTreeMap::new(),
+        next_slow: 0,
         spares: if policy.is_hatrain() {
             setting.standby_hosts
         } else {
@@ -158,7 +169,7 @@ impl Run<'_> {
     /// The share of hosts training, and the slowdown's speed.
     fn factors(&self) -> (f64, f64) {
         let hosts = f64::from(self.hosts - self.missing) / f64::from(self.hosts);
-        let slow = if self.slow > 0 {
+        let slow = if !self.slowing.is_empty() {
             self.p.rates.slow_speed
         } else {
             1.0
@@ -335,11 +346,19 @@ impl Run<'_> {
         self.faults[f.kind as usize] += 1;
         let pb = self.p.published;
         if f.kind == Kind::Slow {
-            self.slow += 1;
+            let (id, end) = (self.next_slow, f.t + f.dur);
+            self.next_slow += 1;
+            self.slowing.insert(id, end);
             self.due.push(Reverse(Due {
-                t: f.t + f.dur,
-                hosts: 0,
+                t: end,
+                what: What::SlowEnds(id),
             }));
+            if let Some(at) = self.hand_over_at(f.t).filter(|&at| at < end) {
+                self.due.push(Reverse(Due {
+                    t: at,
+                    what: What::HandOver(id),
+                }));
+            }
             return;
         }
         match self.policy {
@@ -387,7 +406,7 @@ impl Run<'_> {
             // Back after the repair: to the pool, or to a shrunk group.
             self.due.push(Reverse(Due {
                 t: f.t + f.dur,
-                hosts: lost_hosts,
+                what: What::Back(lost_hosts),
             }));
         }
         if self.t < self.full_until {
@@ -468,12 +487,75 @@ impl Run<'_> {
         }
     }
 
-    fn on_due(&mut self, d: Due) {
-        if d.hosts == 0 {
-            self.slow = self.slow.saturating_sub(1);
-            return;
+    /// When a slowdown that began at `t` is handed over, if hatrain's
+    /// detector sees it (`Measured::slow_detect_steps`) and it replaces
+    /// slow hosts: once it is detected (that many slow steps) and its cost
+    /// so far, the job's time lost at the slow speed, equals the price of
+    /// the hand-over (a rule of ski rental, as the agent's
+    /// `--on-slow replace`).
+    fn hand_over_at(&self, t: f64) -> Option<f64> {
+        if !(self.policy.is_hatrain() && self.setting.on_slow_replace) {
+            return None;
         }
-        for _ in 0..d.hosts {
+        let steps = self.p.measured.slow_detect_steps?;
+        let speed = self.p.rates.slow_speed;
+        if !(speed > 0.0 && speed < 1.0) {
+            return None;
+        }
+        let detect = steps * self.p.published.step_s / speed;
+        let price = self.hand_over_price()?;
+        Some(t + detect.max(price / (1.0 - speed)))
+    }
+
+    /// The pause a hand-over costs now: onto a standby host, or (elastic)
+    /// the group shrinking without it; `None` when neither can be done.
+    fn hand_over_price(&self) -> Option<f64> {
+        let m = &self.p.measured;
+        if self.spares > 0 {
+            Some(m.host_standby_pause_s)
+        } else if self.policy == Policy::Elastic && self.hosts - self.missing > self.min_hosts {
+            Some(m.shrink_pause_s)
+        } else {
+            None
+        }
+    }
+
+    /// Slowdown `id`, still under way, is handed over: its host goes to a
+    /// standby host's place or out of the group, and comes back when the
+    /// slowdown would have ended.
+    fn hand_over(&mut self, id: u32) {
+        let Some(&end) = self.slowing.get(&id) else {
+            return;
+        };
+        let Some(price) = self.hand_over_price() else {
+            return;
+        };
+        if self.spares > 0 {
+            self.spares -= 1;
+        } else {
+            self.missing += 1;
+        }
+        self.slowing.remove(&id);
+        self.pause(Cause::Restart, price);
+        self.due.push(Reverse(Due {
+            t: end,
+            what: What::Back(1),
+        }));
+    }
+
+    fn on_due(&mut self, d: Due) {
+        let hosts = match d.what {
+            What::Back(n) => n,
+            What::SlowEnds(id) => {
+                self.slowing.remove(&id);
+                return;
+            }
+            What::HandOver(id) => {
+                self.hand_over(id);
+                return;
+            }
+        };
+        for _ in 0..hosts {
             if self.missing > 0 {
                 self.missing -= 1;
                 self.pause(Cause::Resync, self.p.measured.grow_pause_s);

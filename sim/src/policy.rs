@@ -69,6 +69,10 @@ pub struct Setting {
     /// Steps between hatrain's snapshots (its `--snapshot-interval`): a
     /// longer one costs less per step and more work redone per fault.
     pub snapshot_every: u32,
+    /// hatrain hands a slow host over (its `--on-slow replace`): to a
+    /// standby host, or (elastic) out of the group until the slowdown is
+    /// over, once what it has cost equals the price of the hand-over.
+    pub on_slow_replace: bool,
 }
 
 impl Default for Setting {
@@ -79,6 +83,7 @@ impl Default for Setting {
             disk_interval_s: None,
             min_hosts_frac: 0.5,
             snapshot_every: 1,
+            on_slow_replace: true,
         }
     }
 }

@@ -23,13 +23,18 @@ pub fn setting(s: &Summary) -> String {
     let st: &Setting = &s.setting;
     if s.policy.is_hatrain() {
         format!(
-            "{} standby, {} replica{}, snapshot every {} step{}, {}",
+            "{} standby, {} replica{}, snapshot every {} step{}, {}{}",
             st.standby_hosts,
             st.replicas,
             if st.replicas == 1 { "" } else { "s" },
             st.snapshot_every,
             if st.snapshot_every == 1 { "" } else { "s" },
-            interval(s.disk_interval_s)
+            interval(s.disk_interval_s),
+            if st.on_slow_replace {
+                ", slow hosts handed over"
+            } else {
+                ""
+            }
         )
     } else {
         interval(s.disk_interval_s)

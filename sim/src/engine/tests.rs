@@ -54,6 +54,7 @@ fn setting(standby_hosts: u32, replicas: u32, interval: Option<f64>) -> Setting 
         disk_interval_s: interval,
         min_hosts_frac: 0.5,
         snapshot_every: 1,
+        on_slow_replace: true,
     }
 }
 
@@ -420,10 +421,13 @@ fn losing_the_only_failure_domain_leaves_no_replica() {
 }
 
 #[test]
-fn a_slowdown_slows_every_policy_for_its_length() {
+fn a_slowdown_left_alone_slows_every_policy_for_its_length() {
     let p = params();
     for policy in Policy::ALL {
-        let s = setting(0, 1, Some(50_000.0));
+        let s = Setting {
+            on_slow_replace: false,
+            ..setting(0, 1, Some(50_000.0))
+        };
         let o = one(policy, &s, &p, fault(1000.0, Kind::Slow, 3600.0, 0.0));
         let ratio = step_ratio(policy, &s, &p, disk_interval(policy, &s, &p));
         assert!(
@@ -431,6 +435,52 @@ fn a_slowdown_slows_every_policy_for_its_length() {
             "{policy:?}: {o:?}"
         );
         assert_accounted(&o);
+    }
+}
+
+/// hatrain's detector names the slowdown after 20 slow steps (250 s at
+/// 0.8 of 10 s steps); the hand-over's price is paid back by 7.5 s of it
+/// (1.5 s ÷ 0.2): it acts at 250 s, onto a standby host, and the slow host
+/// is back when the slowdown is over. Elastic with no standby shrinks
+/// without it, and grows back then. A slowdown over before it is detected,
+/// or hatrain with nothing to hand over to, is left alone.
+#[test]
+fn a_slowdown_is_handed_over_once_detected_and_paid_for() {
+    let mut p = params();
+    p.measured.slow_detect_steps = Some(20.0);
+    let slow = |dur| fault(1000.0, Kind::Slow, dur, 0.0);
+    let ratio = |policy, s: &Setting| step_ratio(policy, s, &p, disk_interval(policy, s, &p));
+    let s = setting(2, 1, Some(50_000.0));
+    let o = one(Policy::Hatrain, &s, &p, slow(3600.0));
+    assert!(
+        close(
+            lost(&o, Cause::Slowdown),
+            250.0 * 0.2 / ratio(Policy::Hatrain, &s)
+        ),
+        "{o:?}"
+    );
+    assert!(close(lost(&o, Cause::Restart), 1.5), "{o:?}");
+    assert_accounted(&o);
+    let none = setting(0, 1, Some(50_000.0));
+    let o = one(Policy::Elastic, &none, &p, slow(3600.0));
+    assert!(
+        close(
+            lost(&o, Cause::Slowdown),
+            250.0 * 0.2 / ratio(Policy::Elastic, &none)
+        ),
+        "{o:?}"
+    );
+    assert!(close(lost(&o, Cause::Restart), 1.0), "{o:?}");
+    assert!(close(lost(&o, Cause::Resync), 3.0), "grown back: {o:?}");
+    assert!(lost(&o, Cause::Shrunk) > 0.0, "{o:?}");
+    assert_accounted(&o);
+    for (policy, s, dur) in [(Policy::Hatrain, none, 3600.0), (Policy::Hatrain, s, 200.0)] {
+        let o = one(policy, &s, &p, slow(dur));
+        assert!(
+            close(lost(&o, Cause::Slowdown), dur * 0.2 / ratio(policy, &s)),
+            "{o:?}"
+        );
+        assert_eq!(lost(&o, Cause::Restart), 0.0, "{o:?}");
     }
 }
 
