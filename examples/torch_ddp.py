@@ -46,6 +46,7 @@ ap.add_argument("--checkpoint-interval", type=int, default=10)
 ap.add_argument("--save", default=None, help="(under the agent) the agent's checkpoint folder")
 ap.add_argument("--save-interval", type=int, default=10)
 ap.add_argument("--plain", action="store_true", help="no hatrain: torch.distributed alone")
+ap.add_argument("--gc", default="auto", help="hatrain.torch.Job(gc=...): auto, planned or planned:N")
 ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS := {
     "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
     "adam-amsgrad": lambda p, lr: torch.optim.Adam(p, lr=lr, amsgrad=True, weight_decay=1e-4),
@@ -170,7 +171,8 @@ class Job(hatrain.torch.Job):
         say(event="resume", step=step, epoch=epoch, pid=os.getpid())
 
 
-job = Job(model, opt, schedulers=[sched] if sched else None, save=args.save, save_interval=args.save_interval)
+job = Job(model, opt, schedulers=[sched] if sched else None, save=args.save, save_interval=args.save_interval,
+          gc=args.gc)
 rank = job.rank
 open_log()
 say(event="start", world_size=world, start_step=job.step_done, pid=os.getpid(), standby=job.standby_pid is not None,

@@ -364,3 +364,66 @@ fn a_second_rank_killed_at_a_seeded_moment_of_the_first_recovery_ends_bit_identi
         assert!(!output.contains("did not complete"), "{what}: {output}");
     }
 }
+
+/// `Job(gc="planned:4")`: the automatic collector is off, and each rank
+/// collects before every fourth step. Every collection is timed into the
+/// rank's control page with the step it ran in (`agentctl status`:
+/// `workers[].step_times`, `gc_collections` and `gc_step_sum`): read while
+/// the job runs, both ranks show the same collections, at steps 4, 8, ...
+/// and no other; the parameters end as the run's with the automatic
+/// collector.
+#[test]
+fn planned_garbage_collections_run_at_the_same_steps_on_every_rank() {
+    let _one_at_a_time = common::python::serial();
+    let want = clean_digest();
+    let dir = tempfile::tempdir().unwrap();
+    let job = job_id("torch-gc");
+    let shm = dir.path().join("shm");
+    let log = dir.path().join("log.{rank}.jsonl");
+    let script = example("torch_ddp.py");
+    let steps = common::examples::DDP_STEPS.to_string();
+    let args = [
+        script.to_str().unwrap(),
+        "--steps",
+        &steps,
+        "--step-ms",
+        "60",
+        "--gc",
+        "planned:4",
+        "--log-jsonl",
+        log.to_str().unwrap(),
+    ];
+    let flags = ["--job-id", &job, "--shm-root", shm.to_str().unwrap()];
+    let mut running = Job::spawn(launch(2, &flags, &args, dir.path()), &job);
+    let socket = shm.join(&job).join("agent.sock");
+    // (collections, the sum of their steps) of each rank.
+    let gc = |v: &serde_json::Value| -> Option<Vec<(u64, u64)>> {
+        let w = v["status"]["workers"].as_array()?;
+        (w.len() == 2).then_some(())?;
+        w.iter()
+            .map(|w| {
+                let t = &w["step_times"];
+                Some((t["gc_collections"].as_u64()?, t["gc_step_sum"].as_u64()?))
+            })
+            .collect()
+    };
+    let mut seen = Vec::new();
+    let same = common::poll_agentctl(&socket, "status", Duration::from_secs(120), |v| {
+        let g = gc(v)?;
+        seen = g.clone();
+        (g[0] == g[1] && g[0].0 >= 3).then_some(g[0])
+    });
+    let out = running.wait_output(Duration::from_secs(300));
+    assert!(out.status.success(), "{}", text(&out));
+    let (k, sum) =
+        same.unwrap_or_else(|| panic!("never the same on both: {seen:?}\n{}", text(&out)));
+    assert_eq!(
+        sum,
+        4 * k * (k + 1) / 2,
+        "collections before steps 4, 8, ... only: {k} of them"
+    );
+    for r in 0..2 {
+        let log = read_log(&dir.path().join(format!("log.{r}.jsonl")));
+        assert_eq!(digest(&log), want, "rank {r}");
+    }
+}

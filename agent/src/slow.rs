@@ -49,6 +49,8 @@ struct Window {
     collective: f64,
     update: f64,
     step: f64,
+    /// A Python worker's garbage collections, within the phases above.
+    gc: f64,
     /// The first and last steps in it.
     first_step: u64,
     last_step: u64,
@@ -62,6 +64,7 @@ impl Window {
             collective: t.mean_ms(StepPhase::Collective)?,
             update: t.mean_ms(StepPhase::Update)?,
             step: t.mean_ms(StepPhase::Step)?,
+            gc: t.gc_ns as f64 / t.steps as f64 / 1e6,
             first_step,
             last_step,
         })
@@ -191,10 +194,15 @@ impl Detector {
                     ("update", x.update - others(rank, |y| y.update)),
                 ];
                 let (phase, _) = grew.into_iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
-                Some((rank, (excess, phase, x.work())))
+                // Its collector took half the excess or more: the time
+                // went to garbage collection, whichever phase it ran in.
+                let gc = x.gc - others(rank, |y| y.gc) >= 0.5 * excess;
+                Some((rank, (excess, if gc { "gc" } else { phase }, x.work())))
             })
             .collect();
-        let cause = |phase: &str| match (slow.len(), phase) {
+        let cause = |phase: &str| {
+            match (slow.len(), phase) {
+            (_, "gc") => "garbage collection: the interpreter's collector ran long on it (hatrain.torch.Job(gc=\"planned\") collects at the same step on every rank)".to_string(),
             (1, "data") => {
                 "one rank's data loading (its input, storage or preprocessing)".to_string()
             }
@@ -204,6 +212,7 @@ impl Detector {
             (n, _) => format!(
                 "{n} ranks at once, not all: data or stage imbalance across the data-parallel ranks"
             ),
+        }
         };
         let mut changes = Vec::new();
         for (&rank, x) in w {
@@ -307,9 +316,10 @@ pub enum OnSlow {
 /// ([`SlowFinding::cost_ms`]) equals the price. Only one rank alone, slow
 /// in its own compute or update, is handed over: a fresh process cures a
 /// throttled or failing device or a noisy neighbour of its process, not
-/// its data loading, nor an imbalance across several ranks.
+/// its data loading, its garbage collector, nor an imbalance across
+/// several ranks.
 pub fn replace_pays(f: &SlowFinding, price_ms: f64) -> bool {
-    !f.ended && f.alone && f.phase != "data" && f.cost_ms() >= price_ms
+    !f.ended && f.alone && !["data", "gc"].contains(&f.phase.as_str()) && f.cost_ms() >= price_ms
 }
 
 #[cfg(test)]
@@ -530,5 +540,35 @@ mod tests {
         assert!(!replace_pays(&several, 1.0), "an imbalance across ranks");
         let ended = SlowFinding { ended: true, ..f };
         assert!(!replace_pays(&ended, 1.0));
+    }
+
+    #[test]
+    fn a_rank_whose_garbage_collector_took_the_excess_is_named_with_gc_and_not_handed_over() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        assert!(run(&mut d, &mut at, &mut step, 4, |_, _| HEALTHY).is_empty());
+        // Rank 3's compute grows by 30 ms, 25 of them in its collector.
+        let mut changes = Vec::new();
+        for _ in 0..CONFIRM {
+            step += WINDOW;
+            for (r, t) in at.iter_mut().enumerate() {
+                if r == 3 {
+                    add(t, WINDOW, [1.0, 110.0, 5.0, 10.0], 1.0);
+                    t.gc_ns += 25_000_000 * WINDOW;
+                } else {
+                    add(t, WINDOW, [1.0, 80.0, 35.0, 10.0], 1.0);
+                }
+            }
+            let readings: Vec<_> = at.iter().enumerate().map(|(r, t)| (r, step, *t)).collect();
+            changes.extend(d.observe(&readings));
+        }
+        let [Change::Began(f)] = &changes[..] else {
+            panic!("one finding: {changes:?}");
+        };
+        assert_eq!((f.rank, f.phase.as_str()), (3, "gc"), "{f:?}");
+        assert!(f.cause.starts_with("garbage collection"), "{f:?}");
+        assert!(
+            !replace_pays(f, 0.0),
+            "a fresh process keeps the same collector"
+        );
     }
 }

@@ -161,6 +161,11 @@ class Runtime:
     def begin_step(self, step: int) -> None:
         self._rt.begin_step(step)
 
+    def gc_collected(self, ns: int, step: int) -> None:
+        """A garbage collection took ``ns`` in ``step``: timed into the
+        control page (``hatrain.torchgc``)."""
+        self._rt.gc_collected(ns, step)
+
     def report_device_uce(self, why: str, part: int | None = None) -> None:
         """An uncorrectable memory error the device reported (torch_npu's
         ``UCE ERROR``) rather than a SIGBUS: the live state is torn, and the

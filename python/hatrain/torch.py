@@ -78,7 +78,6 @@ the script takes its share of the batch.
 from __future__ import annotations
 
 import atexit
-import base64
 import contextlib
 import datetime
 import gc
@@ -98,8 +97,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hatrain
 from hatrain.drill import Plan
-from hatrain import npu, torchckpt, torchstore
-from hatrain.torchstate import State
+from hatrain import npu, torchckpt, torchgc, torchstore
+from hatrain.torchstate import State, b64, unb64
 
 __all__ = ["Job", "Stopped"]
 
@@ -155,7 +154,8 @@ class Job:
     (``snapshot_interval``, the save steps). ``snapshot_window``: what the
     update does with a snapshot copy still running when it begins,
     ``"wait"`` for it or ``"skip"`` it (``"skip:N"``: wait after N skips in
-    a row), as ``hatrain-train --snapshot-window``.
+    a row), as ``hatrain-train --snapshot-window``. ``gc``: ``"auto"``, or
+    ``"planned"`` (``"planned:N"``) collections (``hatrain.torchgc``).
     """
 
     def __init__(
@@ -177,7 +177,9 @@ class Job:
         save: str | os.PathLike | None = None,
         save_interval: int = 0,
         load: str | os.PathLike | None = None,
+        gc: str = "auto",
     ):
+        self._gc_every = torchgc.parse(gc)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.save = os.path.abspath(save) if save is not None else None
         self.save_interval = save_interval
@@ -330,6 +332,7 @@ class Job:
             before_copy=self.state.ready if self.state.staged else None,
         )
         self.rt.set_snapshot_window(self.snapshot_window)
+        self._gc = torchgc.Collections(self.rt, self._gc_every, lambda: self._current or self.step_done)
         self.under_agent = self.rt.start[0] != "standalone"
         kind, epoch = self.rt.start
         # A replacement's state comes from shared memory: it awaits the
@@ -351,8 +354,8 @@ class Job:
         np_state = np.random.get_state()
         meta = {
             "step": step,
-            "torch_rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "device_rng": _b64(self.state.rng_state()),
+            "torch_rng": b64(torch.get_rng_state()),
+            "device_rng": b64(self.state.rng_state()),
             "py_rng": random.getstate(),
             "np_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             "extra": self.extra,
@@ -379,9 +382,9 @@ class Job:
     def _apply_meta(self, meta: dict) -> None:
         """The RNG states, ``extra`` and the optimizer's, schedulers' and
         scaler's state of a snapshot's (or checkpoint's) metadata."""
-        torch.set_rng_state(_unb64(meta["torch_rng"]))
+        torch.set_rng_state(unb64(meta["torch_rng"]))
         if meta.get("device_rng") is not None:
-            self.state.set_rng_state(_unb64(meta["device_rng"]))
+            self.state.set_rng_state(unb64(meta["device_rng"]))
         v, state, gauss = meta["py_rng"]
         random.setstate((v, tuple(state), gauss))
         name, keys, pos, has_gauss, cached = meta["np_rng"]
@@ -686,6 +689,7 @@ class Job:
                 continue
             s = self.step_done + 1
             self._current, self._failed = s, False
+            self._gc.before(s)
             self.rt.begin_step(s)
             yield s
             if self._failed:
@@ -774,6 +778,7 @@ class Job:
         """Waits for the last snapshot and leaves the process group."""
         self.rt.wait_commit()
         self.plan.hit(self.step_done, "close", self.rt)
+        self._gc.close()
         self._destroy()
 
     def model_digest(self) -> str:
@@ -791,10 +796,3 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     """Whether ``a`` (as given, its index perhaps left out) names ``b``."""
     return a.type == b.type and (a.index is None or a.index == b.index)
 
-
-def _b64(t: torch.Tensor | None) -> str | None:
-    return None if t is None else base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)

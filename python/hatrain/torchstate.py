@@ -58,6 +58,7 @@ Three data-parallel layouts (:func:`layout`):
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from dataclasses import dataclass, field
@@ -683,3 +684,12 @@ def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {tuple(t.shape)} on {t.device}"
     return type(t).__name__
+
+
+def b64(t: torch.Tensor | None) -> str | None:
+    """A tensor's bytes in base64 (an RNG state in the metadata block)."""
+    return None if t is None else base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)

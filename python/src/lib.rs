@@ -314,6 +314,11 @@ impl PyRuntime {
         self.rt().begin_step(step);
     }
 
+    /// A garbage collection took `ns` in `step` (the job's `gc.callbacks`).
+    fn gc_collected(&self, ns: u64, step: u64) {
+        self.rt().gc_collected(ns, step);
+    }
+
     /// `(part, byte offset)` of a memory error repaired since the last
     /// check: the step must be thrown away and recomputed.
     fn check_uce(&self) -> Option<(usize, usize)> {

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct SlowFinding {
     pub rank: usize,
-    /// The phase that grew on it: `data`, `compute` or `update`.
+    /// The phase that grew on it: `data`, `compute` or `update`; `gc` when
+    /// its garbage collector took half the excess or more.
     pub phase: String,
     /// How much longer its own work (data, compute and update) took per
     /// step than the other ranks' (their median), in the window that

@@ -490,20 +490,22 @@ fn print_workers(w: &[WorkerReport]) {
     }
     if w.iter().any(|r| r.step_times.is_some()) {
         println!(
-            "{:>5} {:>9} | ms per step: {:>9} {:>9} {:>10} {:>9} {:>9}",
-            "rank", "steps", "data", "compute", "collective", "update", "step"
+            "{:>5} {:>9} | ms per step: {:>9} {:>9} {:>10} {:>9} {:>9} | {:>8} {:>4}",
+            "rank", "steps", "data", "compute", "collective", "update", "step", "gc", "gcs"
         );
         for r in w {
             if let Some(t) = &r.step_times {
                 println!(
-                    "{:>5} {:>9} |              {:>9.3} {:>9.3} {:>10.3} {:>9.3} {:>9.3}",
+                    "{:>5} {:>9} |              {:>9.3} {:>9.3} {:>10.3} {:>9.3} {:>9.3} | {:>8.3} {:>4}",
                     r.rank,
                     t.steps,
                     t.data_ms,
                     t.compute_ms,
                     t.collective_ms,
                     t.update_ms,
-                    t.step_ms
+                    t.step_ms,
+                    t.gc_ms,
+                    t.gc_collections
                 );
             }
         }

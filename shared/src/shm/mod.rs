@@ -44,6 +44,8 @@
 //! 496 snapshots not taken for want of a slot (2.3)
 //! 504 steps timed   512.. ns in each phase, summed over them: data,
 //!     compute, collective, update, and the whole step (2.4)
+//! 552 a Python worker's garbage collections: their ns   560 how many
+//! 568 the sum of the steps they ran in (2.5)
 //!
 //! slot header (u64 fields):
 //!   0 magic "HTRSLOT\2"   8 version   16 seq (odd while written)
@@ -84,7 +86,7 @@ use std::sync::atomic::Ordering;
 
 pub const PAGE: usize = 4096;
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"HTRCTL\0\x02");
-pub const VERSION: (u16, u16) = (2, 4);
+pub const VERSION: (u16, u16) = (2, 5);
 const VERSION_WORD: u64 = ((VERSION.0 as u64) << 16) | VERSION.1 as u64;
 /// Most slots a store may have.
 pub const MAX_SLOTS: usize = 16;

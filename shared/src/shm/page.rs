@@ -118,6 +118,11 @@ pub struct ControlPage {
     /// summed over them, ns of each phase (see [`super::timing`]).
     pub(super) timed_steps: AtomicU64,
     pub(super) phase_ns: [AtomicU64; super::timing::PHASES],
+    /// The garbage collections of a Python worker (2.5): their ns, how
+    /// many, and the sum of the steps they ran in.
+    pub(super) gc_ns: AtomicU64,
+    pub(super) gc_collections: AtomicU64,
+    pub(super) gc_step_sum: AtomicU64,
 }
 
 /// Buckets of the held-time histogram: bucket `k` counts the steps held
@@ -167,7 +172,9 @@ const _: () = {
     assert!(offset_of!(ControlPage, thinned) == 496);
     assert!(offset_of!(ControlPage, timed_steps) == 504);
     assert!(offset_of!(ControlPage, phase_ns) == 512);
-    assert!(size_of::<ControlPage>() == 512 + 8 * super::timing::PHASES);
+    assert!(offset_of!(ControlPage, gc_ns) == 552);
+    assert!(offset_of!(ControlPage, gc_step_sum) == 568);
+    assert!(size_of::<ControlPage>() == 576);
     assert!(size_of::<ControlPage>() <= super::PAGE);
 };
 

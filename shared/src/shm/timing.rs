@@ -56,6 +56,13 @@ impl StepPhase {
 pub struct StepTimes {
     pub steps: u64,
     pub ns: [u64; PHASES],
+    /// A Python worker's garbage collections (within the steps' phases,
+    /// wherever they ran): their ns, how many, and the sum of the steps
+    /// they ran in (collections planned at the same steps on every rank
+    /// sum to the same).
+    pub gc_ns: u64,
+    pub gc_collections: u64,
+    pub gc_step_sum: u64,
 }
 
 impl StepTimes {
@@ -69,6 +76,9 @@ impl StepTimes {
         StepTimes {
             steps: self.steps.saturating_sub(earlier.steps),
             ns: std::array::from_fn(|i| self.ns[i].saturating_sub(earlier.ns[i])),
+            gc_ns: self.gc_ns.saturating_sub(earlier.gc_ns),
+            gc_collections: self.gc_collections.saturating_sub(earlier.gc_collections),
+            gc_step_sum: self.gc_step_sum.saturating_sub(earlier.gc_step_sum),
         }
     }
 
@@ -88,6 +98,14 @@ pub struct StepTimesReport {
     pub collective_ms: f64,
     pub update_ms: f64,
     pub step_ms: f64,
+    /// A Python worker's garbage collections: ms per step, how many, and
+    /// the sum of the steps they ran in (since control protocol 1.8).
+    #[serde(default)]
+    pub gc_ms: f64,
+    #[serde(default)]
+    pub gc_collections: u64,
+    #[serde(default)]
+    pub gc_step_sum: u64,
 }
 
 impl StepTimesReport {
@@ -101,6 +119,9 @@ impl StepTimesReport {
             collective_ms: ms(StepPhase::Collective)?,
             update_ms: ms(StepPhase::Update)?,
             step_ms: ms(StepPhase::Step)?,
+            gc_ms: t.gc_ns as f64 / t.steps as f64 / 1e6,
+            gc_collections: t.gc_collections,
+            gc_step_sum: t.gc_step_sum,
         })
     }
 }
@@ -114,12 +135,24 @@ impl ControlPage {
         self.timed_steps.fetch_add(1, Ordering::Release);
     }
 
+    /// Adds one garbage collection of `ns` that ran in `step` (worker
+    /// side).
+    pub fn record_gc(&self, ns: u64, step: u64) {
+        self.gc_ns.fetch_add(ns, Ordering::Relaxed);
+        self.gc_step_sum.fetch_add(step, Ordering::Relaxed);
+        self.gc_collections.fetch_add(1, Ordering::Release);
+    }
+
     /// The steps timed so far (agent side).
     pub fn step_times(&self) -> StepTimes {
         let steps = self.timed_steps.load(Ordering::Acquire);
+        let gc_collections = self.gc_collections.load(Ordering::Acquire);
         StepTimes {
             steps,
             ns: std::array::from_fn(|i| self.phase_ns[i].load(Ordering::Relaxed)),
+            gc_ns: self.gc_ns.load(Ordering::Relaxed),
+            gc_collections,
+            gc_step_sum: self.gc_step_sum.load(Ordering::Relaxed),
         }
     }
 }

@@ -99,6 +99,14 @@ impl Runtime {
         }
     }
 
+    /// A garbage collection of the interpreter took `ns` in `step` (a
+    /// Python worker's `gc.callbacks`): added to the control page.
+    pub fn gc_collected(&self, ns: u64, step: u64) {
+        if let Some(a) = &self.attached {
+            a.store.page().record_gc(ns, step);
+        }
+    }
+
     /// A collective begins; returns what to give [`Runtime::time_collective_ends`].
     pub(super) fn time_collective_begins(&self) -> usize {
         self.step_clock.switch(COLLECTIVE)
