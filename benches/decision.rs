@@ -46,6 +46,7 @@ fn view(rank: usize, step: u64, epoch: u64, acked: Option<Directive>, phase: Pha
         heartbeat: step,
         in_collective: false,
         acked,
+        times: Default::default(),
     }
 }
 

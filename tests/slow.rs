@@ -13,7 +13,9 @@
 //! - a rank throttled for real (a CPU quota on its process, a cgroup v1
 //!   `cpu` group) is named with compute, and with `--on-slow replace` is
 //!   handed to a warm standby once the slowdown has cost the job the price
-//!   of a hand-over; the run ends bit-identical to one never throttled.
+//!   of a hand-over; the run ends bit-identical to one never throttled;
+//! - with two hosts, the controller names a slow rank of the other host,
+//!   with that host, and both ranks of that host slow as the host.
 
 mod common;
 use common::*;
@@ -334,5 +336,44 @@ fn on_slow_replace_without_worker_reboot_and_an_unknown_policy_are_usage_errors(
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
         assert!(job_pids(&job).is_empty());
+    }
+}
+
+/// Two hosts of two ranks (agents on 127.0.0.1 and 127.0.0.2): the
+/// controller (host 0) compares every rank of the job from the views the
+/// hosts report. Rank 2, on host 1, sleeping in its forward pass is named
+/// there, with its host; both ranks of host 1 sleeping are that host.
+#[test]
+fn the_controller_names_a_slow_rank_of_another_host_and_a_slow_host() {
+    for (plan, want) in [
+        ("2:40-400:forward:sleep30", "one rank alone"),
+        (
+            "2:40-400:forward:sleep30;3:40-400:forward:sleep30",
+            "every rank of host 1",
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut train = tiny_args(200);
+        train.extend(s(&["--emulate-device", "20"]));
+        let mut c =
+            common::cluster::Cluster::start_shape(tmp, "slow-hosts", (2, 2), 0, &[], &train, plan);
+        let mut last = serde_json::Value::Null;
+        let found = poll_agentctl(&c.socket(0), "status", Duration::from_secs(120), |v| {
+            last = v["status"].clone();
+            findings(&last).into_iter().find(|f| f["rank"] == 2)
+        });
+        let Some(f) = found else {
+            panic!("{plan}: never named: {last}\n{}", c.kill_all());
+        };
+        let outs = c.ends(&[0, 1]);
+        for (k, out) in &outs {
+            assert_success(out, &format!("{plan}: host {k}"));
+        }
+        assert_eq!(
+            (f["host"].as_u64(), f["phase"].as_str()),
+            (Some(1), Some("compute")),
+            "{plan}: {f}"
+        );
+        assert!(f["cause"].as_str().unwrap().contains(want), "{plan}: {f}");
     }
 }

@@ -24,7 +24,10 @@
 //! rank together (the host, the network) raises nothing: no rank stands
 //! out from the others. The phase named is the one that grew most against
 //! the others; the rank's own history (its work before the finding) says
-//! how much it grew.
+//! how much it grew. With the ranks' hosts known (a controller's detector,
+//! over every host's ranks), every rank of one host slow and no other is
+//! that host. The others' medians come from each phase's values sorted
+//! once per window: O(n log n) for n ranks.
 
 use hatrain_shared::shm::{StepPhase, StepTimes};
 use hatrain_shared::slowness::SlowFinding;
@@ -38,6 +41,16 @@ pub const MIN_EFFECT: f64 = 0.10;
 pub const CONFIRM: u32 = 3;
 /// Windows of a rank seen not slow before it is judged.
 pub const HISTORY: u32 = 2;
+/// The indices of [`Window::values`].
+const WORK: usize = 0;
+const COLLECTIVE: usize = 1;
+const DATA: usize = 2;
+const COMPUTE: usize = 3;
+const UPDATE: usize = 4;
+const GC: usize = 5;
+
+/// The cause of a finding whose time went to the garbage collector.
+const GC_CAUSE: &str = "garbage collection: the interpreter's collector ran long on it (hatrain.torch.Job(gc=\"planned\") collects at the same step on every rank)";
 /// Findings kept (the oldest ended ones go first).
 const KEEP: usize = 64;
 
@@ -73,6 +86,18 @@ impl Window {
     fn work(&self) -> f64 {
         self.data + self.compute + self.update
     }
+
+    /// What ranks are compared on, by [`WORK`], [`COLLECTIVE`], ...
+    fn values(&self) -> [f64; 6] {
+        [
+            self.work(),
+            self.collective,
+            self.data,
+            self.compute,
+            self.update,
+            self.gc,
+        ]
+    }
 }
 
 /// A rank's state in the detector.
@@ -106,6 +131,9 @@ pub enum Change {
 pub struct Detector {
     ranks: BTreeMap<usize, Rank>,
     findings: Vec<SlowFinding>,
+    /// The host of each rank, where known (a controller's detector sees
+    /// every host's ranks).
+    hosts: BTreeMap<usize, u64>,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -121,10 +149,42 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
+/// Values sorted, for the median of all but one of them.
+struct Sorted(Vec<f64>);
+
+impl Sorted {
+    fn new(mut xs: Vec<f64>) -> Self {
+        xs.sort_by(f64::total_cmp);
+        Self(xs)
+    }
+
+    /// The median of the values with one `v` left out (0 when none is
+    /// left); `v` must be one of them.
+    fn median_without(&self, v: f64) -> f64 {
+        let a = &self.0;
+        let Some(m) = a.len().checked_sub(1).filter(|&m| m > 0) else {
+            return 0.0;
+        };
+        let gone = a.partition_point(|x| x.total_cmp(&v).is_lt()).min(m);
+        let at = |k: usize| if k < gone { a[k] } else { a[k + 1] };
+        if m % 2 == 1 {
+            at(m / 2)
+        } else {
+            (at(m / 2 - 1) + at(m / 2)) / 2.0
+        }
+    }
+}
+
 impl Detector {
     /// Every finding so far, open and ended, oldest first.
     pub fn findings(&self) -> &[SlowFinding] {
         &self.findings
+    }
+
+    /// The host each rank runs on: findings name it, and every rank of one
+    /// host slow together, and no other, is that host's doing.
+    pub fn set_hosts(&mut self, hosts: BTreeMap<usize, u64>) {
+        self.hosts = hosts;
     }
 
     /// A rank's process started again (its page's sums may restart): its
@@ -166,20 +226,17 @@ impl Detector {
 
     fn compare(&mut self, w: &BTreeMap<usize, Window>) -> Vec<Change> {
         let step = median(w.values().map(|x| x.step).collect());
-        let others = |rank: usize, f: fn(&Window) -> f64| {
-            median(
-                w.iter()
-                    .filter(|(r, _)| **r != rank)
-                    .map(|(_, x)| f(x))
-                    .collect(),
-            )
-        };
+        // Each phase's values sorted once: the others' median of each rank
+        // is then a lookup (a controller compares every rank of the job).
+        let by: [Sorted; 6] =
+            std::array::from_fn(|i| Sorted::new(w.values().map(|x| x.values()[i]).collect()));
+        let others = |rank: usize, i: usize| by[i].median_without(w[&rank].values()[i]);
         let min = MIN_EFFECT * step;
         let slow: BTreeMap<usize, (f64, &'static str, f64)> = w
             .iter()
             .filter_map(|(&rank, x)| {
-                let excess = x.work() - others(rank, Window::work);
-                let waited = others(rank, |y| y.collective) - x.collective;
+                let excess = x.work() - others(rank, WORK);
+                let waited = others(rank, COLLECTIVE) - x.collective;
                 let r = &self.ranks[&rank];
                 let grew = r
                     .history
@@ -189,30 +246,33 @@ impl Detector {
                     return None;
                 }
                 let grew = [
-                    ("data", x.data - others(rank, |y| y.data)),
-                    ("compute", x.compute - others(rank, |y| y.compute)),
-                    ("update", x.update - others(rank, |y| y.update)),
+                    ("data", x.data - others(rank, DATA)),
+                    ("compute", x.compute - others(rank, COMPUTE)),
+                    ("update", x.update - others(rank, UPDATE)),
                 ];
                 let (phase, _) = grew.into_iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
                 // Its collector took half the excess or more: the time
                 // went to garbage collection, whichever phase it ran in.
-                let gc = x.gc - others(rank, |y| y.gc) >= 0.5 * excess;
+                let gc = x.gc - others(rank, GC) >= 0.5 * excess;
                 Some((rank, (excess, if gc { "gc" } else { phase }, x.work())))
             })
             .collect();
-        let cause = |phase: &str| {
-            match (slow.len(), phase) {
-            (_, "gc") => "garbage collection: the interpreter's collector ran long on it (hatrain.torch.Job(gc=\"planned\") collects at the same step on every rank)".to_string(),
-            (1, "data") => {
+        // Every rank of one host, and only they, with another host beside.
+        let one_host = self.one_host(slow.keys().copied().collect(), w);
+        let cause = |phase: &str| match (slow.len(), phase, one_host) {
+            (_, "gc", _) => GC_CAUSE.to_string(),
+            (n, _, Some(h)) => format!(
+                "{n} ranks, every rank of host {h} and no other: that host (its devices, its network, a noisy neighbour)"
+            ),
+            (1, "data", _) => {
                 "one rank's data loading (its input, storage or preprocessing)".to_string()
             }
-            (1, _) => format!(
+            (1, _, _) => format!(
                 "one rank alone ({phase}): hardware-like (a throttled or failing device, a noisy neighbour)"
             ),
-            (n, _) => format!(
+            (n, _, _) => format!(
                 "{n} ranks at once, not all: data or stage imbalance across the data-parallel ranks"
             ),
-        }
         };
         let mut changes = Vec::new();
         for (&rank, x) in w {
@@ -235,6 +295,7 @@ impl Detector {
                             last_step: x.last_step,
                             cause: cause(phase),
                             alone: slow.len() == 1,
+                            host: self.hosts.get(&rank).copied(),
                             ended: false,
                         };
                         r.open = Some(self.findings.len());
@@ -267,6 +328,26 @@ impl Detector {
         }
         self.trim();
         changes
+    }
+
+    /// The host whose ranks, every one and no other, are `slow`, with
+    /// another host's ranks in the window `w`: two ranks or more.
+    fn one_host(&self, slow: BTreeSet<usize>, w: &BTreeMap<usize, Window>) -> Option<u64> {
+        let of: BTreeSet<u64> = slow
+            .iter()
+            .filter_map(|r| self.hosts.get(r))
+            .copied()
+            .collect();
+        let (&h, 1) = (of.first()?, of.len()) else {
+            return None;
+        };
+        let on_h: BTreeSet<usize> = w
+            .keys()
+            .filter(|r| self.hosts.get(r) == Some(&h))
+            .copied()
+            .collect();
+        let beside = w.keys().any(|r| self.hosts.get(r).is_some_and(|&o| o != h));
+        (slow.len() >= 2 && on_h == slow && beside).then_some(h)
     }
 
     /// Drops the oldest ended findings past [`KEEP`].
@@ -520,6 +601,7 @@ mod tests {
             last_step: 149,
             cause: String::new(),
             alone: true,
+            host: None,
             ended: false,
         };
         assert_eq!(f.cost_ms(), 1000.0, "50 steps of 20 ms");
@@ -570,5 +652,48 @@ mod tests {
             !replace_pays(f, 0.0),
             "a fresh process keeps the same collector"
         );
+    }
+
+    /// With the hosts known (a controller's detector): both ranks of host
+    /// 1 slow, and no other, is that host; one of them alone is not.
+    #[test]
+    fn every_rank_of_one_host_slow_together_is_that_host() {
+        let hosts = BTreeMap::from([(0, 0), (1, 0), (2, 1), (3, 1)]);
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        d.set_hosts(hosts);
+        assert!(run(&mut d, &mut at, &mut step, 4, |_, _| HEALTHY).is_empty());
+        let host1 = |r: usize, _| {
+            if r >= 2 {
+                [1.0, 110.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 35.0, 10.0]
+            }
+        };
+        let changes = run(&mut d, &mut at, &mut step, CONFIRM as usize, host1);
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        for c in &changes {
+            let Change::Began(f) = c else {
+                panic!("{changes:?}")
+            };
+            assert_eq!(f.host, Some(1), "{f:?}");
+            assert!(f.cause.contains("every rank of host 1"), "{f:?}");
+            assert!(!f.alone && !replace_pays(f, 0.0), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn the_median_without_one_value_is_the_median_of_the_others() {
+        let xs = [5.0, 1.0, 9.0, 3.0, 3.0, 7.0, 2.0];
+        let s = Sorted::new(xs.to_vec());
+        for (i, &v) in xs.iter().enumerate() {
+            let rest: Vec<f64> = xs
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, x)| *x)
+                .collect();
+            assert_eq!(s.median_without(v), median(rest), "without {v}");
+        }
+        assert_eq!(Sorted::new(vec![4.0]).median_without(4.0), 0.0);
     }
 }

@@ -28,6 +28,10 @@ pub struct SlowFinding {
     /// protocol 1.8).
     #[serde(default)]
     pub alone: bool,
+    /// The host it runs on, where the detector knew it (a controller's,
+    /// which compares every host's ranks; since control protocol 1.8).
+    #[serde(default)]
+    pub host: Option<u64>,
     /// It no longer holds the job back.
     pub ended: bool,
 }

@@ -31,6 +31,7 @@ impl Driver<'_> {
                             heartbeat: p.heartbeat(),
                             in_collective: p.in_collective(),
                             acked: p.acknowledged_directive(),
+                            times: p.step_times(),
                         }
                     }
                 }

@@ -2,7 +2,7 @@
 //! ([`crate::slow`]); with `--on-slow replace`, a slow rank handed to a
 //! fresh process once that pays ([`crate::slow::replace_pays`]).
 
-use super::Driver;
+use super::{Decider, Driver};
 use crate::recovery::Event;
 use crate::slow::OnSlow;
 use crate::supervisor::Supervisor;
@@ -11,16 +11,29 @@ use hatrain_shared::control::FaultAction;
 impl Driver<'_> {
     /// Feeds the slow-rank detector this host's ranks' step times; one log
     /// line per finding that begins or ends; a hand-over where it pays.
+    ///
+    /// The job's controller compares every rank of the job, each with its
+    /// host, from the views the hosts report; another agent compares its
+    /// own ranks, and leaves the hand-over to the controller.
     pub(super) fn watch_slow(&mut self, sup: &mut Supervisor) {
-        let readings: Vec<_> = self
-            .stores
-            .iter()
-            .map(|(&rank, s)| (rank, s.page().step(), s.page().step_times()))
-            .collect();
+        let readings: Vec<_> = match &self.decider {
+            Decider::Controller(c) if self.cfg.nnodes > 1 => {
+                let views: Vec<_> = c.machine.views().filter(|v| v.registered).collect();
+                let hosts = views.iter().map(|v| (v.rank, c.node_of(v.rank))).collect();
+                self.slow.set_hosts(hosts);
+                views.iter().map(|v| (v.rank, v.step, v.times)).collect()
+            }
+            _ => self
+                .stores
+                .iter()
+                .map(|(&rank, s)| (rank, s.page().step(), s.page().step_times()))
+                .collect(),
+        };
         for change in self.slow.observe(&readings) {
             match change {
                 crate::slow::Change::Began(f) => tracing::warn!(
                     rank = f.rank,
+                    host = f.host,
                     phase = %f.phase,
                     excess_ms = f.excess_ms,
                     step_ms = f.step_ms,
@@ -38,7 +51,8 @@ impl Driver<'_> {
                 ),
             }
         }
-        if self.cfg.ha.on_slow == OnSlow::Replace {
+        if self.cfg.ha.on_slow == OnSlow::Replace && matches!(self.decider, Decider::Controller(_))
+        {
             self.hand_over_slow(sup);
         }
     }

@@ -357,6 +357,11 @@ impl Machine {
     }
 
     /// The current epoch.
+    /// Every rank's last view.
+    pub fn views(&self) -> impl Iterator<Item = &RankView> {
+        self.views.values()
+    }
+
     pub fn epoch(&self) -> u64 {
         self.epoch
     }

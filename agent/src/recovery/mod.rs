@@ -30,7 +30,7 @@ pub use policy::{RankHistory, RestartPolicy};
 pub use watchdog::HangPolicy;
 
 use crate::reaper::ExitStatus;
-use hatrain_shared::shm::{Directive, Phase};
+use hatrain_shared::shm::{Directive, Phase, StepTimes};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -52,6 +52,10 @@ pub struct RankView {
     pub in_collective: bool,
     /// The directive it has acknowledged, if that is the current one.
     pub acked: Option<Directive>,
+    /// Its step times so far (the slow-rank detector's input; a
+    /// controller compares every rank of the job).
+    #[serde(default)]
+    pub times: StepTimes,
 }
 
 impl RankView {
@@ -67,6 +71,7 @@ impl RankView {
             heartbeat: 0,
             in_collective: false,
             acked: None,
+            times: StepTimes::default(),
         }
     }
 }

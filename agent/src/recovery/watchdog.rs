@@ -236,6 +236,7 @@ mod tests {
             heartbeat: beat,
             in_collective,
             acked: None,
+            times: Default::default(),
         }
     }
 

@@ -52,7 +52,7 @@ impl StepPhase {
 
 /// Steps timed, and their ns in each phase summed over them (in the order
 /// of [`StepPhase::ALL`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StepTimes {
     pub steps: u64,
     pub ns: [u64; PHASES],

@@ -240,6 +240,7 @@ impl Cluster {
                     heartbeat: r.heartbeat,
                     in_collective: r.in_collective,
                     acked: r.acked,
+                    times: Default::default(),
                 }
             })
             .collect()

@@ -137,6 +137,7 @@ impl Sim {
                 heartbeat: r.heartbeat,
                 in_collective: r.in_collective,
                 acked: r.acked,
+                times: Default::default(),
             })
             .collect()
     }
