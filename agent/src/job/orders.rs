@@ -161,9 +161,8 @@ impl Driver<'_> {
     }
 
     /// What this host tells the controller for the replica hold: the
-    /// replicas it holds (and those it is to hold and does not yet), and
-    /// the snapshot each of its ranks' stores keeps for the target. `None`
-    /// without replicas.
+    /// replicas it holds, and the snapshot each of its ranks' stores keeps
+    /// for the target. `None` without replicas.
     fn hold_report(&self) -> Option<HoldReport> {
         let r = self.peers.as_ref()?.replicator.as_ref()?;
         let mut kept: Vec<(usize, Option<(u64, u64)>)> = self
@@ -177,7 +176,6 @@ impl Driver<'_> {
             common: self.kept.common,
             target: self.kept.target,
             kept,
-            awaited: r.awaited(),
         })
     }
 

@@ -434,25 +434,6 @@ impl Replicator {
             .collect()
     }
 
-    /// The ranks this agent is to hold replicas of (those of the nodes
-    /// that stream to it) and holds no replica of yet.
-    pub fn awaited(&self) -> Vec<usize> {
-        let per = self.cfg.ranks_per_node as u64;
-        let held: HashSet<u64> = {
-            let sh = self.shared.lock().expect("not poisoned");
-            sh.held.iter().map(|h| h.rank).collect()
-        };
-        let sources = self.sources.read().map(|s| s.clone()).unwrap_or_default();
-        let mut awaited: Vec<usize> = sources
-            .iter()
-            .flat_map(|&node| node * per..(node + 1) * per)
-            .filter(|rank| !held.contains(rank))
-            .map(|rank| rank as usize)
-            .collect();
-        awaited.sort_unstable();
-        awaited
-    }
-
     /// The state map (JSON) each replica held came with, by rank.
     pub fn replica_maps(&self) -> HashMap<u64, Arc<[u8]>> {
         let sh = self.shared.lock().expect("not poisoned");

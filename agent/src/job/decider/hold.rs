@@ -63,11 +63,6 @@ pub struct HoldReport {
     /// By rank of the host, the snapshot (step, epoch) its store keeps for
     /// that target, once it has sealed one at or after it.
     pub kept: Vec<(usize, Option<(u64, u64)>)>,
-    /// Ranks whose replicas this host is to hold and holds none of yet
-    /// (their stream has not reached it): a target is not reached for
-    /// them until a holder has it.
-    #[serde(default)]
-    pub awaited: Vec<usize>,
 }
 
 /// A host's last report, and since when it has reported each fact in it.
@@ -226,8 +221,7 @@ impl Hold {
                     kept.insert(rank, (k, stable(since)));
                 }
             }
-            let holding = r.replicas.iter().map(|(rank, _)| rank);
-            for rank in holding.chain(&r.awaited) {
+            for (rank, _) in &r.replicas {
                 held.entry(*rank).or_default().push((node, seen));
             }
         }
@@ -258,8 +252,7 @@ impl Hold {
                 .filter(|(n, _)| *n != node)
                 .collect();
             if holders.is_empty() {
-                // No live host holds or awaits a replica of it: nothing
-                // to wait for.
+                // No live host holds a replica of it: nothing to wait for.
                 continue;
             }
             let has = |seen: &Seen| {
@@ -338,7 +331,6 @@ mod tests {
                 .collect(),
             target,
             kept: kept.iter().map(|&(r, s)| (r, Some((s, 1)))).collect(),
-            awaited: Vec::new(),
         }
     }
 
@@ -431,32 +423,6 @@ mod tests {
         h.report(Z, 2, report(Some(12), &[(1, 12)], &[]));
         let ranks = [(0, 0, 12), (1, 2, 12)];
         let k = h.advance(2 * S, 1, &ranks).unwrap();
-        assert_eq!(k.common, Some(12));
-    }
-
-    /// A holder whose stream from a rank's host has not begun awaits the
-    /// rank's replica: the target waits for it (it is not a rank no host
-    /// holds), and is reached once the replica has the step.
-    #[test]
-    fn a_replica_a_holder_awaits_holds_the_target_back_until_it_has_the_step() {
-        let mut h = Hold::default();
-        h.advance(S, 1, &ranks(10));
-        h.report(Z, 0, report(Some(12), &[(0, 12)], &[(1, &[12])]));
-        h.report(
-            Z,
-            1,
-            HoldReport {
-                awaited: vec![0],
-                ..report(Some(12), &[(1, 12)], &[])
-            },
-        );
-        assert_eq!(
-            h.advance(2 * S, 1, &ranks(20)),
-            None,
-            "rank 0's replica awaited"
-        );
-        h.report(2 * S, 1, report(Some(12), &[(1, 12)], &[(0, &[13, 12])]));
-        let k = h.advance(3 * S, 1, &ranks(21)).unwrap();
         assert_eq!(k.common, Some(12));
     }
 

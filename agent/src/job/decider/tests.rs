@@ -215,7 +215,6 @@ fn messages_round_trip_and_garbage_is_an_error() {
             common: Some(9),
             target: Some(12),
             kept: vec![(3, Some((12, 2))), (4, None)],
-            awaited: vec![0],
         }),
     };
     let bytes = serde_json::to_vec(&up).unwrap();
