@@ -83,6 +83,9 @@ pub struct Outbox {
     peer_steps: BTreeMap<u64, Vec<u64>>,
     /// Per rank, the snapshot kept as the replicas' next common step.
     targets: BTreeMap<u64, Target>,
+    /// Per rank, the snapshot of the replicas' common step, for a replica
+    /// made after it was named (see [`Outbox::offer_common`]).
+    commons: BTreeMap<u64, Target>,
     pub chunks_sent: u64,
     pub bytes_sent: u64,
 }
@@ -101,6 +104,7 @@ impl Outbox {
             progress: BTreeMap::new(),
             peer_steps: BTreeMap::new(),
             targets: BTreeMap::new(),
+            commons: BTreeMap::new(),
             chunks_sent: 0,
             bytes_sent: 0,
         }
@@ -124,6 +128,20 @@ impl Outbox {
     /// went and is not acknowledged yet. True until the peer stored it:
     /// the rank's newer snapshots are not offered meanwhile.
     pub fn offer_target(&mut self, o: Offer) -> bool {
+        self.offer_kept(o, false)
+    }
+
+    /// The snapshot of the replicas' common step, as
+    /// [`Outbox::offer_target`], ahead of the target's: a replica made
+    /// after the common step was named (its stream began late) gets that
+    /// step too, so that the common step is held by every replica of the
+    /// rank, not only by those that existed when it was named. True until
+    /// the peer stored it in this session.
+    pub fn offer_common(&mut self, o: Offer) -> bool {
+        self.offer_kept(o, true)
+    }
+
+    fn offer_kept(&mut self, o: Offer, common: bool) -> bool {
         let stored = self
             .peer_steps
             .get(&o.rank)
@@ -133,7 +151,12 @@ impl Outbox {
             sent: false,
             stored: false,
         };
-        let target = self.targets.entry(o.rank).or_insert(fresh);
+        let kept = if common {
+            &mut self.commons
+        } else {
+            &mut self.targets
+        };
+        let target = kept.entry(o.rank).or_insert(fresh);
         if target.step != o.step {
             *target = fresh;
         }
@@ -187,8 +210,10 @@ impl Outbox {
         if p.stored_step.is_none_or(|s| s < step) {
             p.stored_step = Some(step);
         }
-        if let Some(t) = self.targets.get_mut(&rank).filter(|t| t.step == step) {
-            t.stored = true;
+        for kept in [&mut self.targets, &mut self.commons] {
+            if let Some(t) = kept.get_mut(&rank).filter(|t| t.step == step) {
+                t.stored = true;
+            }
         }
         let steps = self.peer_steps.entry(rank).or_default();
         if !steps.contains(&step) {
@@ -202,9 +227,11 @@ impl Outbox {
     /// progress ends (the peer would drop the rest of its chunks too), and
     /// it counts once as abandoned however many of its chunks were dropped.
     pub fn dropped(&mut self, rank: u64, step: u64) {
-        if let Some(t) = self.targets.get_mut(&rank).filter(|t| t.step == step) {
-            // It goes again.
-            t.sent = false;
+        for kept in [&mut self.targets, &mut self.commons] {
+            if let Some(t) = kept.get_mut(&rank).filter(|t| t.step == step) {
+                // It goes again.
+                t.sent = false;
+            }
         }
         let p = self.progress.entry(rank).or_default();
         if p.dropped_step != Some(step) {
@@ -237,6 +264,7 @@ impl Outbox {
         self.progress.remove(&rank);
         self.peer_steps.remove(&rank);
         self.targets.remove(&rank);
+        self.commons.remove(&rank);
     }
 
     /// The slot of `rank`'s transfer was rewritten while it was read: the
@@ -255,6 +283,7 @@ impl Outbox {
         // A new session may be with a holder that lost what it held.
         self.peer_steps.clear();
         self.targets.clear();
+        self.commons.clear();
         for (rank, t) in std::mem::take(&mut self.sending) {
             self.waiting.entry(rank).or_insert(t.offer);
         }
@@ -295,12 +324,10 @@ impl Outbox {
         let next = t.next + len;
         if next >= t.offer.len {
             self.sending.remove(&rank);
-            if let Some(target) = self
-                .targets
-                .get_mut(&rank)
-                .filter(|x| x.step == t.offer.step)
-            {
-                target.sent = true;
+            for kept in [&mut self.targets, &mut self.commons] {
+                if let Some(k) = kept.get_mut(&rank).filter(|x| x.step == t.offer.step) {
+                    k.sent = true;
+                }
             }
         } else {
             self.sending.insert(rank, Transfer { next, ..t });
@@ -539,6 +566,30 @@ mod tests {
         assert!(!o.offer_target(offer(0, 41, 20)));
         o.reset();
         assert!(o.offer_target(offer(0, 41, 20)));
+    }
+
+    /// A replica made after the common step was named (its stream began
+    /// late) gets the common step first, then the target, then the
+    /// newest; stored once, the common step is not sent again.
+    #[test]
+    fn the_common_step_goes_first_to_a_replica_that_lacks_it() {
+        let mut o = Outbox::new(10);
+        o.credit(100);
+        o.offer(offer(0, 30, 10));
+        assert!(o.offer_common(offer(0, 2, 10)));
+        assert_eq!(drain(&mut o), [(0, 2, 0)]);
+        o.stored(0, 2);
+        assert!(!o.offer_common(offer(0, 2, 10)));
+        assert!(o.offer_target(offer(0, 24, 10)));
+        assert_eq!(drain(&mut o), [(0, 24, 0)]);
+        o.stored(0, 24);
+        assert!(!o.offer_target(offer(0, 24, 10)));
+        o.offer(offer(0, 31, 10));
+        assert_eq!(drain(&mut o), [(0, 31, 0)]);
+        for step in 32..60 {
+            o.stored(0, step);
+        }
+        assert!(!o.offer_common(offer(0, 2, 10)), "stored once is enough");
     }
 
     #[test]

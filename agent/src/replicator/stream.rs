@@ -278,8 +278,25 @@ pub(super) fn send(
                 if refusals.holds_back(*rank, now) {
                     continue;
                 }
-                // The snapshot kept for the replicas' next common step
-                // goes first: the job keeps it until every holder has it.
+                // The snapshot of the replicas' common step goes first
+                // to a replica that lacks it (one made after it was
+                // named), then the one kept for the next common step: the
+                // job keeps both until every holder has them.
+                let common = store
+                    .page()
+                    .kept()
+                    .common
+                    .and_then(|c| store.sealed().into_iter().find(|i| i.step == c));
+                if let Some(c) = common
+                    && outbox.offer_common(Offer {
+                        rank: *rank,
+                        step: c.step,
+                        slot: c.slot,
+                        len: c.len,
+                    })
+                {
+                    continue;
+                }
                 if let Some(t) = store.kept_for_target()
                     && outbox.offer_target(Offer {
                         rank: *rank,
