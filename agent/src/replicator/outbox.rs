@@ -136,7 +136,8 @@ impl Outbox {
     /// after the common step was named (its stream began late) gets that
     /// step too, so that the common step is held by every replica of the
     /// rank, not only by those that existed when it was named. True until
-    /// the peer stored it in this session.
+    /// it went (or the peer stored it) in this session; one the peer drops
+    /// is not sent again in it.
     pub fn offer_common(&mut self, o: Offer) -> bool {
         self.offer_kept(o, true)
     }
@@ -164,12 +165,16 @@ impl Outbox {
         if target.stored {
             return false;
         }
-        // Under way, or all sent and not acknowledged yet.
-        if target.sent
-            || self
-                .sending
-                .get(&o.rank)
-                .is_some_and(|t| t.offer.step == o.step)
+        // Under way, or all sent and not acknowledged yet. The common
+        // step holds newer snapshots back only until it is sent: a holder
+        // that never acknowledges it does not stop the stream.
+        if target.sent {
+            return !common;
+        }
+        if self
+            .sending
+            .get(&o.rank)
+            .is_some_and(|t| t.offer.step == o.step)
         {
             return true;
         }
@@ -227,11 +232,15 @@ impl Outbox {
     /// progress ends (the peer would drop the rest of its chunks too), and
     /// it counts once as abandoned however many of its chunks were dropped.
     pub fn dropped(&mut self, rank: u64, step: u64) {
-        for kept in [&mut self.targets, &mut self.commons] {
-            if let Some(t) = kept.get_mut(&rank).filter(|t| t.step == step) {
-                // It goes again.
-                t.sent = false;
-            }
+        if let Some(t) = self.targets.get_mut(&rank).filter(|t| t.step == step) {
+            // It goes again.
+            t.sent = false;
+        }
+        if let Some(c) = self.commons.get_mut(&rank).filter(|c| c.step == step) {
+            // Not again in this session: a holder that refuses it (a
+            // snapshot of another epoch, no slot) would refuse it again,
+            // and the newer snapshots wait for nothing.
+            c.stored = true;
         }
         let p = self.progress.entry(rank).or_default();
         if p.dropped_step != Some(step) {
@@ -590,6 +599,16 @@ mod tests {
             o.stored(0, step);
         }
         assert!(!o.offer_common(offer(0, 2, 10)), "stored once is enough");
+        // Sent and not acknowledged, it holds nothing back; dropped by the
+        // holder, it is not sent again in the session.
+        o.reset();
+        o.credit(100);
+        assert!(o.offer_common(offer(0, 3, 10)));
+        assert_eq!(drain(&mut o), [(0, 3, 0)]);
+        assert!(!o.offer_common(offer(0, 3, 10)), "sent: the newer go on");
+        o.dropped(0, 3);
+        assert!(!o.offer_common(offer(0, 3, 10)), "refused once is enough");
+        assert_eq!(o.next_chunk(), None);
     }
 
     #[test]
