@@ -185,13 +185,13 @@ impl Store {
             .then(|| super::kept::first_at_or_after(&sealed, steps.target))
             .flatten()
             .map(|i| i.slot);
-        let kept = |s: &usize| {
-            Some(*s) == target
-                || (keeps
-                    && sealed
-                        .iter()
-                        .any(|i| i.slot == *s && Some(i.step) == steps.common))
-        };
+        // One slot of the common step is kept: a second copy (a replica
+        // sent it again) is rewritten like any other.
+        let common = keeps
+            .then(|| sealed.iter().find(|i| Some(i.step) == steps.common))
+            .flatten()
+            .map(|i| i.slot);
+        let kept = |s: &usize| Some(*s) == target || Some(*s) == common;
         let usable = |s: &usize| Some(*s) != held && Some(*s) != newest && !kept(s);
         if let Some(free) = (0..self.geometry.slots)
             .filter(usable)
