@@ -7,7 +7,7 @@
 use super::outbox::{Offer, Outbox, at_risk};
 use super::{HELLO_AGAIN, POLL, RankStore, ReplicatorConfig, SCAN, SILENCE, Shared, nonce, poll};
 use hatrain_shared::peer::{self, ChunkHeader, DropCode, Kind, Pending, Receipt, Session};
-use hatrain_shared::shm::Store;
+use hatrain_shared::shm::{SlotInfo, Store};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -282,38 +282,26 @@ pub(super) fn send(
                 // to a replica that lacks it (one made after it was
                 // named), then the one kept for the next common step: the
                 // job keeps both until every holder has them.
-                let common = store
-                    .page()
-                    .kept()
-                    .common
-                    .and_then(|c| store.sealed().into_iter().find(|i| i.step == c));
-                if let Some(c) = common
-                    && outbox.offer_common(Offer {
-                        rank: *rank,
-                        step: c.step,
-                        slot: c.slot,
-                        len: c.len,
-                    })
+                let sealed = store.sealed();
+                let offer = |i: &SlotInfo| Offer {
+                    rank: *rank,
+                    step: i.step,
+                    slot: i.slot,
+                    len: i.len,
+                };
+                let common = store.page().kept().common;
+                if let Some(c) = sealed.iter().find(|i| Some(i.step) == common)
+                    && outbox.offer_common(offer(c))
                 {
                     continue;
                 }
                 if let Some(t) = store.kept_for_target()
-                    && outbox.offer_target(Offer {
-                        rank: *rank,
-                        step: t.step,
-                        slot: t.slot,
-                        len: t.len,
-                    })
+                    && outbox.offer_target(offer(&t))
                 {
                     continue;
                 }
-                if let Some(newest) = store.sealed().into_iter().next() {
-                    outbox.offer(Offer {
-                        rank: *rank,
-                        step: newest.step,
-                        slot: newest.slot,
-                        len: newest.len,
-                    });
+                if let Some(newest) = sealed.first() {
+                    outbox.offer(offer(newest));
                 }
             }
             while let Some(plan) = outbox.next_chunk() {
