@@ -3,8 +3,11 @@
 //! the ranks that hold the job back, the phase that grew, by how much and
 //! since when.
 //!
-//! Every [`WINDOW`] steps a rank's times close a window: its mean ms per
-//! step in each phase. Once every rank has closed a window, the detector
+//! A rank's times close a window every [`WINDOW`] steps, and not before
+//! they span [`WINDOW_MIN_MS`]: its mean ms per step in each phase. Short
+//! steps are noisy: the operating system's scheduler shares a busy core
+//! in slices of milliseconds, and a rank that lost a few of them in a
+//! tenth of a second was not slowed; over half a second that averages out. Once every rank has closed a window, the detector
 //! compares each rank with the others in the same steps:
 //!
 //! - its own work (data, compute and update) exceeds the others' median
@@ -33,8 +36,10 @@ use hatrain_shared::shm::{StepPhase, StepTimes};
 use hatrain_shared::slowness::SlowFinding;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Steps per window.
+/// Steps per window, at least.
 pub const WINDOW: u64 = 10;
+/// The least time a window spans, in ms of its steps.
+pub const WINDOW_MIN_MS: f64 = 500.0;
 /// The least excess, as a fraction of the step, that counts.
 pub const MIN_EFFECT: f64 = 0.10;
 /// Windows in a row that begin or end a finding.
@@ -208,7 +213,7 @@ impl Detector {
                 continue;
             };
             let d = t.since(&from);
-            if d.steps >= WINDOW {
+            if d.steps >= WINDOW && d.of(StepPhase::Step) as f64 >= WINDOW_MIN_MS * 1e6 {
                 r.pending = Window::of(&d, (at + 1, step));
                 r.from = Some((t, step));
             }
@@ -468,6 +473,45 @@ mod tests {
             "{changes:?}"
         );
         assert_eq!(d.findings().len(), 1);
+    }
+
+    #[test]
+    fn short_steps_close_a_window_only_once_it_spans_half_a_second() {
+        // Steps of 10 ms: a rank that lost 2 ms a step for 30 steps (a
+        // scheduler's burst) is judged over 50 steps at least, and a burst
+        // that short is no finding; one lasting is.
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        let short = [0.1, 7.0, 1.0, 0.9];
+        let burst = |r: usize| {
+            if r == 0 {
+                [0.1, 9.0, 0.0, 0.9]
+            } else {
+                [0.1, 7.0, 3.0, 0.9]
+            }
+        };
+        // 10 steps per reading, as the agent reads every 100 ms.
+        let mut read = |d: &mut Detector, at: &mut [StepTimes; 4], slow: bool| {
+            step += 10;
+            for (r, t) in at.iter_mut().enumerate() {
+                add(t, 10, if slow { burst(r) } else { short }, 0.0);
+            }
+            let readings: Vec<_> = at.iter().enumerate().map(|(r, t)| (r, step, *t)).collect();
+            d.observe(&readings)
+        };
+        let mut changes = Vec::new();
+        for k in 0..60 {
+            // Slow in 3 readings of 10 steps out of each 10.
+            changes.extend(read(&mut d, &mut at, k % 10 < 3));
+        }
+        assert!(changes.is_empty(), "{changes:?}");
+        for _ in 0..30 {
+            changes.extend(read(&mut d, &mut at, true));
+        }
+        let [Change::Began(f)] = &changes[..] else {
+            panic!("one finding: {changes:?}");
+        };
+        assert_eq!((f.rank, f.phase.as_str()), (0, "compute"));
+        assert!(f.last_step - f.since_step + 1 >= 3 * 50, "{f:?}");
     }
 
     #[test]
