@@ -610,6 +610,18 @@ pub(super) fn admit(from: u64, term: u64, (leader, followed): (u64, u64), newest
     }
 }
 
+/// Whether orders of `term` from node `from`, admitted by a follower
+/// whose orders came under term `followed` and which saw the hosts `lost`
+/// go, end its wait for a successor: orders under a newer term, or from a
+/// node not lost (the successor it turned to from what its coordinator
+/// said). A term is no proof on its own: a controller that began to act
+/// an instant before its host was lost stamped its orders with a term its
+/// heartbeats never carried, and its successor, not knowing of it, takes
+/// the same term.
+pub(super) fn ends_successor_wait(from: u64, term: u64, followed: u64, lost: &[u64]) -> bool {
+    term > followed || !lost.contains(&from)
+}
+
 #[cfg(test)]
 mod sim;
 #[cfg(test)]

@@ -8,6 +8,7 @@
 
 use super::decider::{
     Admit, Decider, Down, Facts, HoldReport, Inbox, Input, REPORT_EVERY, Up, admit,
+    ends_successor_wait,
 };
 use super::{Collected, Driver, log};
 use crate::recovery::{Command, Event, HostLoss, OnDisk, Outcome, RankView};
@@ -254,7 +255,13 @@ impl Driver<'_> {
                         newest,
                         "orders of an older controller term refused"
                     ),
-                    Admit::Take => self.on_down(sup, down),
+                    Admit::Take => {
+                        let lost: Vec<u64> = f.losses.iter().map(|l| l.node).collect();
+                        if ends_successor_wait(from, down.term, f.term, &lost) {
+                            f.orphaned = None;
+                        }
+                        self.on_down(sup, down)
+                    }
                     Admit::Follow => {
                         tracing::warn!(
                             node = from,
@@ -315,12 +322,6 @@ impl Driver<'_> {
                 "orders of an older controller term refused"
             );
             return;
-        }
-        if down.term > f.term {
-            // The successor's first orders (this host may have turned to
-            // it already, from what its coordinator said): the wait for
-            // one is over.
-            f.orphaned = None;
         }
         f.term = down.term;
         if !down.orphans.is_empty() {

@@ -361,6 +361,21 @@ fn orders_of_a_replaced_controller_are_refused_before_its_successors_come() {
     assert_eq!(admit(0, 0, (0, 0), 1), Admit::Take);
 }
 
+#[test]
+fn the_successors_orders_end_the_wait_for_one_even_under_the_lost_controllers_term() {
+    // Node 0 acted under term 1 for an instant and was lost before a
+    // heartbeat carried the term: node 1 took over under term 1 too. Its
+    // orders end the wait of a follower that took node 0's of term 1.
+    assert!(ends_successor_wait(1, 1, 1, &[0]));
+    assert!(ends_successor_wait(1, 2, 1, &[0]));
+    // Late orders of the lost controller itself do not, unless it acts
+    // again under a newer term.
+    assert!(!ends_successor_wait(0, 1, 1, &[0]));
+    assert!(ends_successor_wait(0, 2, 1, &[0]));
+    // A lost standby's are no successor's either.
+    assert!(!ends_successor_wait(3, 1, 1, &[0, 3]));
+}
+
 /// A successor's take-over settles once every live host reported, or when
 /// its deadline passes: the instant comes in, no clock is read.
 #[test]
