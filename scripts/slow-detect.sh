@@ -3,10 +3,12 @@
 # not: the reference trainer, 2 ranks under `hatrain-agent launch`,
 # `agentctl slow` polled every 100 ms.
 #
-#   scripts/slow-detect.sh delay MS [RUNS]   an emulated device of 20 ms
-#       per step; rank 0 sleeps MS ms in its forward pass from step 80 on
-#       (7: about 30% of the step; 22: about 2x): for each run, the step
-#       the finding begins at and its step time
+#   scripts/slow-detect.sh delay MS [RUNS] [DEVICE]   an emulated device
+#       of DEVICE ms per step (default 60: 10 steps span more than the
+#       detector's half-second window, as a large job's steps do); rank 0
+#       sleeps MS ms in its forward pass from step 80 on (20: about 30% of
+#       the step; 65: about 2x): for each run, the step the finding begins
+#       at and its step time
 #   scripts/slow-detect.sh healthy STEPS     the real tiny model, a busy
 #       loop on every core beside it, STEPS steps: the findings (none
 #       expected)
@@ -62,7 +64,7 @@ print("%s: rank %d %s, found at step %d (since %d), +%.1f ms on a %.1f ms step" 
 case "${1:-}" in
 delay)
     for k in $(seq "${3:-3}"); do
-        run "delay-$2-$k" 260 "0:80-400:forward:sleep$2" --emulate-device 20
+        run "delay-$2-$k" 200 "0:80-400:forward:sleep$2" --emulate-device "${4:-60}"
     done
     ;;
 healthy)

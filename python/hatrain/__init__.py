@@ -166,6 +166,13 @@ class Runtime:
         control page (``hatrain.torchgc``)."""
         self._rt.gc_collected(ns, step)
 
+    def collective_overlapped(self, ns: int) -> None:
+        """This step's compute waited ``ns`` on collectives that ran beside
+        it (DDP's all-reduce of its gradient buckets, inside the backward
+        pass): counted as collective time, not compute
+        (``hatrain.torchtime``)."""
+        self._rt.collective_overlapped(ns)
+
     def report_device_uce(self, why: str, part: int | None = None) -> None:
         """An uncorrectable memory error the device reported (torch_npu's
         ``UCE ERROR``) rather than a SIGBUS: the live state is torn, and the

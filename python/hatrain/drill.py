@@ -3,7 +3,8 @@
 The format is the reference trainer's: ``RANK:STEP:POINT:ACTION`` entries
 separated by ``;``, with an optional fifth field naming the incarnation
 (restart count) the entry fires in (default 0, the first process; ``*``:
-every one). An entry fires at most once per process.
+every one). STEP may be a range ``FIRST-LAST``: every step of it (a rank
+slow for a while). An entry fires at most once per step per process.
 
 POINT: ``forward`` (the step's compute begins), ``update`` (inside the
 update fences, after ``optimizer.step()`` changed the state and before the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENV = "HATRAIN_FAULT_PLAN"
 POINTS = ("forward", "update", "commit", "restore", "close")
@@ -35,11 +36,12 @@ POINTS = ("forward", "update", "commit", "restore", "close")
 @dataclass
 class Entry:
     rank: int
-    step: int
+    first: int
+    last: int
     point: str
     action: str
     incarnation: int | None  # None: every one
-    fired: bool = False
+    fired: set[int] = field(default_factory=set)
 
 
 def parse(text: str) -> list[Entry]:
@@ -49,10 +51,14 @@ def parse(text: str) -> list[Entry]:
         if len(f) not in (4, 5):
             raise ValueError(f"invalid {ENV} entry {raw!r}: RANK:STEP:POINT:ACTION[:INCARNATION]")
         try:
-            rank, step = int(f[0]), int(f[1])
+            first, dash, last = f[1].partition("-")
+            rank, first = int(f[0]), int(first)
+            last = int(last) if dash else first
             inc = None if len(f) == 5 and f[4] == "*" else int(f[4]) if len(f) == 5 else 0
         except ValueError:
-            raise ValueError(f"invalid {ENV} entry {raw!r}: RANK, STEP and INCARNATION are numbers") from None
+            raise ValueError(f"invalid {ENV} entry {raw!r}: RANK, STEP (or FIRST-LAST) and INCARNATION are numbers") from None
+        if last < first:
+            raise ValueError(f"invalid {ENV} entry {raw!r}: the STEP range FIRST-LAST ends before it begins")
         if f[2] not in POINTS:
             raise ValueError(f"invalid {ENV} entry {raw!r}: POINT is one of {', '.join(POINTS)}")
         a = f[3]
@@ -62,7 +68,7 @@ def parse(text: str) -> list[Entry]:
             ok = len(bits) == 3 and bits[1].isdigit() and bits[2].isdigit()
         if not ok:
             raise ValueError(f"invalid {ENV} entry {raw!r}: unknown action {a!r}")
-        out.append(Entry(rank, step, f[2], a, inc))
+        out.append(Entry(rank, first, last, f[2], a, inc))
     return out
 
 
@@ -81,12 +87,12 @@ class Plan:
 
     def hit(self, step: int, point: str, rt=None) -> None:
         for e in self.entries:
-            if e.fired or e.rank != self.rank or e.step != step or e.point != point:
+            if step in e.fired or e.rank != self.rank or not e.first <= step <= e.last or e.point != point:
                 continue
             if e.incarnation is not None and e.incarnation != self.incarnation:
                 continue
-            e.fired = True
-            self._do(e, rt)
+            e.fired.add(step)
+            self._do(e, step, rt)
 
     def surface(self) -> None:
         """Raises the device error a fault of this step left pending."""
@@ -94,10 +100,11 @@ class Plan:
         if err is not None:
             raise err
 
-    def _do(self, e: Entry, rt) -> None:
+    def _do(self, e: Entry, step: int, rt) -> None:
         import sys
 
-        print(f"rank {self.rank}: planned fault {e.action} at step {e.step} ({e.point})", file=sys.stderr, flush=True)
+        if e.first == e.last or step == e.first:
+            print(f"rank {self.rank}: planned fault {e.action} at step {step} ({e.point})", file=sys.stderr, flush=True)
         if e.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif e.action == "exit":

@@ -97,8 +97,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hatrain
 from hatrain.drill import Plan
-from hatrain import npu, torchckpt, torchgc, torchstore
-from hatrain.torchstate import State, b64, unb64
+from hatrain import npu, torchckpt, torchgc, torchstore, torchtime
+from hatrain.torchstate import State, b64, same_device, unb64
 
 __all__ = ["Job", "Stopped"]
 
@@ -277,7 +277,7 @@ class Job:
         # (Nothing is snapshotted without an agent: nothing is staged.)
         stage = self.stage if self.under_agent_env() else False
         self.state = State(model, optimizer, schedulers, scaler, world=self.world, stage=stage)
-        if self.device is not None and not _same_device(self.device, self.state.device):
+        if self.device is not None and not same_device(self.device, self.state.device):
             raise hatrain.HatrainError(
                 f"the job's device is {self.device}, and its parameters are on {self.state.device}"
             )
@@ -333,6 +333,7 @@ class Job:
         )
         self.rt.set_snapshot_window(self.snapshot_window)
         self._gc = torchgc.Collections(self.rt, self._gc_every, lambda: self._current or self.step_done)
+        self._overlap = torchtime.Overlap(self.rt)
         self.under_agent = self.rt.start[0] != "standalone"
         kind, epoch = self.rt.start
         # A replacement's state comes from shared memory: it awaits the
@@ -458,6 +459,7 @@ class Job:
                 # DDP's broadcast of rank 0's is skipped.
                 kwargs["init_sync"] = False
             self.model = DDP(self.module, **kwargs)
+            self._overlap.attach(self.module)
             if self.layout == "zero":
                 self.optimizer.process_group = dist.group.WORLD
         # gloo's collectives fail when a peer's connection closes, and a
@@ -756,6 +758,7 @@ class Job:
         # A drill's device error surfaces here, as an asynchronous device
         # error does at the update's first synchronisation.
         self.plan.surface()
+        self._overlap.step_ends()
         self.rt.start_update()
         if self.rt.check_uce() is not None:
             raise _Torn()
@@ -779,6 +782,7 @@ class Job:
         self.rt.wait_commit()
         self.plan.hit(self.step_done, "close", self.rt)
         self._gc.close()
+        self._overlap.close()
         self._destroy()
 
     def model_digest(self) -> str:
@@ -790,9 +794,4 @@ class Job:
         for f in self.state.digest_parts():
             h.update(f.tensor.detach().cpu().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether ``a`` (as given, its index perhaps left out) names ``b``."""
-    return a.type == b.type and (a.index is None or a.index == b.index)
 

@@ -693,3 +693,8 @@ def b64(t: torch.Tensor | None) -> str | None:
 
 def unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` (as given, its index perhaps left out) names ``b``."""
+    return a.type == b.type and (a.index is None or a.index == b.index)

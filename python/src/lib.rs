@@ -319,6 +319,13 @@ impl PyRuntime {
         self.rt().gc_collected(ns, step);
     }
 
+    /// This step's compute waited `ns` on collectives that ran beside it
+    /// (DDP's all-reduce of the gradient buckets, inside the backward
+    /// pass): counted as collective time.
+    fn collective_overlapped(&self, ns: u64) {
+        self.rt().collective_overlapped(ns);
+    }
+
     /// `(part, byte offset)` of a memory error repaired since the last
     /// check: the step must be thrown away and recomputed.
     fn check_uce(&self) -> Option<(usize, usize)> {

@@ -42,6 +42,19 @@ raises(ValueError, "whole number of F32", _native.Runtime.connect, 0, smap, [(np
 raises(ValueError, "is not one of", _native.Runtime.connect, 0, smap, [(np.zeros(16, np.uint8), "Q8")])
 raises(ValueError, "state map", _native.Runtime.connect, 0, "{not json", [])
 
+# A fault plan's bad entries are refused, saying what is wrong; an entry
+# of a STEP range fires once at each step of it.
+from hatrain import drill  # noqa: E402
+
+raises(ValueError, "ends before it begins", drill.parse, "1:7-5:forward:kill")
+raises(ValueError, "FIRST-LAST", drill.parse, "1:5-:forward:kill")
+raises(ValueError, "unknown action", drill.parse, "1:5-7:forward:nap")
+plan = drill.Plan(1, "1:5-7:forward:sleep0;0:6:forward:sleep0;1:6:update:sleep0")
+for s in range(1, 10):
+    plan.hit(s, "forward")
+    plan.hit(s, "forward")
+assert [e.fired for e in plan.entries] == [{5, 6, 7}, set(), set()], plan.entries
+
 rank = int(os.environ["RANK"])
 w = np.arange(1 << 20, dtype=np.float32)
 ids = np.arange(100, dtype=np.int64)

@@ -30,6 +30,9 @@ pub(super) struct StepClock {
     step_start: AtomicU64,
     /// This step's ns per phase so far (all but the whole step).
     acc: [AtomicU64; STEP],
+    /// Ns this step's compute waited on collectives that ran beside it:
+    /// moved from compute to collective when the step is published.
+    overlapped: AtomicU64,
 }
 
 impl Default for StepClock {
@@ -40,6 +43,7 @@ impl Default for StepClock {
             mark: AtomicU64::new(0),
             step_start: AtomicU64::new(NEVER),
             acc: Default::default(),
+            overlapped: AtomicU64::new(0),
         }
     }
 }
@@ -77,6 +81,9 @@ impl StepClock {
             *n = a.swap(0, Ordering::Relaxed);
         }
         ns[STEP] = now.saturating_sub(start);
+        let waited = self.overlapped.swap(0, Ordering::Relaxed).min(ns[COMPUTE]);
+        ns[COMPUTE] -= waited;
+        ns[COLLECTIVE] += waited;
         (start != NEVER).then_some(ns)
     }
 }
@@ -105,6 +112,14 @@ impl Runtime {
         if let Some(a) = &self.attached {
             a.store.page().record_gc(ns, step);
         }
+    }
+
+    /// This step's compute waited `ns` on collectives that ran beside it
+    /// (DDP all-reduces each gradient bucket while the backward pass goes
+    /// on, and the pass ends once every bucket is reduced): counted as
+    /// collective, not compute, when the step is published.
+    pub fn collective_overlapped(&self, ns: u64) {
+        self.step_clock.overlapped.fetch_add(ns, Ordering::Relaxed);
     }
 
     /// A collective begins; returns what to give [`Runtime::time_collective_ends`].
@@ -165,5 +180,33 @@ mod tests {
         let ns = c.begin().unwrap();
         assert_eq!(ns[DATA], 0);
         assert!(ns[COMPUTE] >= 2_000_000, "{ns:?}");
+    }
+
+    #[test]
+    fn a_wait_beside_compute_moves_from_compute_to_collective_and_never_past_it() {
+        let c = StepClock::default();
+        c.begin();
+        sleep(Duration::from_millis(10));
+        c.switch(NONE);
+        c.overlapped.fetch_add(4_000_000, Ordering::Relaxed);
+        let before = c.begin().unwrap();
+        sleep(Duration::from_millis(10));
+        c.switch(NONE);
+        c.overlapped.fetch_add(4_000_000, Ordering::Relaxed);
+        let ns = c.begin().unwrap();
+        assert_eq!(ns[COLLECTIVE], 4_000_000, "{ns:?}");
+        assert!(ns[COMPUTE] >= 6_000_000, "{ns:?}");
+        assert_eq!(before[COLLECTIVE], 4_000_000, "{before:?}");
+        // More than the compute: all of the compute, no more.
+        sleep(Duration::from_millis(2));
+        c.switch(NONE);
+        c.overlapped.fetch_add(u64::MAX / 2, Ordering::Relaxed);
+        let ns = c.begin().unwrap();
+        assert_eq!(ns[COMPUTE], 0, "{ns:?}");
+        assert!(
+            ns[COLLECTIVE] >= 2_000_000 && ns[COLLECTIVE] <= ns[STEP],
+            "{ns:?}"
+        );
+        assert_eq!(c.begin().unwrap()[COLLECTIVE], 0, "taken once");
     }
 }
