@@ -106,6 +106,9 @@ pub struct Controller {
     pub(in crate::job) settling: Option<Settling>,
     /// Host losses held back while no majority follows this controller.
     pub(in crate::job) cut_off: Option<minority::CutOff>,
+    /// Lost hosts whose ranks no live host was known to hold a replica
+    /// of: every live host reported once more before that was decided.
+    reheard: BTreeSet<u64>,
     /// The replicas of ranks no live host holds (a lost host's, with no
     /// standby to take them), as the last collection found them: per rank,
     /// the holders and their verified steps.
@@ -194,6 +197,7 @@ impl Controller {
             filling: BTreeSet::new(),
             settling: None,
             cut_off: None,
+            reheard: BTreeSet::new(),
             waiting: None,
             given_up: false,
             rules: Rules::default(),
@@ -341,21 +345,7 @@ impl Controller {
         }
         self.held.remove(&node);
         let ranks = self.ranks_on(node);
-        let kept = |r: &usize| {
-            self.held
-                .iter()
-                .any(|(n, held)| !gone.contains(n) && held.contains(r))
-        };
-        // Ranks joining a growing group hold nothing to lose.
-        let joining = self.machine.joining();
-        let state_lost: Vec<usize> = ranks
-            .iter()
-            .chain(&self.filling)
-            .copied()
-            .collect::<BTreeSet<usize>>()
-            .into_iter()
-            .filter(|r| !kept(r) && !joining.contains(r))
-            .collect();
+        let state_lost = self.state_lost(node, gone);
         let heard = self.spares.iter().copied().find(|s| self.heard.contains(s));
         let spare = match heard {
             Some(s) if reboot && state_lost.is_empty() => self.spares.take(&s),
@@ -373,6 +363,51 @@ impl Controller {
             spare,
             state_lost,
         })
+    }
+
+    /// The ranks whose state would be lost with host `node` (and the hosts
+    /// in `gone`): its own and those a standby is being filled with, that
+    /// no other live host reported holding a replica of.
+    pub(in crate::job) fn state_lost(&self, node: u64, gone: &[u64]) -> Vec<usize> {
+        let kept = |r: &usize| {
+            self.held
+                .iter()
+                .any(|(n, held)| *n != node && !gone.contains(n) && held.contains(r))
+        };
+        // Ranks joining a growing group hold nothing to lose.
+        let joining = self.machine.joining();
+        self.ranks_on(node)
+            .iter()
+            .chain(&self.filling)
+            .copied()
+            .collect::<BTreeSet<usize>>()
+            .into_iter()
+            .filter(|r| !kept(r) && !joining.contains(r))
+            .collect()
+    }
+
+    /// Host `node` is lost at `now` with state no live host is known to
+    /// hold: unless every live host has reported since, it waits for their
+    /// reports (a replica made an instant ago may not have been reported
+    /// yet), at most [`SETTLE`]; true while it waits.
+    pub(in crate::job) fn rehear(&mut self, node: u64, gone: &[u64], now: Duration) -> bool {
+        if !self.members.contains(&node)
+            || self.reheard.remove(&node)
+            || self.state_lost(node, gone).is_empty()
+        {
+            return false;
+        }
+        self.reheard.insert(node);
+        let waiting = self
+            .everyone()
+            .filter(|n| *n != node && !gone.contains(n))
+            .collect();
+        self.settling = Some(Settling {
+            until: now + SETTLE,
+            waiting,
+            losses: Vec::new(),
+        });
+        true
     }
 
     /// Where `c` is carried out.

@@ -15,7 +15,8 @@ pub(in crate::job) enum OnLoss {
     /// No majority of the job's agents follows this controller: the loss
     /// waits until one does (or another controller acts).
     HoldBack(HostLoss),
-    /// A take-over is settling: the loss is decided once it has.
+    /// A take-over is settling, or every live host reports once more
+    /// before state is found lost: the loss is decided once it has.
     Settling,
     /// A standby that held no ranks is lost: nothing to recover.
     StandbyLost { node: u64 },
@@ -61,6 +62,8 @@ pub(in crate::job) struct LossFacts<'a> {
     pub own_held: &'a [usize],
     /// The newest complete checkpoint on disk.
     pub on_disk: Option<OnDisk>,
+    /// The job's clock.
+    pub now: Duration,
 }
 
 impl Controller {
@@ -77,6 +80,12 @@ impl Controller {
         }
         let node = loss.node;
         self.note_held(self.node, facts.own_held.iter().copied());
+        if self.rehear(node, facts.gone, facts.now) {
+            if let Some(s) = &mut self.settling {
+                s.losses.push(loss);
+            }
+            return OnLoss::Settling;
+        }
         let Some(placed) = self.host_lost(node, facts.reboot, facts.gone) else {
             return OnLoss::StandbyLost { node };
         };

@@ -473,6 +473,7 @@ impl Controller {
                 gone: &facts.gone,
                 own_held: &facts.own_held,
                 on_disk: facts.on_disk.clone(),
+                now,
             };
             match self.on_host_lost(loss, lf) {
                 OnLoss::HoldBack(loss) => {

@@ -395,6 +395,45 @@ fn a_take_over_settles_when_every_host_reported_or_at_its_deadline() {
     assert_eq!(late.settle(None, t0 + SETTLE), vec![loss]);
 }
 
+/// Host 1 is lost and no live host has reported a replica of its ranks:
+/// before their state is found lost, every live host reports once more
+/// (a replica made an instant ago). Host 2's report that it holds them
+/// lets the loss go to the standby; with no report by the deadline, the
+/// state is lost.
+#[test]
+fn state_is_found_lost_only_once_every_live_host_reported_again() {
+    for reported in [true, false] {
+        let mut c = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
+        c.heard = (0..4).collect();
+        assert_eq!(
+            c.on_host_lost(lost(1), facts(&[1], &[])),
+            OnLoss::Settling,
+            "nobody holds ranks 2 and 3 yet"
+        );
+        let t0 = Duration::ZERO;
+        let settled = if reported {
+            c.note_held(2, [2, 3]);
+            assert!(
+                c.settle(Some(2), t0).is_empty(),
+                "the standby not heard yet"
+            );
+            c.settle(Some(3), t0)
+        } else {
+            c.settle(None, t0 + SETTLE)
+        };
+        assert_eq!(settled, vec![lost(1)]);
+        let OnLoss::Recover { loss, .. } = c.on_host_lost(lost(1), facts(&[1], &[])) else {
+            panic!("decided once heard");
+        };
+        if reported {
+            assert_eq!((loss.ranks, loss.spare), (vec![2, 3], Some(3)));
+            assert!(loss.state_lost.is_empty(), "{:?}", loss.state_lost);
+        } else {
+            assert_eq!((loss.state_lost, loss.spare), (vec![2, 3], None));
+        }
+    }
+}
+
 fn lost(node: u64) -> HostLoss {
     HostLoss {
         node,
@@ -415,6 +454,7 @@ fn facts<'a>(gone: &'a [u64], own_held: &'a [usize]) -> LossFacts<'a> {
         gone,
         own_held,
         on_disk: None,
+        now: Duration::ZERO,
     }
 }
 
