@@ -386,11 +386,12 @@ impl Controller {
             .collect()
     }
 
-    /// Host `node` is lost at `now` with state no live host is known to
-    /// hold: unless every live host has reported since, it waits for their
-    /// reports (a replica made an instant ago may not have been reported
-    /// yet), at most [`SETTLE`]; true while it waits.
-    pub(in crate::job) fn rehear(&mut self, node: u64, gone: &[u64], now: Duration) -> bool {
+    /// `loss` at `now` leaves state no live host is known to hold: unless
+    /// every live host has reported since, it waits for their reports (a
+    /// replica made an instant ago may not have been reported yet), at
+    /// most [`SETTLE`]; true while it waits.
+    pub(in crate::job) fn rehear(&mut self, loss: &HostLoss, gone: &[u64], now: Duration) -> bool {
+        let node = loss.node;
         if !self.members.contains(&node)
             || self.reheard.remove(&node)
             || self.state_lost(node, gone).is_empty()
@@ -405,7 +406,7 @@ impl Controller {
         self.settling = Some(Settling {
             until: now + SETTLE,
             waiting,
-            losses: Vec::new(),
+            losses: vec![loss.clone()],
         });
         true
     }

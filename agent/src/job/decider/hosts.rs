@@ -80,10 +80,7 @@ impl Controller {
         }
         let node = loss.node;
         self.note_held(self.node, facts.own_held.iter().copied());
-        if self.rehear(node, facts.gone, facts.now) {
-            if let Some(s) = &mut self.settling {
-                s.losses.push(loss);
-            }
+        if self.rehear(&loss, facts.gone, facts.now) {
             return OnLoss::Settling;
         }
         let Some(placed) = self.host_lost(node, facts.reboot, facts.gone) else {
