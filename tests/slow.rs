@@ -15,7 +15,10 @@
 //!   handed to a warm standby once the slowdown has cost the job the price
 //!   of a hand-over; the run ends bit-identical to one never throttled;
 //! - with two hosts, the controller names a slow rank of the other host,
-//!   with that host, and both ranks of that host slow as the host.
+//!   with that host, and both ranks of that host slow as the host;
+//! - with `--on-slow replace` and a standby host, a slow host leaves the
+//!   job and the standby takes its ranks; the run ends bit-identical to
+//!   one never slowed.
 //! - a PyTorch DDP job's rank slowed in its forward pass is named with
 //!   compute: the other rank's wait inside the backward pass (DDP's
 //!   all-reduce) is timed as collective.
@@ -426,4 +429,85 @@ fn the_controller_names_a_slow_rank_of_another_host_and_a_slow_host() {
         );
         assert!(f["cause"].as_str().unwrap().contains(want), "{plan}: {f}");
     }
+}
+
+/// Two hosts of two ranks and a standby host, `--on-slow replace`: both
+/// ranks of host 1 sleep 30 ms in each forward pass from step 80 (host 1's
+/// fault plan: the standby that takes its ranks is not slow). The
+/// controller names host 1 and, once the slowdown has cost the job the
+/// price of a hand-over (the host timeout, the hand-over itself priced at
+/// nothing), orders it out: host 1 leaves the job (its agent exits with
+/// `HANDED_OVER` and leaves nothing in its root), the standby takes ranks
+/// 2 and 3 filled from their peer replicas, the finding ends there, and
+/// the run ends bit-identical to one host of four ranks never slowed.
+#[test]
+fn a_slow_host_is_handed_to_a_standby_host_and_the_run_stays_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut train = tiny_args(400);
+    train.extend(s(&["--emulate-device", "20"]));
+    let log = tmp.path().join("ref.jsonl");
+    let mut args = train.clone();
+    args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
+    assert_success(
+        &run_launch(4, "slow-host-ref", &args),
+        "one host of four ranks",
+    );
+    let reference = read_log(&log);
+    let slowed = "2:80-400:forward:sleep30;3:80-400:forward:sleep30";
+    let replace = ["--on-slow", "replace", "--slow-handover-secs", "0"];
+    let mut c = common::cluster::Cluster::start_shape_plans(
+        tmp,
+        "slow-host",
+        (2, 2),
+        1,
+        &replace,
+        &train,
+        &["", slowed],
+    );
+    let mut last = serde_json::Value::Null;
+    let seen = poll_agentctl(&c.socket(0), "status", Duration::from_secs(180), |v| {
+        last = v["status"].clone();
+        let fault = last["faults"]
+            .as_array()?
+            .iter()
+            .find(|f| f["class"] == "standby" && f["recovery_s"].is_number())
+            .cloned()?;
+        let f = findings(&last)
+            .into_iter()
+            .find(|f| f["rank"] == 2 && f["ended"] == true)?;
+        Some((fault, f))
+    });
+    let Some((fault, f)) = seen else {
+        panic!(
+            "host 1 never handed over, or still slow after: {last}\n{}",
+            c.kill_all()
+        );
+    };
+    let left = c.ends(&[1]);
+    assert_eq!(
+        left[0].1.status.code(),
+        Some(i32::from(hatrain_agent::exit::HANDED_OVER)),
+        "{}",
+        common::cluster::logs(&left)
+    );
+    common::hosts::assert_nothing_left(&c.shm[1]);
+    let outs = c.ends(&[0, 2]);
+    common::cluster::assert_recovered(&c, &outs, &reference);
+    assert_eq!(fault["ranks"], serde_json::json!([2, 3]), "{fault}");
+    assert!(
+        fault["detail"]
+            .as_str()
+            .unwrap()
+            .contains("held the job back"),
+        "{fault}"
+    );
+    assert_eq!(
+        (
+            f["host"].as_u64(),
+            f["whole_host"].as_bool(),
+            f["phase"].as_str()
+        ),
+        (Some(1), Some(true), Some("compute")),
+        "{f}"
+    );
 }

@@ -253,6 +253,11 @@ pub enum LaunchError {
     /// left the job, which recovers without it.
     #[error("device lost: this host left the job ({detail})")]
     DeviceLost { detail: String },
+    /// This host held the job back, and the job's controller handed its
+    /// ranks to a standby host (`--on-slow replace`): the host left the
+    /// job, which goes on without it.
+    #[error("this host held the job back and left it for a standby host ({detail})")]
+    HandedOver { detail: String },
 }
 
 /// Where a launch's job id came from.

@@ -90,6 +90,9 @@ pub mod exit {
     /// A device of this host is lost to a job of several hosts: the host
     /// left the job, which recovers without it.
     pub const DEVICE_LOST: u8 = 6;
+    /// This host held the job back (`--on-slow replace`): it left the job
+    /// of several hosts to a standby host, and the job goes on without it.
+    pub const HANDED_OVER: u8 = 7;
 
     /// The code for an agent stopped by signal `sig` (128+N).
     pub fn signaled(sig: i32) -> u8 {

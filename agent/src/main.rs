@@ -29,22 +29,13 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             say(format_args!("hatrain-agent: error: {e:#}"));
-            let usage = e.downcast_ref::<LaunchError>().is_some_and(|e| {
-                matches!(
-                    e,
-                    LaunchError::Config(_) | LaunchError::JobDir(_) | LaunchError::Secret(_)
-                )
-            });
-            let device_lost = matches!(
-                e.downcast_ref::<LaunchError>(),
-                Some(LaunchError::DeviceLost { .. })
-            );
-            ExitCode::from(if usage {
-                exit::USAGE
-            } else if device_lost {
-                exit::DEVICE_LOST
-            } else {
-                exit::INTERNAL
+            ExitCode::from(match e.downcast_ref::<LaunchError>() {
+                Some(LaunchError::Config(_) | LaunchError::JobDir(_) | LaunchError::Secret(_)) => {
+                    exit::USAGE
+                }
+                Some(LaunchError::DeviceLost { .. }) => exit::DEVICE_LOST,
+                Some(LaunchError::HandedOver { .. }) => exit::HANDED_OVER,
+                _ => exit::INTERNAL,
             })
         }
     }

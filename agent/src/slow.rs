@@ -135,6 +135,9 @@ pub enum Change {
 #[derive(Debug, Default)]
 pub struct Detector {
     ranks: BTreeMap<usize, Rank>,
+    /// Ranks with an open finding not read now (their process being
+    /// replaced, their host handed over): they come back with it.
+    away: BTreeMap<usize, Rank>,
     findings: Vec<SlowFinding>,
     /// The host of each rank, where known (a controller's detector sees
     /// every host's ranks).
@@ -202,12 +205,31 @@ impl Detector {
     }
 
     /// Each rank's step times as read now, with the step it completed.
-    /// Ranks absent are no longer compared.
+    /// Ranks absent are no longer compared; one with an open finding
+    /// keeps it (and its history) until it is read again, and the finding
+    /// ends once it is not slow there.
     pub fn observe(&mut self, readings: &[(usize, u64, StepTimes)]) -> Vec<Change> {
         let seen: BTreeSet<usize> = readings.iter().map(|(r, _, _)| *r).collect();
-        self.ranks.retain(|r, _| seen.contains(r));
+        let absent: Vec<usize> = (self.ranks.keys())
+            .filter(|r| !seen.contains(r))
+            .copied()
+            .collect();
+        for rank in absent {
+            let Some(r) = self.ranks.remove(&rank).filter(|r| r.open.is_some()) else {
+                continue;
+            };
+            let r = Rank {
+                from: None,
+                pending: None,
+                streak: 0,
+                ..r
+            };
+            self.away.insert(rank, r);
+        }
+        let away = &mut self.away;
         for &(rank, step, t) in readings {
-            let r = self.ranks.entry(rank).or_default();
+            let r =
+                (self.ranks.entry(rank)).or_insert_with(|| away.remove(&rank).unwrap_or_default());
             let Some((from, at)) = r.from.filter(|(f, _)| f.steps <= t.steps) else {
                 r.from = Some((t, step));
                 continue;
@@ -301,6 +323,7 @@ impl Detector {
                             cause: cause(phase),
                             alone: slow.len() == 1,
                             host: self.hosts.get(&rank).copied(),
+                            whole_host: one_host.is_some(),
                             ended: false,
                         };
                         r.open = Some(self.findings.len());
@@ -362,7 +385,7 @@ impl Detector {
                 return;
             };
             self.findings.remove(i);
-            for r in self.ranks.values_mut() {
+            for r in self.ranks.values_mut().chain(self.away.values_mut()) {
                 if let Some(o) = r.open.as_mut().filter(|o| **o > i) {
                     *o -= 1;
                 }
@@ -405,7 +428,22 @@ pub enum OnSlow {
 /// its data loading, its garbage collector, nor an imbalance across
 /// several ranks.
 pub fn replace_pays(f: &SlowFinding, price_ms: f64) -> bool {
-    !f.ended && f.alone && !["data", "gc"].contains(&f.phase.as_str()) && f.cost_ms() >= price_ms
+    f.alone && moving_pays(f, price_ms)
+}
+
+/// Whether handing the host of open finding `f` (one of its ranks) to a
+/// standby host pays, by the same rule as [`replace_pays`] for a
+/// hand-over of the host that costs `price_ms`: only a host whose every
+/// rank, and no other, is slow in its own compute or update (a
+/// throttled or failing host: its devices, its cooling, a noisy
+/// neighbour).
+pub fn hand_host_over_pays(f: &SlowFinding, price_ms: f64) -> bool {
+    f.whole_host && f.host.is_some() && moving_pays(f, price_ms)
+}
+
+/// `f` is open, in a phase a move cures, and has cost `price_ms`.
+fn moving_pays(f: &SlowFinding, price_ms: f64) -> bool {
+    !f.ended && !["data", "gc"].contains(&f.phase.as_str()) && f.cost_ms() >= price_ms
 }
 
 #[cfg(test)]
@@ -603,6 +641,49 @@ mod tests {
         assert!(run(&mut d, &mut at, &mut step, 8, slowed).is_empty());
     }
 
+    /// A slow rank's process replaced (its host handed over): absent from
+    /// the readings a while, its finding stays open; read again and not
+    /// slow, the finding ends.
+    #[test]
+    fn a_slow_rank_read_again_after_a_while_away_ends_its_finding() {
+        let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
+        assert!(run(&mut d, &mut at, &mut step, 4, |_, _| HEALTHY).is_empty());
+        let slowed = |r: usize, _| {
+            if r == 2 {
+                [1.0, 110.0, 5.0, 10.0]
+            } else {
+                [1.0, 80.0, 35.0, 10.0]
+            }
+        };
+        let began = run(&mut d, &mut at, &mut step, CONFIRM as usize, slowed);
+        assert!(
+            matches!(&began[..], [Change::Began(f)] if f.rank == 2),
+            "{began:?}"
+        );
+        // Rank 2 unread for two windows (its new process not registered).
+        for _ in 0..2 {
+            step += WINDOW;
+            for t in &mut at {
+                add(t, WINDOW, HEALTHY, 1.0);
+            }
+            let without: Vec<_> = (at.iter().enumerate())
+                .filter(|(r, _)| *r != 2)
+                .map(|(r, t)| (r, step, *t))
+                .collect();
+            assert!(d.observe(&without).is_empty());
+        }
+        assert!(!d.findings()[0].ended);
+        // Read again from a fresh process (its sums start over).
+        at[2] = StepTimes::default();
+        let ended = run(&mut d, &mut at, &mut step, CONFIRM as usize + 1, |_, _| {
+            HEALTHY
+        });
+        assert!(
+            matches!(&ended[..], [Change::Ended(f)] if f.rank == 2 && f.ended),
+            "{ended:?}"
+        );
+    }
+
     #[test]
     fn several_ranks_at_once_are_named_as_imbalance() {
         let (mut d, mut at, mut step) = (Detector::default(), [StepTimes::default(); 4], 0);
@@ -646,10 +727,12 @@ mod tests {
             cause: String::new(),
             alone: true,
             host: None,
+            whole_host: false,
             ended: false,
         };
         assert_eq!(f.cost_ms(), 1000.0, "50 steps of 20 ms");
         assert!(replace_pays(&f, 1000.0));
+        assert!(!hand_host_over_pays(&f, 0.0), "one rank: not its host");
         assert!(!replace_pays(&f, 1000.1), "not yet");
         let data = SlowFinding {
             phase: "data".into(),
@@ -722,6 +805,12 @@ mod tests {
             assert_eq!(f.host, Some(1), "{f:?}");
             assert!(f.cause.contains("every rank of host 1"), "{f:?}");
             assert!(!f.alone && !replace_pays(f, 0.0), "{f:?}");
+            assert!(f.whole_host && hand_host_over_pays(f, 0.0), "{f:?}");
+            let data = SlowFinding {
+                phase: "data".into(),
+                ..f.clone()
+            };
+            assert!(!hand_host_over_pays(&data, 0.0), "{f:?}");
         }
     }
 

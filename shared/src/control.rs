@@ -19,8 +19,9 @@ pub const PROTOCOL: Protocol = Protocol {
     magic: *b"HTCL",
     major: 1,
     // 1.7: a fault record's `class`. 1.8: fault kind `slow`, and whether a
-    // slow-rank finding is of one rank alone.
-    minor: 8,
+    // slow-rank finding is of one rank alone. 1.9: whether it is of a
+    // whole host.
+    minor: 9,
     max_payload: 1 << 20,
 };
 

@@ -32,6 +32,10 @@ pub struct SlowFinding {
     /// which compares every host's ranks; since control protocol 1.8).
     #[serde(default)]
     pub host: Option<u64>,
+    /// Every rank of its host was slow with it, and no other rank: the
+    /// host holds the job back (since control protocol 1.9).
+    #[serde(default)]
+    pub whole_host: bool,
     /// It no longer holds the job back.
     pub ended: bool,
 }

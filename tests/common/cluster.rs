@@ -66,16 +66,44 @@ impl Cluster {
         Self::start_later(tmp, name, shape, (standbys, 0), extra, train, plan)
     }
 
+    /// [`Cluster::start_shape`] with a fault plan per host: host `k`'s
+    /// agent runs `plans[k]` (none past the end).
+    pub fn start_shape_plans(
+        tmp: tempfile::TempDir,
+        name: &str,
+        shape: (usize, usize),
+        standbys: usize,
+        extra: &[&str],
+        train: &[String],
+        plans: &[&str],
+    ) -> Self {
+        let plan = |k: usize| plans.get(k).copied().unwrap_or_default();
+        Self::start_planned(tmp, name, shape, (standbys, 0), extra, train, &plan)
+    }
+
     /// [`Cluster::start_shape`] with `standbys.0` standby agents, of which
     /// the last `standbys.1` start only at [`Cluster::start_late`].
     pub fn start_later(
+        tmp: tempfile::TempDir,
+        name: &str,
+        shape: (usize, usize),
+        standbys: (usize, usize),
+        extra: &[&str],
+        train: &[String],
+        plan: &str,
+    ) -> Self {
+        Self::start_planned(tmp, name, shape, standbys, extra, train, &|_| plan)
+    }
+
+    /// [`Cluster::start_later`], host `k` with the fault plan `plan(k)`.
+    fn start_planned<'p>(
         tmp: tempfile::TempDir,
         name: &str,
         (nodes, per_node): (usize, usize),
         (standbys, later): (usize, usize),
         extra: &[&str],
         train: &[String],
-        plan: &str,
+        plan: &dyn Fn(usize) -> &'p str,
     ) -> Self {
         let one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let secret = secret_file(tmp.path());
@@ -103,7 +131,7 @@ impl Cluster {
                 let mut c = reboot_node(
                     k, nodes, per_node, &shm[k], &job, ports, &secret, &args, &flags,
                 );
-                c.env("HATRAIN_FAULT_PLAN", plan);
+                c.env("HATRAIN_FAULT_PLAN", plan(k));
                 // Each agent's run folder goes in the test's folder: a host
                 // that vanishes (SIGKILL) leaves its own, as a machine
                 // would, and the test's folder goes with the test.

@@ -47,6 +47,7 @@ mod messages;
 mod minority;
 mod saves;
 mod shared;
+mod slowhost;
 mod step;
 mod unled;
 
@@ -138,6 +139,10 @@ pub struct Controller {
     views_in: BTreeMap<usize, RankView>,
     /// A glance at the state last shown (see `step::Glance`).
     glanced: Option<step::Glance>,
+    /// Hosts ordered out of the job for holding it back (`--on-slow
+    /// replace`), and why; and those that could not be (told once).
+    slow_hosts: BTreeMap<u64, String>,
+    slow_kept: BTreeSet<u64>,
 }
 
 /// A controller that took over, waiting for the first reports.
@@ -210,6 +215,8 @@ impl Controller {
             saves: BTreeMap::new(),
             final_save: None,
             heard: BTreeSet::new(),
+            slow_hosts: BTreeMap::new(),
+            slow_kept: BTreeSet::new(),
         }
     }
 

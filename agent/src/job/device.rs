@@ -124,7 +124,21 @@ impl Driver<'_> {
             "device lost: this host leaves the job, which recovers without it as from a lost host"
         );
         sup.kill_everything();
-        self.leaving = Some(detail);
+        self.leaving = Some(crate::config::LaunchError::DeviceLost { detail });
+    }
+
+    /// This host holds the job back and the controller hands it to a
+    /// standby host (`--on-slow replace`): it leaves the job as [`leave`]
+    /// does, and `main` exits with [`crate::exit::HANDED_OVER`].
+    ///
+    /// [`leave`]: Self::leave
+    pub(super) fn leave_slow(&mut self, sup: &Supervisor, detail: String) {
+        tracing::warn!(
+            detail,
+            "this host holds the job back: it leaves the job, and a standby host takes its ranks as from a lost host"
+        );
+        sup.kill_everything();
+        self.leaving = Some(crate::config::LaunchError::HandedOver { detail });
     }
 
     /// What `agentctl faults` shows of the device fault sources.

@@ -253,9 +253,10 @@ struct Driver<'a> {
     filling: HashMap<usize, (oneshot::Sender<Response>, Response, bool)>,
     /// A served job's state file, kept for the next agent.
     keeper: Option<kept::Keeper>,
-    /// This host leaves the job (its device is lost), and why: the loop
-    /// ends at once, as if the host had vanished.
-    leaving: Option<String>,
+    /// This host leaves the job (its device is lost, or it holds the job
+    /// back), and how the agent ends: the loop ends at once, as if the
+    /// host had vanished.
+    leaving: Option<LaunchError>,
 }
 
 impl<'a> Driver<'a> {
@@ -458,7 +459,7 @@ async fn run_with(
             }
         }
     };
-    if let Some(detail) = d.leaving.take() {
+    if let Some(left) = d.leaving.take() {
         // Its workers are gone; nothing is saved or said: the other hosts
         // see its connections drop, as from a vanished host.
         if let Some(p) = d.peers.take() {
@@ -467,7 +468,7 @@ async fn run_with(
         reaper_stop.cancel();
         relay_stop.cancel();
         ctl_stop.cancel();
-        return Err(LaunchError::DeviceLost { detail });
+        return Err(left);
     }
     // A job that succeeded ends with its final checkpoint on disk.
     let sources: Vec<persister::OwnedSource> =

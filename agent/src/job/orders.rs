@@ -57,6 +57,9 @@ impl Driver<'_> {
             for n in &ready.notes {
                 log(n);
             }
+            if let Some(detail) = ready.leave {
+                self.leave_slow(sup, detail);
+            }
             if let Some((outcome, reason)) = ready.stop {
                 self.stop_reason = Some(reason);
                 if outcome.is_some() {
@@ -108,7 +111,7 @@ impl Driver<'_> {
             own_hold: matches!(input, Input::Tick | Input::Event(Event::Tick(_)))
                 .then(|| self.hold_report())
                 .flatten(),
-            own_held: match losses {
+            own_held: match losses || matches!(input, Input::SlowHost { .. }) {
                 true => held_replicas(self.peers.as_ref()),
                 false => Vec::new(),
             },
@@ -324,6 +327,9 @@ impl Driver<'_> {
             return;
         }
         f.term = down.term;
+        if let Some(detail) = down.leave {
+            return self.leave_slow(sup, detail);
+        }
         if !down.orphans.is_empty() {
             f.orphans = down.orphans;
         }

@@ -1,7 +1,9 @@
 //! This host's ranks' step times fed to the slow-rank detector
 //! ([`crate::slow`]); with `--on-slow replace`, a slow rank handed to a
-//! fresh process once that pays ([`crate::slow::replace_pays`]).
+//! fresh process once that pays ([`crate::slow::replace_pays`]), and a
+//! slow host to a standby host ([`crate::slow::hand_host_over_pays`]).
 
+use super::decider::Input;
 use super::{Decider, Driver};
 use crate::recovery::Event;
 use crate::slow::OnSlow;
@@ -70,9 +72,55 @@ impl Driver<'_> {
         1e3 * measured.unwrap_or(self.cfg.ha.slow_handover.as_secs_f64())
     }
 
+    /// The price of handing a host over: the recovery time of this job's
+    /// last host handed to a standby, or `--slow-handover-secs` until one
+    /// was measured, and the host timeout before its loss is seen.
+    fn host_handover_price_ms(&self) -> f64 {
+        let measured = self
+            .decider
+            .faults()
+            .iter()
+            .rev()
+            .filter(|f| f.class == FaultAction::Standby)
+            .find_map(|f| f.recovery_s);
+        let recovery = measured.unwrap_or(self.cfg.ha.slow_handover.as_secs_f64());
+        1e3 * (recovery + self.cfg.ha.host_timeout.as_secs_f64())
+    }
+
+    /// The controller is asked, on each tick, to hand over each host whose
+    /// slowdown has cost the job the price of a hand-over; it decides
+    /// whether the host leaves ([`Input::SlowHost`]).
+    fn hand_over_slow_hosts(&mut self, sup: &mut Supervisor) {
+        let price_ms = self.host_handover_price_ms();
+        let mut due = std::collections::BTreeMap::new();
+        for f in self.slow.findings() {
+            if let Some(host) = f
+                .host
+                .filter(|_| crate::slow::hand_host_over_pays(f, price_ms))
+            {
+                due.entry(host).or_insert_with(|| {
+                    format!(
+                        "{} {:.1} ms per step over the other hosts' ranks since step {}, {:.0} ms lost to it by step {}, more than a hand-over costs ({price_ms:.0} ms)",
+                        f.phase,
+                        f.excess_ms,
+                        f.since_step,
+                        f.cost_ms(),
+                        f.last_step
+                    )
+                });
+            }
+        }
+        for (node, detail) in due {
+            self.advance(sup, Input::SlowHost { node, detail });
+        }
+    }
+
     /// Hands each open finding over once, when what it has cost the job
     /// reached the price of a hand-over.
     fn hand_over_slow(&mut self, sup: &mut Supervisor) {
+        if self.cfg.nnodes > 1 {
+            self.hand_over_slow_hosts(sup);
+        }
         let price_ms = self.handover_price_ms();
         let due: Vec<_> = self
             .slow

@@ -71,6 +71,7 @@ impl Controller {
     /// how it was seen): the ranks it held, the standby that takes them
     /// and the orders of the hand-over, or why nothing is decided now.
     pub(in crate::job) fn on_host_lost(&mut self, loss: HostLoss, facts: LossFacts<'_>) -> OnLoss {
+        let loss = self.why_lost(loss);
         if let Some(s) = &mut self.settling {
             s.losses.push(loss);
             return OnLoss::Settling;

@@ -92,6 +92,11 @@ pub struct Down {
     /// the replicas it holds keep for the replicas (`super::hold`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep: Option<hatrain_shared::shm::Kept>,
+    /// To a host that holds the job back (`--on-slow replace`), and why:
+    /// it leaves the job as a lost host does, and a standby host takes its
+    /// ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leave: Option<String>,
 }
 
 /// A host's share of a checkpoint: the directories of `ranks` (its own,

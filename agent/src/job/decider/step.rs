@@ -55,6 +55,10 @@ pub enum Input {
     /// Hosts this agent stopped hearing, all known at once (so that a
     /// host lost with the holder of its replicas is named so).
     HostsLost(Vec<HostLoss>),
+    /// Every rank of host `node`, and no other, holds the job back, and
+    /// handing the host to a standby host pays (`--on-slow replace`):
+    /// asked on each tick while it does.
+    SlowHost { node: u64, detail: String },
     /// Time passed: deadlines (a take-over settling, a cut-off, faults
     /// waiting for etcd) and the group growing back onto a standby.
     Tick,
@@ -141,6 +145,9 @@ pub struct Ready {
     /// makes its `_tmp` directory and sends the shares (what comes of a
     /// write it cannot start returns as [`Input::Followed`]).
     pub write: Option<WriteStart>,
+    /// This host (the controller's own) leaves the job as a lost host does,
+    /// and why: it holds the job back.
+    pub leave: Option<String>,
     /// Every share of that checkpoint is in: the driver commits it (or
     /// removes it, when a share failed), and returns what came of it as
     /// [`Input::Followed`].
@@ -175,7 +182,10 @@ impl Controller {
         // Inputs that change nothing followers are shown unless they
         // decide something.
         let routine = match &input {
-            Input::Event(Event::Tick(_)) | Input::Tick | Input::Verified { .. } => true,
+            Input::Event(Event::Tick(_))
+            | Input::Tick
+            | Input::Verified { .. }
+            | Input::SlowHost { .. } => true,
             Input::Up {
                 up: Up::Report { events, .. },
                 ..
@@ -223,6 +233,7 @@ impl Controller {
                 self.share_written(now, self.node, epoch, result, &mut out)
             }
             Input::HostsLost(lost) => self.on_hosts_lost(now, facts, lost, &mut out),
+            Input::SlowHost { node, detail } => self.on_slow_host(facts, node, detail, &mut out),
             Input::Tick => self.on_tick(now, facts, &mut out),
         }
         // A routine input that decided nothing changes nothing the
@@ -235,6 +246,7 @@ impl Controller {
             && out.ready.stop.is_none()
             && out.ready.write.is_none()
             && out.ready.commit.is_none()
+            && out.ready.leave.is_none()
             && out.pending.is_empty()
             && self.sent.is_some()
             && self.glanced.as_ref() == Some(&self.glance());
@@ -364,7 +376,7 @@ impl Controller {
     }
 
     /// Sends `down` to `node` after what was decided before it.
-    fn order(&mut self, node: u64, down: Down, out: &mut Out) {
+    pub(super) fn order(&mut self, node: u64, down: Down, out: &mut Out) {
         self.flush(out, false);
         out.ready.orders.push((node, down));
     }
@@ -566,7 +578,7 @@ impl Controller {
     }
 
     /// The job has ended, or this controller stopped it.
-    fn stopped(&self) -> bool {
+    pub(super) fn stopped(&self) -> bool {
         self.stopped || self.machine.outcome().is_some()
     }
 
@@ -741,9 +753,11 @@ impl Controller {
         match input {
             Input::HostsLost(lost) => !lost.is_empty(),
             Input::Up { .. } | Input::Tick => self.settling.is_some() || self.cut_off.is_some(),
-            Input::Event(_) | Input::Followed(_) | Input::Verified { .. } | Input::Wrote { .. } => {
-                false
-            }
+            Input::Event(_)
+            | Input::Followed(_)
+            | Input::Verified { .. }
+            | Input::Wrote { .. }
+            | Input::SlowHost { .. } => false,
         }
     }
 }

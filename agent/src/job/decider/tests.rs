@@ -74,7 +74,7 @@ fn placed(ranks: Vec<usize>, spare: Option<u64>, state_lost: Vec<usize>) -> Opti
 
 /// A 3×2 controller with a standby, each host holding the replicas of
 /// the host before it.
-fn ring() -> Controller {
+pub(super) fn ring() -> Controller {
     let mut c = Controller::new(controller(3, 2).machine, 3, 0, 2, 1);
     c.heard = (0..4).collect();
     c.note_held(0, [4, 5]);
@@ -245,6 +245,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
             common: Some(12),
             target: Some(15),
         }),
+        leave: Some("compute +30 ms".into()),
     };
     let bytes = serde_json::to_vec(&down).unwrap();
     assert_eq!(serde_json::from_slice::<Down>(&bytes).unwrap(), down);
@@ -434,7 +435,7 @@ fn state_is_found_lost_only_once_every_live_host_reported_again() {
     }
 }
 
-fn lost(node: u64) -> HostLoss {
+pub(super) fn lost(node: u64) -> HostLoss {
     HostLoss {
         node,
         ranks: Vec::new(),
