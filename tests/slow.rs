@@ -20,7 +20,8 @@
 //!   job and the standby takes its ranks; the run ends bit-identical to
 //!   one never slowed.
 //! - a PyTorch DDP job's rank slowed in its forward pass is named with
-//!   compute: the other rank's wait inside the backward pass (DDP's
+//!   compute, and one slowed before `job.step()` (loading its batch) with
+//!   data: the other rank's wait inside the backward pass (DDP's
 //!   all-reduce) is timed as collective.
 
 mod common;
@@ -191,45 +192,48 @@ fn healthy_runs_beside_a_cpu_burner_raise_nothing() {
 /// 30 ms in each step's forward pass from step 150 (the drill plan): DDP's
 /// all-reduce inside the backward pass keeps rank 0 waiting as long, which
 /// `hatrain.torchtime` counts as its collective time, not compute; rank 1
-/// is named, with compute.
+/// is named, with compute. Slept before `job.step()` instead (where the
+/// script loads its batch), it is named with data.
 #[test]
-fn a_pytorch_rank_slowed_in_its_forward_pass_is_named_with_compute() {
+fn a_pytorch_rank_slowed_in_its_forward_pass_or_its_data_is_named_with_that_phase() {
     let _one_at_a_time = common::python::serial();
-    let dir = tempfile::tempdir().unwrap();
-    let job = job_id("slow-torch");
-    let shm = dir.path().join("shm");
-    let script = common::python::example("torch_ddp.py");
-    let args = [script.to_str().unwrap(), "--steps", "300", "--step-ms", "5"];
-    let flags = ["--job-id", &job, "--shm-root", shm.to_str().unwrap()];
-    let mut cmd = common::python::launch(2, &flags, &args, dir.path());
-    cmd.env("HATRAIN_FAULT_PLAN", "1:150-300:forward:sleep30");
-    let mut running = Job::spawn(cmd, &job);
-    let socket = shm.join(&job).join("agent.sock");
-    let mut last = serde_json::Value::Null;
-    let found = poll_agentctl(&socket, "status", Duration::from_secs(180), |v| {
-        last = v["status"].clone();
-        findings(&last).into_iter().next()
-    });
-    let out = running.wait_output(Duration::from_secs(240));
-    assert_success(&out, "the PyTorch job");
-    let f = found.unwrap_or_else(|| panic!("never named: {last}\n{}", text(&out)));
-    assert_eq!(
-        (f["rank"].as_u64(), f["phase"].as_str()),
-        (Some(1), Some("compute")),
-        "{f}"
-    );
-    assert!(f["since_step"].as_u64().unwrap() >= 100, "{f}");
-    let excess = f["excess_ms"].as_f64().unwrap();
-    assert!(
-        (15.0..60.0).contains(&excess),
-        "about the 30 ms it sleeps: {f}"
-    );
-    // Rank 0 waited in the collectives for rank 1's gradients.
-    let (waited, slow) = (times(&last, 0, 150).unwrap(), times(&last, 1, 150).unwrap());
-    assert!(
-        ms(&waited, "collective") > ms(&slow, "collective") + 5.0,
-        "rank 0 {waited}, rank 1 {slow}"
-    );
+    for (point, phase) in [("forward", "compute"), ("data", "data")] {
+        let dir = tempfile::tempdir().unwrap();
+        let job = job_id("slow-torch");
+        let shm = dir.path().join("shm");
+        let script = common::python::example("torch_ddp.py");
+        let args = [script.to_str().unwrap(), "--steps", "300", "--step-ms", "5"];
+        let flags = ["--job-id", &job, "--shm-root", shm.to_str().unwrap()];
+        let mut cmd = common::python::launch(2, &flags, &args, dir.path());
+        cmd.env("HATRAIN_FAULT_PLAN", format!("1:150-300:{point}:sleep30"));
+        let mut running = Job::spawn(cmd, &job);
+        let socket = shm.join(&job).join("agent.sock");
+        let mut last = serde_json::Value::Null;
+        let found = poll_agentctl(&socket, "status", Duration::from_secs(180), |v| {
+            last = v["status"].clone();
+            findings(&last).into_iter().next()
+        });
+        let out = running.wait_output(Duration::from_secs(240));
+        assert_success(&out, "the PyTorch job");
+        let f = found.unwrap_or_else(|| panic!("{point}: never named: {last}\n{}", text(&out)));
+        assert_eq!(
+            (f["rank"].as_u64(), f["phase"].as_str()),
+            (Some(1), Some(phase)),
+            "{f}"
+        );
+        assert!(f["since_step"].as_u64().unwrap() >= 100, "{f}");
+        let excess = f["excess_ms"].as_f64().unwrap();
+        assert!(
+            (15.0..60.0).contains(&excess),
+            "about the 30 ms it sleeps: {f}"
+        );
+        // Rank 0 waited in the collectives for rank 1.
+        let (waited, slow) = (times(&last, 0, 150).unwrap(), times(&last, 1, 150).unwrap());
+        assert!(
+            ms(&waited, "collective") > ms(&slow, "collective") + 5.0,
+            "rank 0 {waited}, rank 1 {slow}"
+        );
+    }
 }
 
 /// A cgroup v1 `cpu` group with a quota, removed when dropped (its

@@ -161,6 +161,11 @@ class Runtime:
     def begin_step(self, step: int) -> None:
         self._rt.begin_step(step)
 
+    def batch_ready(self) -> None:
+        """This step's batch is loaded: the time since ``begin_step`` was
+        data loading, what follows is compute."""
+        self._rt.batch_ready()
+
     def gc_collected(self, ns: int, step: int) -> None:
         """A garbage collection took ``ns`` in ``step``: timed into the
         control page (``hatrain.torchgc``)."""

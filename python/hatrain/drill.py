@@ -6,7 +6,9 @@ separated by ``;``, with an optional fifth field naming the incarnation
 every one). STEP may be a range ``FIRST-LAST``: every step of it (a rank
 slow for a while). An entry fires at most once per step per process.
 
-POINT: ``forward`` (the step's compute begins), ``update`` (inside the
+POINT: ``data`` (the step began, its batch not loaded yet: in
+``hatrain.torch``, before ``job.step()``), ``forward`` (the step's compute
+begins), ``update`` (inside the
 update fences, after ``optimizer.step()`` changed the state and before the
 step is sealed), ``commit`` (halfway through the step's snapshot copy),
 ``restore`` (a recovery restores STEP), ``close`` (the loop ended at STEP,
@@ -30,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 ENV = "HATRAIN_FAULT_PLAN"
-POINTS = ("forward", "update", "commit", "restore", "close")
+POINTS = ("data", "forward", "update", "commit", "restore", "close")
 
 
 @dataclass

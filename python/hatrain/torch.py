@@ -693,6 +693,7 @@ class Job:
             self._current, self._failed = s, False
             self._gc.before(s)
             self.rt.begin_step(s)
+            self.plan.hit(s, "data", self.rt)
             yield s
             if self._failed:
                 continue
@@ -704,7 +705,9 @@ class Job:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """One step's body: a fault inside is recovered (the step is then
-        thrown away, and ``steps()`` goes on from the step resumed)."""
+        thrown away, and ``steps()`` goes on from the step resumed). The
+        time from ``steps()`` giving the step to here is data loading."""
+        self.rt.batch_ready()
         self.plan.hit(self._current, "forward", self.rt)
         if self._has_buffers:
             # The forward pass writes the module's buffers (a norm's

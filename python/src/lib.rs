@@ -314,6 +314,12 @@ impl PyRuntime {
         self.rt().begin_step(step);
     }
 
+    /// This step's batch is loaded: the time since `begin_step` was data
+    /// loading, what follows is compute.
+    fn batch_ready(&self) {
+        self.rt().batch_ready();
+    }
+
     /// A garbage collection took `ns` in `step` (the job's `gc.callbacks`).
     fn gc_collected(&self, ns: u64, step: u64) {
         self.rt().gc_collected(ns, step);
