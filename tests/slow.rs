@@ -193,45 +193,66 @@ fn healthy_runs_beside_a_cpu_burner_raise_nothing() {
 /// all-reduce inside the backward pass keeps rank 0 waiting as long, which
 /// `hatrain.torchtime` counts as its collective time, not compute; rank 1
 /// is named, with compute. Slept before `job.step()` instead (where the
-/// script loads its batch), it is named with data.
+/// script loads its batch), it is named with data. An FSDP2 job
+/// (`examples/torch_gpt.py`, a small GPT): rank 0 waits in FSDP's
+/// all-gathers and reduce-scatters, timed as collective; rank 1 is named
+/// with compute.
 #[test]
 fn a_pytorch_rank_slowed_in_its_forward_pass_or_its_data_is_named_with_that_phase() {
     let _one_at_a_time = common::python::serial();
-    for (point, phase) in [("forward", "compute"), ("data", "data")] {
+    let fsdp = [
+        "--layers", "2", "--width", "64", "--heads", "2", "--vocab", "256", "--seq", "16",
+        "--batch", "2",
+    ];
+    for (example, extra, point, phase) in [
+        (
+            "torch_ddp.py",
+            &["--step-ms", "5"][..],
+            "forward",
+            "compute",
+        ),
+        ("torch_ddp.py", &["--step-ms", "5"][..], "data", "data"),
+        ("torch_gpt.py", &fsdp[..], "forward", "compute"),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let job = job_id("slow-torch");
         let shm = dir.path().join("shm");
-        let script = common::python::example("torch_ddp.py");
-        let args = [script.to_str().unwrap(), "--steps", "300", "--step-ms", "5"];
+        let script = common::python::example(example);
+        let mut args = vec![script.to_str().unwrap(), "--steps", "400"];
+        args.extend(extra);
         let flags = ["--job-id", &job, "--shm-root", shm.to_str().unwrap()];
         let mut cmd = common::python::launch(2, &flags, &args, dir.path());
-        cmd.env("HATRAIN_FAULT_PLAN", format!("1:150-300:{point}:sleep30"));
+        cmd.env("HATRAIN_FAULT_PLAN", format!("1:150-400:{point}:sleep30"));
         let mut running = Job::spawn(cmd, &job);
         let socket = shm.join(&job).join("agent.sock");
         let mut last = serde_json::Value::Null;
         let found = poll_agentctl(&socket, "status", Duration::from_secs(180), |v| {
             last = v["status"].clone();
-            findings(&last).into_iter().next()
+            // Named, and 150 steps slowed timed (the sums are the
+            // whole run's).
+            let f = findings(&last).into_iter().next()?;
+            times(&last, 0, 300).map(|_| f)
         });
         let out = running.wait_output(Duration::from_secs(240));
         assert_success(&out, "the PyTorch job");
-        let f = found.unwrap_or_else(|| panic!("{point}: never named: {last}\n{}", text(&out)));
+        let f = found
+            .unwrap_or_else(|| panic!("{example} {point}: never named: {last}\n{}", text(&out)));
         assert_eq!(
             (f["rank"].as_u64(), f["phase"].as_str()),
             (Some(1), Some(phase)),
-            "{f}"
+            "{example}: {f}"
         );
-        assert!(f["since_step"].as_u64().unwrap() >= 100, "{f}");
+        assert!(f["since_step"].as_u64().unwrap() >= 100, "{example}: {f}");
         let excess = f["excess_ms"].as_f64().unwrap();
         assert!(
             (15.0..60.0).contains(&excess),
-            "about the 30 ms it sleeps: {f}"
+            "{example}: about the 30 ms it sleeps: {f}"
         );
         // Rank 0 waited in the collectives for rank 1.
-        let (waited, slow) = (times(&last, 0, 150).unwrap(), times(&last, 1, 150).unwrap());
+        let (waited, slow) = (times(&last, 0, 300).unwrap(), times(&last, 1, 300).unwrap());
         assert!(
             ms(&waited, "collective") > ms(&slow, "collective") + 5.0,
-            "rank 0 {waited}, rank 1 {slow}"
+            "{example}: rank 0 {waited}, rank 1 {slow}"
         );
     }
 }

@@ -514,6 +514,7 @@ class Job:
         if self.module._get_fsdp_state()._is_root is not None:
             # (None: no forward ran yet, there is nothing to reset.)
             self.module.reset_iter_state()
+        self._overlap.attach_fsdp(self._fsdp_groups())  # its collectives timed
 
     def _meet(self, store) -> None:
         """Waits at ``store`` until every rank of the epoch has arrived,
@@ -704,9 +705,9 @@ class Job:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """One step's body: a fault inside is recovered (the step is then
-        thrown away, and ``steps()`` goes on from the step resumed). The
-        time from ``steps()`` giving the step to here is data loading."""
+        """One step's body (the time before it is data loading): a fault
+        inside is recovered (the step is thrown away, and ``steps()`` goes
+        on from the step resumed)."""
         self.rt.batch_ready()
         self.plan.hit(self._current, "forward", self.rt)
         if self._has_buffers:
@@ -766,9 +767,8 @@ class Job:
         if self.rt.check_uce() is not None:
             raise _Torn()
         yield
-        # State the optimizer made or replaced goes into its place; a staged
-        # state is copied to the host (queued: the commit thread waits) when
-        # this step is snapshotted.
+        # State the optimizer made or replaced goes into its place; a staged state
+        # is copied to the host (queued: the commit waits) when snapshotted.
         self.state.adopt()
         of = "last" if s == self.total else "step"
         if self.rt.snapshots(s, of):

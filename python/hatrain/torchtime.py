@@ -15,6 +15,15 @@ Nothing of DDP is changed (no communication hook: its sums stay
 bit-identical to a plain DDP run's): a hook after each parameter's
 gradient is accumulated notes the time, and a callback of the autograd
 engine, queued after DDP's, notes the end.
+
+FSDP2 calls its all-gathers (before a block's forward and backward) and
+its reduce-scatters (after a block's backward) from its own hooks: each
+parameter group's collectives go through FSDP's own (the comm objects
+``set_custom_all_gather`` would replace), wrapped to time the call; the
+time is counted as collective, as DDP's wait is. The wrapped objects call
+FSDP's unchanged, so the sums are those of plain FSDP2. On an accelerator
+a call only enqueues the collective: the host waits later, and that wait
+is not seen here.
 """
 
 from __future__ import annotations
@@ -63,6 +72,20 @@ class Overlap:
         self._queued = False
         self._waited += max(0, time.perf_counter_ns() - self._last)
 
+    def attach_fsdp(self, groups) -> None:
+        """Times the all-gathers and reduce-scatters of FSDP2's parameter
+        ``groups`` (once each: the groups outlive a recovery)."""
+        for g in groups:
+            for name in ("_all_gather_comm", "_reduce_scatter_comm"):
+                comm = getattr(g, name, None)
+                if comm is not None and not isinstance(comm, _Timed):
+                    setattr(g, name, _Timed(comm, self))
+
+    def waited(self, ns: int) -> None:
+        """This step waited ``ns`` in a collective called inside its
+        compute."""
+        self._waited += ns
+
     def step_ends(self) -> None:
         """The step's backward passes are done (its update begins): what
         they waited goes to the runtime."""
@@ -77,3 +100,22 @@ class Overlap:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class _Timed:
+    """One of FSDP2's comm objects (``AllGather``, ``ReduceScatter``), each
+    call timed into ``overlap``; its buffers are the wrapped one's."""
+
+    def __init__(self, comm, overlap: Overlap):
+        self.comm = comm
+        self.overlap = overlap
+
+    def allocate(self, *args, **kwargs):
+        return self.comm.allocate(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return self.comm(*args, **kwargs)
+        finally:
+            self.overlap.waited(time.perf_counter_ns() - t0)
