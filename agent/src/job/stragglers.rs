@@ -59,32 +59,30 @@ impl Driver<'_> {
         }
     }
 
-    /// The price of a hand-over: the recovery time of this job's last
-    /// worker reboot, or `--slow-handover-secs` until one was measured.
-    fn handover_price_ms(&self) -> f64 {
+    /// The recovery seconds of this job's last fault recovered by
+    /// `class`, or `--slow-handover-secs` until one was measured.
+    fn last_recovery_s(&self, class: FaultAction) -> f64 {
         let measured = self
             .decider
             .faults()
             .iter()
             .rev()
-            .filter(|f| f.class == FaultAction::Reboot)
+            .filter(|f| f.class == class)
             .find_map(|f| f.recovery_s);
-        1e3 * measured.unwrap_or(self.cfg.ha.slow_handover.as_secs_f64())
+        measured.unwrap_or(self.cfg.ha.slow_handover.as_secs_f64())
+    }
+
+    /// The price of a hand-over: the recovery time of this job's last
+    /// worker reboot, or `--slow-handover-secs` until one was measured.
+    fn handover_price_ms(&self) -> f64 {
+        1e3 * self.last_recovery_s(FaultAction::Reboot)
     }
 
     /// The price of handing a host over: the recovery time of this job's
     /// last host handed to a standby, or `--slow-handover-secs` until one
     /// was measured, and the host timeout before its loss is seen.
     fn host_handover_price_ms(&self) -> f64 {
-        let measured = self
-            .decider
-            .faults()
-            .iter()
-            .rev()
-            .filter(|f| f.class == FaultAction::Standby)
-            .find_map(|f| f.recovery_s);
-        let recovery = measured.unwrap_or(self.cfg.ha.slow_handover.as_secs_f64());
-        1e3 * (recovery + self.cfg.ha.host_timeout.as_secs_f64())
+        1e3 * (self.last_recovery_s(FaultAction::Standby) + self.cfg.ha.host_timeout.as_secs_f64())
     }
 
     /// The controller is asked, on each tick, to hand over each host whose
@@ -98,16 +96,8 @@ impl Driver<'_> {
                 .host
                 .filter(|_| crate::slow::hand_host_over_pays(f, price_ms))
             {
-                due.entry(host).or_insert_with(|| {
-                    format!(
-                        "{} {:.1} ms per step over the other hosts' ranks since step {}, {:.0} ms lost to it by step {}, more than a hand-over costs ({price_ms:.0} ms)",
-                        f.phase,
-                        f.excess_ms,
-                        f.since_step,
-                        f.cost_ms(),
-                        f.last_step
-                    )
-                });
+                due.entry(host)
+                    .or_insert_with(|| why_hand_over(f, "other hosts' ranks", price_ms));
             }
         }
         for (node, detail) in due {
@@ -134,14 +124,7 @@ impl Driver<'_> {
             .collect();
         for f in due {
             self.slow_handed.insert((f.rank, f.since_step));
-            let detail = format!(
-                "{} {:.1} ms per step over the other ranks' since step {}, {:.0} ms lost to it by step {}, more than a hand-over costs ({price_ms:.0} ms)",
-                f.phase,
-                f.excess_ms,
-                f.since_step,
-                f.cost_ms(),
-                f.last_step
-            );
+            let detail = why_hand_over(&f, "other ranks'", price_ms);
             tracing::warn!(rank = f.rank, %detail, "handing a slow rank to a fresh process");
             self.feed(
                 sup,
@@ -152,4 +135,17 @@ impl Driver<'_> {
             );
         }
     }
+}
+
+/// Why finding `f` is handed over, in words: its excess over `others`,
+/// what it has cost, and the price it passed.
+fn why_hand_over(f: &hatrain_shared::slowness::SlowFinding, others: &str, price_ms: f64) -> String {
+    format!(
+        "{} {:.1} ms per step over the {others} since step {}, {:.0} ms lost to it by step {}, more than a hand-over costs ({price_ms:.0} ms)",
+        f.phase,
+        f.excess_ms,
+        f.since_step,
+        f.cost_ms(),
+        f.last_step
+    )
 }
