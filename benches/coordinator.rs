@@ -24,7 +24,8 @@
 
 mod common;
 use common::etcd::Etcd;
-use common::hosts::{Launch, free_port, secret_file, timings, vanish};
+use common::hosts::{Launch, secret_file, timings, vanish};
+use common::ports::free_ports;
 use common::{median, train_args, wait_step};
 use etcd_client::{Client, GetOptions, PutOptions};
 use hatrain_agent::coordinator::Coordinator;
@@ -49,7 +50,7 @@ fn controller_lost(dir: &Path, secret: &Path, k: u64, etcd: Option<&str>) -> (f6
     let l = Launch {
         dir,
         job: format!("{tag}{k}"),
-        ports: (free_port(), free_port()),
+        ports: free_ports::<2>().into(),
         secret,
         ha: true,
         nnodes: 4,

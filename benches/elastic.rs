@@ -22,7 +22,8 @@
 //! exits first, or the time up) shows the end of every agent's log.
 
 mod common;
-use common::hosts::{Launch, free_port, secret_file, timings, vanish};
+use common::hosts::{Launch, secret_file, timings, vanish};
+use common::ports::free_ports;
 use common::{median, now, steps, train_args, wait_step};
 use std::path::Path;
 use std::process::Child;
@@ -65,7 +66,7 @@ fn hatrain(dir: &Path, secret: &Path, k: u64) -> Elastic {
     let l = Launch {
         dir,
         job: format!("el{k}"),
-        ports: (free_port(), free_port()),
+        ports: free_ports::<2>().into(),
         secret,
         ha: true,
         nnodes: 4,
@@ -145,7 +146,7 @@ fn baseline(dir: &Path, secret: &Path, k: u64) -> f64 {
     let launch = |train, job: String, nnodes| Launch {
         dir,
         job,
-        ports: (free_port(), free_port()),
+        ports: free_ports::<2>().into(),
         secret,
         ha: false,
         nnodes,

@@ -18,7 +18,8 @@
 //! `--snapshot-slots 4` (see [`slots`]) and a pause timeout of 20 s.
 
 mod common;
-use common::hosts::{Launch, free_port, secret_file, timings, vanish};
+use common::hosts::{Launch, secret_file, timings, vanish};
+use common::ports::free_ports;
 use common::{median, steps, train_args, wait_step};
 use std::path::Path;
 use std::process::Child;
@@ -49,7 +50,7 @@ fn hatrain(dir: &Path, secret: &Path, k: u64) -> (f64, f64, usize, f64) {
     let l = Launch {
         dir,
         job: format!("ha{k}"),
-        ports: (free_port(), free_port()),
+        ports: free_ports::<2>().into(),
         secret,
         ha: true,
         nnodes: 2,
@@ -91,7 +92,7 @@ fn baseline(dir: &Path, secret: &Path, k: u64) -> (f64, usize) {
     let launch = |train, job: String| Launch {
         dir,
         job,
-        ports: (free_port(), free_port()),
+        ports: free_ports::<2>().into(),
         secret,
         ha: false,
         nnodes: 2,

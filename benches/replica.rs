@@ -153,13 +153,6 @@ impl Pair {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// What one run of [`step_time`] measured.
 struct StepTimes {
     /// Median step time of steps 3-9, seconds.
@@ -178,7 +171,7 @@ fn step_time(dir: &Path, size: &str, replicas: usize, extra: &[&str]) -> StepTim
     let secret = common::hosts::secret_file(dir, "3c");
     let log = dir.join(format!("steps-{size}-{replicas}.jsonl"));
     let _ = std::fs::remove_file(&log);
-    let (master, rdzv) = (free_port(), free_port());
+    let [master, rdzv] = common::ports::free_ports::<2>();
     let job = format!("bench-replica-{}", std::process::id());
     let mut hosts: Vec<_> = ["127.0.0.1", "127.0.0.2"]
         .iter()

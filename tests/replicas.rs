@@ -12,6 +12,7 @@
 
 mod common;
 use common::hosts::*;
+use common::ports::free_ports;
 use common::*;
 use hatrain_shared::shm::Store;
 use std::path::{Path, PathBuf};
@@ -104,7 +105,7 @@ fn two_hosts_hold_each_others_snapshots_identically_and_refuse_a_strangers_frame
         },
     ];
     let job = job_id("replicas");
-    let ports = (free_port(), free_port());
+    let ports: (u16, u16) = free_ports::<2>().into();
     let log = tmp.path().join("run.jsonl");
     let mut agents: Vec<Job> = (0..2)
         .map(|k| Job::spawn(node(k, &hosts[k], &job, ports, &secret, &log), &job))
@@ -218,7 +219,7 @@ fn a_lost_host_is_named_with_the_replica_that_survives_it() {
         .map(|k| tmp.path().join(format!("host{k}")))
         .collect();
     let job = job_id("hostloss");
-    let ports = (free_port(), free_port());
+    let ports: (u16, u16) = free_ports::<2>().into();
     let log = tmp.path().join("run.jsonl");
     // A global batch that three ranks share.
     let mut train = tiny_args(200);

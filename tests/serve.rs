@@ -3,7 +3,8 @@
 //! mpirun noticing, and speaks systemd's notify protocol.
 
 mod common;
-use common::serve::{Serve, assert_no_job_state, free_port, mpirun, promtool_check, scrape};
+use common::ports::free_port;
+use common::serve::{Serve, assert_no_job_state, mpirun, promtool_check, scrape};
 use common::*;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::Path;

@@ -31,6 +31,7 @@ use common::cluster::{assert_filled, logs, stderr};
 use common::examples::{Example, ExampleRun, events, final_digest};
 use common::hosts::*;
 use common::launch::Launch;
+use common::ports::free_ports;
 use common::python::{example, python, serial};
 use common::*;
 use std::time::Duration;
@@ -86,7 +87,7 @@ impl Hosts {
         let tmp = tempfile::tempdir().unwrap();
         let secret = secret_file(tmp.path());
         let job = job_id("torch-hosts");
-        let ports = (free_port(), free_port());
+        let ports: (u16, u16) = free_ports::<2>().into();
         let log = tmp.path().join("log.{rank}.jsonl");
         let script = example("torch_gpt.py");
         let all = nodes + standbys;

@@ -265,7 +265,7 @@ fn a_failed_rank_restarts_the_group_under_both_launchers_and_the_script_resumes(
                 // reconnected; 8 of 8 do with these). Even so, a restarted
                 // worker of torchrun's once aborted in gloo (SIGABRT) on a
                 // loaded machine: the baseline gets one attempt more.
-                let endpoint = format!("127.0.0.1:{}", hosts::free_port());
+                let endpoint = format!("127.0.0.1:{}", common::ports::free_port());
                 let mut all = vec![
                     "--max-restarts",
                     "2",

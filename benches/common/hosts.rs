@@ -7,13 +7,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// A job secret (64 hex digits `byte` repeated, mode 0600) in `dir`, made
 /// once.
 pub fn secret_file(dir: &Path, byte: &str) -> PathBuf {

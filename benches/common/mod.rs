@@ -9,6 +9,8 @@ pub mod hosts;
 /// The tests' `hatrain-agent launch` command lines.
 #[path = "../../tests/common/launch.rs"]
 pub mod launch;
+#[path = "../../tests/common/ports.rs"]
+pub mod ports;
 
 use hatrain_trainer::config::ModelConfig;
 use serde_json::Value;

@@ -3,6 +3,7 @@
 //! of whole hosts lost.
 
 use super::hosts::*;
+use super::ports::free_ports;
 use super::*;
 use std::path::PathBuf;
 use std::process::Output;
@@ -111,7 +112,7 @@ impl Cluster {
             .map(|k| tmp.path().join(format!("host{k}")))
             .collect();
         let job = job_id(name);
-        let ports = (free_port(), free_port());
+        let ports: (u16, u16) = free_ports::<2>().into();
         let log = tmp.path().join("run.jsonl");
         let mut args = train.to_vec();
         args.extend(["--log-jsonl".into(), log.display().to_string()]);

@@ -2,7 +2,7 @@
 //! cluster of them) on loopback ports, its data under a temporary folder,
 //! killed by pid when the test ends, even when it fails.
 
-use super::hosts::free_port;
+use super::ports::free_port_list;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -53,11 +53,12 @@ impl Etcd {
     /// [`Etcd::start`], once: `Err` (the members stopped) when one could
     /// not bind its ports.
     fn try_start(dir: &Path, n: usize, attempt: usize) -> Result<Self, Self> {
+        let ports = free_port_list(2 * n);
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
                 name: format!("m{i}"),
-                client: free_port(),
-                peer: free_port(),
+                client: ports[2 * i],
+                peer: ports[2 * i + 1],
                 dir: dir.join(format!("etcd-m{i}-{attempt}")),
                 child: None,
                 log: dir.join(format!("etcd-m{i}-{attempt}.log")),

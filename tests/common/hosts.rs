@@ -6,13 +6,7 @@ use super::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A free TCP port on loopback.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+use super::ports::free_ports;
 
 /// A job secret (mode 0600) in `dir`.
 pub fn secret_file(dir: &Path) -> PathBuf {
@@ -146,7 +140,7 @@ pub fn job_parts(dir: &Path, name: &str, hosts: usize, train: &[String]) -> JobP
         secret: secret_file(dir),
         shm: (0..hosts).map(|k| dir.join(format!("host{k}"))).collect(),
         job: job_id(name),
-        ports: (free_port(), free_port()),
+        ports: free_ports::<2>().into(),
         log,
         args,
     }

@@ -8,6 +8,7 @@ pub mod etcd;
 pub mod examples;
 pub mod hosts;
 pub mod launch;
+pub mod ports;
 pub mod python;
 pub mod serve;
 pub mod slurm;

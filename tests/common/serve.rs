@@ -118,14 +118,6 @@ pub fn mpirun(
     c
 }
 
-/// A TCP port free on 127.0.0.1 now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// `GET /metrics` from 127.0.0.1:`port`: the status line and the body.
 pub fn scrape(port: u16) -> (String, String) {
     use std::io::{Read, Write};

@@ -15,13 +15,6 @@ pub struct Slurm {
     pidfiles: Vec<PathBuf>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 fn pid_in(file: &Path) -> Option<i32> {
     std::fs::read_to_string(file).ok()?.trim().parse().ok()
 }
@@ -73,6 +66,7 @@ impl Slurm {
         }
         let (ctld_pid, slurmd_pid) = (d.join("slurmctld.pid"), d.join("slurmd.pid"));
         let conf = d.join("slurm.conf");
+        let ports = super::ports::free_ports::<2>();
         let text = format!(
             "ClusterName=hatrain\nSlurmctldHost={host}\nSlurmUser=root\nSlurmctldPort={}\nSlurmdPort={}\n\
              AuthType=auth/munge\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n\
@@ -80,8 +74,8 @@ impl Slurm {
              SlurmctldPidFile={}\nSlurmdPidFile={}\nSlurmdSpoolDir={}\nStateSaveLocation={}\n\
              SlurmctldLogFile={}\nSlurmdLogFile={}\n\
              NodeName={host} CPUs=2 State=UNKNOWN\nPartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n",
-            free_port(),
-            free_port(),
+            ports[0],
+            ports[1],
             ctld_pid.display(),
             slurmd_pid.display(),
             d.join("spool").display(),
