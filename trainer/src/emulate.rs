@@ -16,9 +16,11 @@
 //! The gradients cost the host one pass of stores over the buffer (a
 //! pattern of [`PERIOD`] elements drawn per rank, scaled and shifted per
 //! step), done before the wait and counted in it: the step takes `MS`, or
-//! that pass if it is longer.
+//! that pass if it is longer. A paused job stops the device: the wait
+//! ends at once (see [`crate::stop`]).
 
 use crate::data::SplitMix64;
+use crate::stop::Stop;
 use std::time::{Duration, Instant};
 
 /// The length of the per-rank gradient pattern.
@@ -55,8 +57,9 @@ impl Device {
     }
 
     /// The forward and backward of `step`: fills `grads`, waits out the
-    /// step's device time, returns the step's loss.
-    pub fn forward_backward(&self, step: u64, grads: &mut [f32]) -> f32 {
+    /// step's device time, returns the step's loss; `None` when `stop` was
+    /// set before the time was out.
+    pub fn forward_backward(&self, step: u64, grads: &mut [f32], stop: &Stop) -> Option<f32> {
         let t = Instant::now();
         let mut rng = SplitMix64::new(self.seed ^ step.rotate_left(17) ^ self.rank.rotate_left(48));
         let (scale, shift) = (unit(&mut rng), unit(&mut rng) * 1e-3);
@@ -65,11 +68,12 @@ impl Device {
                 *g = p * scale + shift;
             }
         }
-        if let Some(rest) = self.step_time.checked_sub(t.elapsed()) {
-            std::thread::sleep(rest);
+        let rest = self.step_time.saturating_sub(t.elapsed());
+        if stop.wait(rest) {
+            return None;
         }
         // A loss that falls with the steps, as a training run's would.
-        2.0 + 1.0 / (1.0 + step as f32) + scale.abs() * 1e-2
+        Some(2.0 + 1.0 / (1.0 + step as f32) + scale.abs() * 1e-2)
     }
 }
 
@@ -93,7 +97,7 @@ mod tests {
         let (a, b) = (Device::new(0.001, 7, 0), Device::new(0.001, 7, 1));
         let grad = |d: &Device, step| {
             let mut g = vec![0f32; 3 * PERIOD + 5];
-            let loss = d.forward_backward(step, &mut g);
+            let loss = d.forward_backward(step, &mut g, &Stop::default());
             (g, loss)
         };
         assert_eq!(grad(&a, 3), grad(&a, 3));
@@ -107,8 +111,27 @@ mod tests {
     fn the_step_takes_the_device_time_at_least() {
         let d = Device::new(20.0, 1, 0);
         let t = Instant::now();
-        d.forward_backward(1, &mut [0f32; 10]);
+        let loss = d.forward_backward(1, &mut [0f32; 10], &Stop::default());
+        assert!(loss.is_some());
         assert!(t.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn a_stop_ends_the_device_time_at_once() {
+        // An hour of device time: the test would hang unless stopped.
+        let d = Device::new(3_600_000.0, 1, 0);
+        let stop = std::sync::Arc::new(Stop::default());
+        let setter = {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                stop.set();
+            })
+        };
+        assert_eq!(d.forward_backward(1, &mut [0f32; 10], &stop), None);
+        setter.join().unwrap();
+        // Stopped before it began: no time at all.
+        assert_eq!(d.forward_backward(2, &mut [0f32; 10], &stop), None);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! - [`checkpoint`]: the trainer's state map and checkpoint loader;
 //! - [`faults`]: the deterministic fault plan tests and the demo use;
 //! - [`emulate`]: `--emulate-device`, a step shaped as on an accelerator;
+//! - [`stop`]: a rank's compute stopped when its job is paused;
 //! - [`trainer`]: the training loop.
 
 pub mod checkpoint;
@@ -21,4 +22,5 @@ pub mod emulate;
 pub mod faults;
 pub mod model;
 pub mod optim;
+pub mod stop;
 pub mod trainer;

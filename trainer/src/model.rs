@@ -16,6 +16,7 @@
 
 use crate::config::{ModelConfig, TensorSlot};
 use crate::data::SplitMix64;
+use crate::stop::Stop;
 use candle_core::{D, DType, Device, Tensor, Var};
 
 const RMS_EPS: f64 = 1e-5;
@@ -32,6 +33,8 @@ pub enum ModelError {
         targets: usize,
         context: usize,
     },
+    #[error("the job was paused: the forward and backward stopped")]
+    Stopped,
 }
 
 #[derive(Debug, Clone)]
@@ -91,14 +94,21 @@ impl Model {
 
     /// Mean cross-entropy of predicting `targets[i]` from the `context` ids
     /// `inputs[i·C .. (i+1)·C]`; the gradient of that mean goes to `grads`
-    /// (same layout as `params`).
+    /// (same layout as `params`). Between layers, and before and after the
+    /// backward pass, it stops with [`ModelError::Stopped`] once `stop` is
+    /// set (candle's backward pass runs whole).
     pub fn loss_and_grad(
         &self,
         params: &[f32],
         inputs: &[u32],
         targets: &[u32],
         grads: &mut [f32],
+        stop: &Stop,
     ) -> Result<f32, ModelError> {
+        let stopped = || match stop.is_set() {
+            true => Err(ModelError::Stopped),
+            false => Ok(()),
+        };
         let (n, c) = (targets.len(), self.cfg.context);
         if inputs.len() != n * c {
             return Err(ModelError::BatchShape {
@@ -120,6 +130,7 @@ impl Model {
         let emb = p(0).embedding(&ids)?.reshape((n, c * self.cfg.d_embed))?;
         let mut x = emb.matmul(p(1))?.broadcast_add(p(2))?;
         for l in 0..self.cfg.layers {
+            stopped()?;
             let b = 3 + 5 * l;
             let h = rms_norm(&x, p(b))?;
             let h = h.matmul(p(b + 1))?.broadcast_add(p(b + 2))?.gelu()?;
@@ -141,7 +152,9 @@ impl Model {
         let picked = logits.gather(&tgt, D::Minus1)?;
         let loss = (lse - picked)?.mean_all()?;
 
+        stopped()?;
         let store = loss.backward()?;
+        stopped()?;
         for (t, v) in self.layout.iter().zip(&vars) {
             let dst = &mut grads[t.range()];
             match store.get(v.as_tensor()) {
@@ -180,7 +193,9 @@ mod tests {
         let inputs: Vec<u32> = (0..6 * cfg.context).map(|i| (i * 7 % 12) as u32).collect();
         let targets: Vec<u32> = (0..6).map(|i| (i * 5 % 12) as u32).collect();
         let mut g = vec![0f32; m.numel()];
-        let loss = m.loss_and_grad(&params, &inputs, &targets, &mut g).unwrap();
+        let loss = m
+            .loss_and_grad(&params, &inputs, &targets, &mut g, &Stop::default())
+            .unwrap();
         assert!(loss.is_finite());
         let mut scratch = vec![0f32; m.numel()];
         // Check a spread of coordinates in f32 with a loose tolerance.
@@ -189,11 +204,11 @@ mod tests {
             let mut p = params.clone();
             p[i] += h;
             let up = m
-                .loss_and_grad(&p, &inputs, &targets, &mut scratch)
+                .loss_and_grad(&p, &inputs, &targets, &mut scratch, &Stop::default())
                 .unwrap();
             p[i] -= 2.0 * h;
             let down = m
-                .loss_and_grad(&p, &inputs, &targets, &mut scratch)
+                .loss_and_grad(&p, &inputs, &targets, &mut scratch, &Stop::default())
                 .unwrap();
             let fd = (up - down) / (2.0 * h);
             assert!(
@@ -211,9 +226,27 @@ mod tests {
         let inputs: Vec<u32> = (0..32 * 4).map(|i| (i % 64) as u32).collect();
         let targets: Vec<u32> = (0..32).map(|i| (i * 3 % 64) as u32).collect();
         let (mut a, mut b) = (vec![0f32; m.numel()], vec![0f32; m.numel()]);
-        let la = m.loss_and_grad(&params, &inputs, &targets, &mut a).unwrap();
-        let lb = m.loss_and_grad(&params, &inputs, &targets, &mut b).unwrap();
+        let la = m
+            .loss_and_grad(&params, &inputs, &targets, &mut a, &Stop::default())
+            .unwrap();
+        let lb = m
+            .loss_and_grad(&params, &inputs, &targets, &mut b, &Stop::default())
+            .unwrap();
         assert_eq!(la.to_bits(), lb.to_bits());
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+
+    #[test]
+    fn a_stopped_job_computes_no_gradient() {
+        let m = Model::new(ModelSize::Tiny.config());
+        let params = m.init(1);
+        let inputs: Vec<u32> = (0..8 * 4).map(|i| (i % 64) as u32).collect();
+        let targets: Vec<u32> = (0..8).map(|i| (i * 3 % 64) as u32).collect();
+        let mut g = vec![0f32; m.numel()];
+        let stop = Stop::default();
+        stop.set();
+        let r = m.loss_and_grad(&params, &inputs, &targets, &mut g, &stop);
+        assert!(matches!(r, Err(ModelError::Stopped)), "{r:?}");
+        assert!(g.iter().all(|x| *x == 0.0), "no gradient written");
     }
 }

@@ -534,14 +534,29 @@ impl Trainer<'_> {
         self.plan.hit(step, Point::Data);
         rt.batch_ready();
         self.plan.hit(step, Point::Forward);
-        // 2. Forward and backward (on the model, or an emulated device).
+        // 2. Forward and backward (on the model, or an emulated device),
+        //    stopped when the job is paused: a peer has failed, and the
+        //    rest of this step would be thrown away.
+        let stop = comm.stop();
+        let paused = || {
+            StepError::Collective(CollectiveError::Aborted {
+                epoch: comm.epoch(),
+            })
+        };
         let loss = match &self.device {
-            Some(device) => device.forward_backward(step, &mut self.grads),
+            Some(device) => device
+                .forward_backward(step, &mut self.grads, &stop)
+                .ok_or_else(paused)?,
             None => {
                 let params = read(&self.state.params);
-                self.model
-                    .loss_and_grad(&params, &inputs, &targets, &mut self.grads)
-                    .map_err(|e| StepError::Fatal(e.into()))?
+                match self
+                    .model
+                    .loss_and_grad(&params, &inputs, &targets, &mut self.grads, &stop)
+                {
+                    Ok(loss) => loss,
+                    Err(ModelError::Stopped) => return Err(paused()),
+                    Err(e) => return Err(StepError::Fatal(e.into())),
+                }
             }
         };
         if held!(held, rt.check_uce()).is_some() {

@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// Where a resume's time went: parked until the directive came, restoring
+/// the snapshot, building the new communicator, and gathering the
+/// replicated parts of sliced snapshots.
+#[derive(Debug, Default)]
+struct ResumeTimes {
+    awaited: Duration,
+    restore: Duration,
+    communicator: Duration,
+    gather: Duration,
+}
+
 impl Trainer<'_> {
     /// Whether this rank holds the whole state of `step` without a
     /// communicator: its snapshots are not sliced, or every other rank's
@@ -35,10 +46,17 @@ impl Trainer<'_> {
         rt: &mut Runtime,
         dist: &mut Dist,
     ) -> Result<Option<Communicator>, TrainError> {
+        let parked = Instant::now();
         loop {
             match rt.await_directive() {
                 Directive::Resume { epoch, step } => {
+                    // Where a resume's time goes, for its log event.
+                    let mut times = ResumeTimes {
+                        awaited: parked.elapsed(),
+                        ..ResumeTimes::default()
+                    };
                     let live = !self.torn && self.state.scalars.step == step;
+                    let t = Instant::now();
                     if !live {
                         let meta = rt.restore(step)?;
                         self.state.scalars = Scalars::decode(&meta).ok_or_else(|| {
@@ -46,6 +64,7 @@ impl Trainer<'_> {
                         })?;
                         self.torn = false;
                     }
+                    times.restore = t.elapsed();
                     self.epoch = epoch;
                     if step >= self.args.train_iters && self.whole_here(rt, step) {
                         eprintln!(
@@ -57,6 +76,7 @@ impl Trainer<'_> {
                         }))?;
                         return Ok(None);
                     }
+                    let t = Instant::now();
                     let built = if self.plan.fails(step, Point::Rebuild) {
                         Err(TrainError::Collective(CollectiveError::Connect {
                             epoch,
@@ -71,8 +91,11 @@ impl Trainer<'_> {
                     // parameters: one all-gather, in which every rank (kept
                     // or restored) gives its slice, rebuilds the rest.
                     let built = built.and_then(|mut comm| {
+                        times.communicator = t.elapsed();
                         rt.set_communicator(&comm);
+                        let t = Instant::now();
                         rt.rebuild_replicated(|buf| comm.all_gather(buf))?;
+                        times.gather = t.elapsed();
                         Ok(comm)
                     });
                     match built {
@@ -88,6 +111,10 @@ impl Trainer<'_> {
                             );
                             self.log.write(serde_json::json!({
                                 "event": "resume", "step": step, "epoch": epoch, "restored": !live,
+                                "awaited_s": times.awaited.as_secs_f64(),
+                                "restore_s": times.restore.as_secs_f64(),
+                                "communicator_s": times.communicator.as_secs_f64(),
+                                "gather_s": times.gather.as_secs_f64(),
                             }))?;
                             return Ok(Some(comm));
                         }
