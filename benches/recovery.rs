@@ -107,7 +107,7 @@ fn overhead(dir: &Path, size: &str, reps: usize) -> ([f64; 3], Vec<[f64; 3]>) {
 /// seconds to the first step after the kill, to step `k` again, the steps
 /// redone, and the median step time of steps 3.. completed before the kill.
 fn ha_recovery(dir: &Path, k: u64, slices: &str) -> (f64, f64, usize, f64) {
-    let r = ha_recovery_of(dir, "10m", k, slices);
+    let r = ha_recovery_of(dir, "10m", k, slices, &[]);
     (r.first_s, r.back_s, r.redone, r.step_s)
 }
 
@@ -123,12 +123,12 @@ struct Recovery {
     snapshot_bytes: Option<f64>,
 }
 
-/// [`ha_recovery`] of the model `size`.
-fn ha_recovery_of(dir: &Path, size: &str, k: u64, slices: &str) -> Recovery {
+/// [`ha_recovery`] of the model `size`, with more trainer flags.
+fn ha_recovery_of(dir: &Path, size: &str, k: u64, slices: &str, extra: &[&str]) -> Recovery {
     let log = dir.join(format!("ha-{size}-{k}-{slices}.jsonl"));
     // A log of an earlier repetition would be read as this one's.
     let _ = std::fs::remove_file(&log);
-    let mut c = launch(2, true, dir, slices, &train_args(size, k + 2, &log, &[]));
+    let mut c = launch(2, true, dir, slices, &train_args(size, k + 2, &log, extra));
     wait_step(&log, Duration::from_secs(300), |e| {
         e["step"].as_u64() == Some(k - 1)
     })
@@ -177,10 +177,23 @@ fn ha_recovery_of(dir: &Path, size: &str, k: u64, slices: &str) -> Recovery {
 /// recovery above (SIGKILL of rank 1 in step 13, worker reboot) on the
 /// `10m` and the `100m` model, `HATRAIN_BENCH_REPS` times each,
 /// interleaved: the pause beyond one step against each rank's snapshot
-/// size, and the slope between the two in seconds per GB.
+/// size, and the slope between the two in seconds per GB. With
+/// `HATRAIN_BENCH_EMULATE_MS` the ranks run on an emulated device of that
+/// many ms per forward and backward (`--emulate-device`): the step is
+/// then nearly the same at both sizes, and the slope is what the bytes
+/// cost, not the larger model's longer compute.
 fn per_gb(dir: &Path, reps: usize) {
+    let emulate = std::env::var("HATRAIN_BENCH_EMULATE_MS").ok();
+    let extra: Vec<&str> = match &emulate {
+        Some(ms) => vec!["--emulate-device", ms],
+        None => Vec::new(),
+    };
+    let device = match &emulate {
+        Some(ms) => format!("an emulated device of {ms} ms"),
+        None => "the model on the CPU".into(),
+    };
     println!(
-        "recovery from SIGKILL of rank 1 in step 13 (2 ranks, worker reboot): first step after the kill less one step, median of {reps}"
+        "recovery from SIGKILL of rank 1 in step 13 (2 ranks, worker reboot, {device}): first step after the kill less one step, median of {reps}"
     );
     println!(
         "{:<6} {:>14} {:>10} {:>10}",
@@ -190,7 +203,7 @@ fn per_gb(dir: &Path, reps: usize) {
     let mut runs: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); 2];
     for _ in 0..reps {
         for (i, size) in ["10m", "100m"].iter().enumerate() {
-            let r = ha_recovery_of(dir, size, 13, "on");
+            let r = ha_recovery_of(dir, size, 13, "on", &extra);
             runs[i].0.push(r.first_s - r.step_s);
             if let Some(b) = r.snapshot_bytes {
                 runs[i].1.push(b / 1e9);
@@ -207,10 +220,16 @@ fn per_gb(dir: &Path, reps: usize) {
     let ((g0, p0), (g1, p1)) = (rows[0], rows[1]);
     let slope = ((p1 - p0) / (g1 - g0)).max(0.0);
     println!("recovery grows by {slope:.3} s per GB of snapshot per rank");
+    let how = match &emulate {
+        Some(ms) => format!("HATRAIN_BENCH_EMULATE_MS={ms} "),
+        None => String::new(),
+    };
     common::costs::record(
         "recovery_s_per_gb",
         slope,
-        "HATRAIN_BENCH_PART=per-gb cargo bench -p hatrain-scenarios --bench recovery: (pause of the 100m model − pause of the 10m) ÷ (their snapshot GB per rank); pause = SIGKILL → first step, less one step",
+        &format!(
+            "{how}HATRAIN_BENCH_PART=per-gb cargo bench -p hatrain-scenarios --bench recovery: (pause of the 100m model − pause of the 10m) ÷ (their snapshot GB per rank); pause = SIGKILL → first step, less one step ({device})"
+        ),
     );
     common::costs::record(
         "pause_state_gb",
