@@ -47,6 +47,7 @@ fn view(rank: usize, step: u64, epoch: u64, acked: Option<Directive>, phase: Pha
         in_collective: false,
         acked,
         times: Default::default(),
+        final_sealed: None,
     }
 }
 
@@ -90,7 +91,7 @@ fn recovery(m: &mut Machine, n: usize, now: &mut Duration, step: u64) -> (f64, f
                 r,
                 step,
                 epoch0,
-                Some(Directive::Pause { epoch }),
+                Some(Directive::Pause { epoch, upto: None }),
                 Phase::Paused,
             )
         })
@@ -278,7 +279,7 @@ fn round(c: &mut Controller, agents: usize, now: &mut Duration, step: u64) -> [f
     report(c, *now, host, Vec::new(), vec![registered]);
     let epoch = c.mirror().epoch;
     *now += Duration::from_millis(10);
-    let pause = Some(Directive::Pause { epoch });
+    let pause = Some(Directive::Pause { epoch, upto: None });
     let (mut last, mut all) = (0.0, 0.0);
     let mut collect = false;
     for h in (1..agents).chain([0]) {

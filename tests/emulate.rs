@@ -171,3 +171,45 @@ fn a_snapshot_that_misses_its_window_is_skipped_and_counted_and_training_never_w
         text(&out)
     );
 }
+
+/// Rank 1 is killed halfway through its copy of step 8, so step 7 is the
+/// newest it holds sealed, while rank 0 is in the middle of its own copy
+/// of step 8 (held there 3 s). The pause says the job cannot resume past
+/// step 7: rank 0 abandons that copy, unsealed and counted, instead of
+/// finishing a snapshot no rank could use, and the job resumes from 7,
+/// bit-identical to the run without faults.
+#[test]
+fn a_pause_abandons_a_copy_of_a_step_the_dead_rank_never_sealed() {
+    let d = tempfile::tempdir().unwrap();
+    let (ref_log, log) = (d.path().join("ref.jsonl"), d.path().join("run.jsonl"));
+    assert_success(&run_launch(2, "upto-ref", &args(&ref_log)), "reference run");
+    let reference = read_log(&ref_log);
+
+    let job = job_id("upto");
+    let cmd = Launch::new(2)
+        .job(&job)
+        .worker_reboot()
+        .shm_root(d.path().join("shm"))
+        .args(args(&log))
+        .fault_plan("0:8:commit:sleep3000;1:8:commit:kill")
+        .command();
+    let out = Job::spawn(cmd, &job).wait_output(Duration::from_secs(240));
+    assert_success(&out, "run with a kill during both ranks' copies");
+    let run = read_log(&log);
+    assert_eq!(final_checksum(&run), final_checksum(&reference));
+    let resumed: Vec<u64> = run
+        .iter()
+        .filter(|e| e["event"] == "resume")
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(resumed, vec![7], "{}", text(&out));
+    let last = run
+        .iter()
+        .rfind(|e| e["event"] == "final")
+        .expect("rank 0's final line");
+    assert_eq!(
+        last["snapshot_copies"]["skipped"].as_u64(),
+        Some(1),
+        "rank 0's copy of step 8 abandoned, the only one: {last}"
+    );
+}

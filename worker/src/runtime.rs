@@ -560,6 +560,7 @@ impl Runtime {
         {
             let mut p = a.progress.0.lock().unwrap_or_else(|p| p.into_inner());
             p.requested = self.commit_seq;
+            p.requested_step = step;
             p.skippable = !hold && of == CommitOf::Step;
         }
         if let Some(tx) = &a.jobs {
@@ -606,7 +607,7 @@ impl Runtime {
         if let Some(h) = a.abort.lock().unwrap_or_else(|p| p.into_inner()).take() {
             h.abort();
         }
-        self.wait_commit();
+        self.wait_commit_paused();
         let store = Arc::clone(&a.store);
         let page = store.page();
         loop {

@@ -85,7 +85,7 @@ impl Kept {
             };
             let page = store.page();
             let posted = match page.directive().1 {
-                Directive::Pause { epoch }
+                Directive::Pause { epoch, .. }
                 | Directive::Resume { epoch, .. }
                 | Directive::Reshape { epoch, .. } => epoch,
                 Directive::None | Directive::Stop => 0,

@@ -32,6 +32,12 @@ impl Driver<'_> {
                             in_collective: p.in_collective(),
                             acked: p.acknowledged_directive(),
                             times: p.step_times(),
+                            // Read only once the process has ended: its
+                            // headers are final then.
+                            final_sealed: match alive {
+                                true => None,
+                                false => s.sealed().first().map(|slot| slot.step),
+                            },
                         }
                     }
                 }

@@ -512,7 +512,7 @@ impl Machine {
         let v = self.view(rank);
         v.alive
             && v.registered
-            && v.acked == Some(Directive::Pause { epoch })
+            && matches!(v.acked, Some(Directive::Pause { epoch: e, .. }) if e == epoch)
             && v.phase == Phase::Paused
     }
 
@@ -546,17 +546,43 @@ impl Machine {
         self.faults.len() - 1
     }
 
-    /// Posts `Pause { epoch }` to every participant that can read it.
+    /// Posts `Pause { epoch }` to every participant that can read it,
+    /// with the step past which nothing can be resumed when a participant
+    /// whose process has ended says so ([`Machine::resumable_upto`]).
     fn pause_all(&mut self, epoch: u64) {
+        let upto = self.resumable_upto();
         for r in self.participants() {
             let v = self.view(r);
             if v.alive && v.registered {
                 self.cmd(Command::Post {
                     rank: r,
-                    directive: Directive::Pause { epoch },
+                    directive: Directive::Pause { epoch, upto },
                 });
             }
         }
+    }
+
+    /// The newest step the job could resume from, as far as the
+    /// participants whose processes have ended tell: the oldest of their
+    /// newest sealed steps. The step every rank holds cannot be newer than
+    /// what one of them holds, and they seal nothing more. `None` when
+    /// none has ended, or one has ended without a sealed step known.
+    fn resumable_upto(&self) -> Option<u64> {
+        let ended: Vec<RankView> = self
+            .participants()
+            .into_iter()
+            .map(|r| self.view(r))
+            .filter(|v| v.registered && !v.alive)
+            .collect();
+        if ended.is_empty() {
+            return None;
+        }
+        ended
+            .iter()
+            .map(|v| v.final_sealed)
+            .collect::<Option<Vec<u64>>>()?
+            .into_iter()
+            .min()
     }
 
     /// Posts `Resume { epoch, step }` to every live participant; during a

@@ -56,6 +56,11 @@ pub struct RankView {
     /// controller compares every rank of the job).
     #[serde(default)]
     pub times: StepTimes,
+    /// Once its process has ended: the newest step its store holds sealed
+    /// (`None` while it runs, or when nothing is sealed). Nothing can seal
+    /// a newer one, so the job cannot resume past it.
+    #[serde(default)]
+    pub final_sealed: Option<u64>,
 }
 
 impl RankView {
@@ -72,6 +77,7 @@ impl RankView {
             in_collective: false,
             acked: None,
             times: StepTimes::default(),
+            final_sealed: None,
         }
     }
 }

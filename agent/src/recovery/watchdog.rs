@@ -237,6 +237,7 @@ mod tests {
             in_collective,
             acked: None,
             times: Default::default(),
+            final_sealed: None,
         }
     }
 

@@ -12,6 +12,7 @@
 //!
 //! ```text
 //! kind word: 0 none | 1 pause | 2 resume | 3 stop | 4 reshape
+//! step word: a resume's or reshape's step; a pause's `upto` + 1 (0: none)
 //! rank, world words: a reshape's new place (0 for the other kinds)
 //! ```
 
@@ -25,9 +26,14 @@ use std::time::Duration;
 pub enum Directive {
     None,
     /// Abort the communicator, finish any commit, wait for the next
-    /// directive. `epoch` is the epoch being formed.
+    /// directive. `epoch` is the epoch being formed. `upto`, when known,
+    /// bounds the step the job can resume from (the newest step a rank
+    /// whose process has ended holds sealed): a copy of a later step is
+    /// abandoned instead of finished, since no rank could use it.
     Pause {
         epoch: u64,
+        #[serde(default)]
+        upto: Option<u64>,
     },
     /// Roll back to `step` (restoring from the sealed slot of that step
     /// unless the live state is exactly there) and rebuild the communicator
@@ -55,7 +61,9 @@ impl Directive {
     pub fn encode(self) -> [u64; 5] {
         match self {
             Self::None => [0; 5],
-            Self::Pause { epoch } => [1, epoch, 0, 0, 0],
+            Self::Pause { epoch, upto } => {
+                [1, epoch, upto.map_or(0, |s| s.saturating_add(1)), 0, 0]
+            }
             Self::Resume { epoch, step } => [2, epoch, step, 0, 0],
             Self::Stop => [3, 0, 0, 0, 0],
             Self::Reshape {
@@ -71,7 +79,10 @@ impl Directive {
     /// place outside its world, reads as `None`.
     pub fn decode([kind, epoch, step, rank, world]: [u64; 5]) -> Self {
         match kind {
-            1 => Self::Pause { epoch },
+            1 => Self::Pause {
+                epoch,
+                upto: step.checked_sub(1),
+            },
             2 => Self::Resume { epoch, step },
             3 => Self::Stop,
             4 if rank < world => Self::Reshape {
@@ -213,11 +224,11 @@ mod tests {
         #[test]
         fn directives_round_trip(
             kind in 0u8..5, epoch in any::<u64>(), step in any::<u64>(),
-            world in 1u64..4096, rank in any::<u64>(),
+            world in 1u64..4096, rank in any::<u64>(), upto in proptest::option::of(0..u64::MAX),
         ) {
             let d = match kind {
                 0 => Directive::None,
-                1 => Directive::Pause { epoch },
+                1 => Directive::Pause { epoch, upto },
                 2 => Directive::Resume { epoch, step },
                 3 => Directive::Stop,
                 _ => Directive::Reshape { epoch, step, rank: rank % world, world },

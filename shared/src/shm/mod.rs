@@ -399,7 +399,10 @@ mod tests {
         let worker = Store::open(&store_path(d.path(), 3)).unwrap();
         // A sequence that has moved on returns at once.
         let seen = worker.page().directive_seq();
-        agent.page().post(Directive::Pause { epoch: 1 });
+        agent.page().post(Directive::Pause {
+            epoch: 1,
+            upto: None,
+        });
         let t = Instant::now();
         worker.page().wait_directive(seen, Duration::from_secs(60));
         assert!(t.elapsed() < Duration::from_secs(60));
@@ -697,12 +700,27 @@ mod tests {
         let (a, k) = (s.page(), w.page());
         assert_eq!(a.directive(), (0, Directive::None));
         assert_eq!(a.acknowledged_directive(), None);
-        let seq = a.post(Directive::Pause { epoch: 2 });
-        assert_eq!(k.directive(), (seq, Directive::Pause { epoch: 2 }));
+        let seq = a.post(Directive::Pause {
+            epoch: 2,
+            upto: Some(7),
+        });
+        assert_eq!(
+            k.directive(),
+            (
+                seq,
+                Directive::Pause {
+                    epoch: 2,
+                    upto: Some(7)
+                }
+            )
+        );
         k.acknowledge(seq);
         assert_eq!(
             a.acknowledged_directive(),
-            Some(Directive::Pause { epoch: 2 })
+            Some(Directive::Pause {
+                epoch: 2,
+                upto: Some(7)
+            })
         );
         let seq2 = a.post(Directive::Resume { epoch: 2, step: 40 });
         assert!(seq2 > seq && seq2.is_multiple_of(2));

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 pub(super) struct CommitProgress {
     pub(super) requested: u64,
+    /// The step of the newest requested snapshot.
+    pub(super) requested_step: u64,
     pub(super) done: u64,
     pub(super) last_error: Option<String>,
     /// The step of the newest snapshot sealed.

@@ -20,9 +20,9 @@
 //! control page at the next step boundary.
 
 use super::Runtime;
-use hatrain_shared::shm::Phase;
+use hatrain_shared::shm::{Directive, Phase};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What the start-update fence does with a snapshot copy still running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -141,6 +141,38 @@ impl Runtime {
         let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
         while p.done < p.requested {
             p = cv.wait(p).unwrap_or_else(|p| p.into_inner());
+        }
+        if let Some(e) = p.last_error.take() {
+            eprintln!("rank {}: snapshot commit failed: {e}", self.rank);
+        }
+    }
+
+    /// [`Runtime::wait_commit`] for a paused rank: the copy under way is
+    /// abandoned (after its piece, unsealed, counted as skipped) once the
+    /// pause says the job cannot resume past an older step
+    /// (`Directive::Pause`'s `upto`), since no rank could use it. The pause
+    /// may be posted while this waits.
+    pub(super) fn wait_commit_paused(&self) {
+        let Some(a) = &self.attached else { return };
+        let page = a.store.page();
+        let (lock, cv) = &*a.progress;
+        let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
+        while p.done < p.requested {
+            // Only one copy outstanding: an older one queued behind it
+            // might be the step resumed from.
+            if let Directive::Pause {
+                upto: Some(upto), ..
+            } = page.directive().1
+                && p.requested_step > upto
+                && p.done + 1 == p.requested
+                && a.cancel.load(Ordering::Acquire) < p.requested
+            {
+                a.cancel.store(p.requested, Ordering::Release);
+            }
+            p = cv
+                .wait_timeout(p, Duration::from_millis(2))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         if let Some(e) = p.last_error.take() {
             eprintln!("rank {}: snapshot commit failed: {e}", self.rank);

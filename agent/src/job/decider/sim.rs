@@ -241,6 +241,7 @@ impl Cluster {
                     in_collective: r.in_collective,
                     acked: r.acked,
                     times: Default::default(),
+                    final_sealed: None,
                 }
             })
             .collect()

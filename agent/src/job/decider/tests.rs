@@ -31,7 +31,10 @@ fn commands_go_to_the_host_of_their_rank_and_the_job_wide_ones_everywhere() {
     let mut c = controller(3, 2);
     let post = |rank| Command::Post {
         rank,
-        directive: Directive::Pause { epoch: 1 },
+        directive: Directive::Pause {
+            epoch: 1,
+            upto: None,
+        },
     };
     assert_eq!(c.route(post(1)), vec![Routed::Here(post(1))]);
     assert_eq!(c.route(post(4)), vec![Routed::There(2, post(4))]);

@@ -74,7 +74,7 @@ impl Machine {
         };
         self.cmd(Command::Post {
             rank,
-            directive: Directive::Pause { epoch },
+            directive: Directive::Pause { epoch, upto: None },
         });
     }
 

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 mod elastic;
 mod endings;
+mod pauses;
 mod stops;
 mod unreported;
 
@@ -138,6 +139,7 @@ impl Sim {
                 in_collective: r.in_collective,
                 acked: r.acked,
                 times: Default::default(),
+                final_sealed: (!r.alive).then(|| r.slots.iter().max().copied()).flatten(),
             })
             .collect()
     }
