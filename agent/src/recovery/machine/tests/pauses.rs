@@ -15,6 +15,18 @@ fn pauses(sim: &Sim) -> Vec<(usize, Directive)> {
         .collect()
 }
 
+/// Every pause posted is of epoch 1 and says `upto`.
+fn assert_paused_upto(sim: &Sim, upto: Option<u64>) {
+    let posted = pauses(sim);
+    assert!(!posted.is_empty());
+    assert!(
+        posted
+            .iter()
+            .all(|(_, d)| *d == Directive::Pause { epoch: 1, upto }),
+        "{posted:?}"
+    );
+}
+
 /// A rank killed with step 9 its newest sealed snapshot: the others'
 /// copies of step 10 could not be resumed from, and the pause says so.
 #[test]
@@ -49,30 +61,14 @@ fn the_bound_is_the_oldest_of_the_ended_ranks_newest_steps_or_none() {
     sim.ranks[3].alive = false;
     sim.commands.clear();
     sim.crash(1);
-    assert!(
-        pauses(&sim).iter().all(|(_, d)| *d
-            == Directive::Pause {
-                epoch: 1,
-                upto: Some(9)
-            }),
-        "{:?}",
-        pauses(&sim)
-    );
+    assert_paused_upto(&sim, Some(9));
 
     let mut sim = Sim::new(3);
     sim.run(10);
     sim.ranks[1].slots.clear();
     sim.commands.clear();
     sim.crash(1);
-    assert!(
-        pauses(&sim).iter().all(|(_, d)| *d
-            == Directive::Pause {
-                epoch: 1,
-                upto: None
-            }),
-        "{:?}",
-        pauses(&sim)
-    );
+    assert_paused_upto(&sim, None);
 }
 
 /// A memory error repaired in place ends no process: nothing bounds the
@@ -87,14 +83,7 @@ fn a_pause_with_every_process_alive_has_no_bound() {
         part: "exp_avg".into(),
         offset: 4096,
     });
-    let posted = pauses(&sim);
-    assert!(!posted.is_empty());
-    assert!(
-        posted
-            .iter()
-            .all(|(_, d)| matches!(d, Directive::Pause { upto: None, .. })),
-        "{posted:?}"
-    );
+    assert_paused_upto(&sim, None);
 }
 
 /// A hung rank is killed before the job pauses: its newest sealed step,
