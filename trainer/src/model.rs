@@ -219,12 +219,18 @@ mod tests {
         }
     }
 
+    /// `n` examples for the tiny model (context 4, vocabulary 64).
+    fn tiny_batch(n: usize) -> (Vec<u32>, Vec<u32>) {
+        let inputs = (0..n * 4).map(|i| (i % 64) as u32).collect();
+        let targets = (0..n).map(|i| (i * 3 % 64) as u32).collect();
+        (inputs, targets)
+    }
+
     #[test]
     fn same_inputs_same_bits() {
         let m = Model::new(ModelSize::Tiny.config());
         let params = m.init(1);
-        let inputs: Vec<u32> = (0..32 * 4).map(|i| (i % 64) as u32).collect();
-        let targets: Vec<u32> = (0..32).map(|i| (i * 3 % 64) as u32).collect();
+        let (inputs, targets) = tiny_batch(32);
         let (mut a, mut b) = (vec![0f32; m.numel()], vec![0f32; m.numel()]);
         let la = m
             .loss_and_grad(&params, &inputs, &targets, &mut a, &Stop::default())
@@ -240,8 +246,7 @@ mod tests {
     fn a_stopped_job_computes_no_gradient() {
         let m = Model::new(ModelSize::Tiny.config());
         let params = m.init(1);
-        let inputs: Vec<u32> = (0..8 * 4).map(|i| (i % 64) as u32).collect();
-        let targets: Vec<u32> = (0..8).map(|i| (i * 3 % 64) as u32).collect();
+        let (inputs, targets) = tiny_batch(8);
         let mut g = vec![0f32; m.numel()];
         let stop = Stop::default();
         stop.set();

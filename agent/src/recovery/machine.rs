@@ -568,17 +568,10 @@ impl Machine {
     /// what one of them holds, and they seal nothing more. `None` when
     /// none has ended, or one has ended without a sealed step known.
     fn resumable_upto(&self) -> Option<u64> {
-        let ended: Vec<RankView> = self
-            .participants()
+        self.participants()
             .into_iter()
             .map(|r| self.view(r))
             .filter(|v| v.registered && !v.alive)
-            .collect();
-        if ended.is_empty() {
-            return None;
-        }
-        ended
-            .iter()
             .map(|v| v.final_sealed)
             .collect::<Option<Vec<u64>>>()?
             .into_iter()

@@ -153,30 +153,30 @@ impl Runtime {
     /// (`Directive::Pause`'s `upto`), since no rank could use it. The pause
     /// may be posted while this waits.
     pub(super) fn wait_commit_paused(&self) {
-        let Some(a) = &self.attached else { return };
-        let page = a.store.page();
-        let (lock, cv) = &*a.progress;
-        let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
-        while p.done < p.requested {
-            // Only one copy outstanding: an older one queued behind it
-            // might be the step resumed from.
-            if let Directive::Pause {
-                upto: Some(upto), ..
-            } = page.directive().1
-                && p.requested_step > upto
-                && p.done + 1 == p.requested
-                && a.cancel.load(Ordering::Acquire) < p.requested
-            {
-                a.cancel.store(p.requested, Ordering::Release);
+        if let Some(a) = &self.attached {
+            let page = a.store.page();
+            let (lock, cv) = &*a.progress;
+            let mut p = lock.lock().unwrap_or_else(|p| p.into_inner());
+            while p.done < p.requested {
+                // Only one copy outstanding: an older one queued behind it
+                // might be the step resumed from.
+                if let Directive::Pause {
+                    upto: Some(upto), ..
+                } = page.directive().1
+                    && p.requested_step > upto
+                    && p.done + 1 == p.requested
+                    && a.cancel.load(Ordering::Acquire) < p.requested
+                {
+                    a.cancel.store(p.requested, Ordering::Release);
+                }
+                p = cv
+                    .wait_timeout(p, Duration::from_millis(2))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
-            p = cv
-                .wait_timeout(p, Duration::from_millis(2))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
         }
-        if let Some(e) = p.last_error.take() {
-            eprintln!("rank {}: snapshot commit failed: {e}", self.rank);
-        }
+        // Every copy is over: says what failed, if anything.
+        self.wait_commit();
     }
 
     /// The start-update fence's side of the snapshot window: waits for the
