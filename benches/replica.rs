@@ -4,7 +4,7 @@
 //!   socket, another reads them into touched memory;
 //! - `replica`: a snapshot sealed in a real store is streamed by one agent's
 //!   replicator (127.0.0.1) to another's (127.0.0.2) over ZeroMQ, framed,
-//!   tagged (keyed BLAKE3) and checked on arrival, written into the
+//!   tagged (GMAC) and checked on arrival, written into the
 //!   holder's replica store and sealed there after its checksum verified;
 //!   timed from the seal at the owner to the receipt at the owner.
 //!

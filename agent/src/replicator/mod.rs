@@ -184,6 +184,7 @@ impl Replicator {
     /// replicas.
     pub fn listen(cfg: ReplicatorConfig) -> Result<Arc<Self>, ReplicatorError> {
         hatrain_shared::auth::random::<1>().map_err(ReplicatorError::Random)?;
+        keep_c_heap();
         let addr = match cfg.bind {
             IpAddr::V4(a) => format!("tcp://{a}:*"),
             IpAddr::V6(a) => format!("tcp://[{a}]:*"),
@@ -207,7 +208,7 @@ impl Replicator {
                     sock.set_ipv6(true).map_err(listen_err)?;
                 }
                 // Frames of strangers are not let grow without bound.
-                sock.set_maxmsgsize((peer::HEADER_LEN + peer::MAX_PAYLOAD + 32) as i64)
+                sock.set_maxmsgsize((peer::HEADER_LEN + peer::MAX_PAYLOAD + peer::TAG_LEN) as i64)
                     .map_err(listen_err)?;
                 sock.bind(&addr).map_err(listen_err)?;
                 let endpoint = sock
@@ -570,6 +571,29 @@ fn lower_priority() {
             tracing::debug!(error = %std::io::Error::last_os_error(), "replica thread keeps its priority");
         }
     }
+}
+
+/// Makes the C allocator keep the memory it is given back. ZeroMQ
+/// allocates every message it receives there (`malloc`), a 1 MiB chunk at a
+/// time; with glibc's defaults each was a fresh mapping, or heap the
+/// allocator had just returned to the kernel, so each chunk first faulted
+/// in and zeroed 256 new pages (a fifth of the holder's CPU per byte). With
+/// a fixed mapping threshold above the largest frame and a trim threshold
+/// above what a stream's credit keeps in flight, freed chunks are reused.
+/// Process-wide and once; the agent's own allocations are mimalloc's.
+fn keep_c_heap() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: mallopt(3) takes two integers and changes only the
+        // allocator's thresholds; it is safe to call at any time.
+        let ok = unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 16 << 20) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20) == 1
+        };
+        if !ok {
+            tracing::debug!("the C allocator keeps its default thresholds");
+        }
+    });
 }
 
 /// The holder's loop: every message through the inbox, answers back.
