@@ -74,6 +74,7 @@ enum Outcome {
 /// The commit thread: copies each requested snapshot (its held ranges of
 /// the buffers) into a free slot and seals it, until the channel closes.
 pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
+    no_wakeup_preemption();
     let (store, rank) = (&*c.store, c.rank);
     // Whether a hold has cost a snapshot yet (said once).
     let mut said_blocked = false;
@@ -168,6 +169,24 @@ pub(super) fn commit_loop(rx: mpsc::Receiver<CommitJob>, c: &Committer) {
             Outcome::Failed(e) => p.last_error = Some(e),
         }
         cv.notify_all();
+    }
+}
+
+/// Makes the calling (commit) thread `SCHED_BATCH`: the same nice value
+/// and share of the CPU, but a batch thread that wakes never preempts the
+/// running one (sched(7)). Without it, the hand-off that wakes the commit
+/// thread could give it the training thread's core at once, holding the
+/// training thread 1-10 ms in `Runtime::commit` while the copy began;
+/// now the copy starts on an idle core, or at the next tick.
+fn no_wakeup_preemption() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: a plain system call with a pointer to a live sched_param;
+    // pid 0 is the calling thread (the policy is per thread on Linux).
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) } != 0 {
+        eprintln!(
+            "hatrain: the snapshot thread keeps its scheduling policy: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
