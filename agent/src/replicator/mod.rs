@@ -577,7 +577,8 @@ fn lower_priority() {
 /// allocates every message it receives there (`malloc`), a 1 MiB chunk at a
 /// time; with glibc's defaults each was a fresh mapping, or heap the
 /// allocator had just returned to the kernel, so each chunk first faulted
-/// in and zeroed 256 new pages (a fifth of the holder's CPU per byte). With
+/// in and zeroed 256 new pages (about 5% of the replica bench's samples,
+/// on ZeroMQ's I/O threads). With
 /// a fixed mapping threshold above the largest frame and a trim threshold
 /// above what a stream's credit keeps in flight, freed chunks are reused.
 /// Process-wide and once; the agent's own allocations are mimalloc's.
