@@ -459,10 +459,33 @@ impl Communicator {
     }
 
     /// Sends `out` to the next rank while receiving exactly `in_len` bytes
-    /// from the previous one into `self.scratch`. The two directions run on
-    /// two threads: with both ends writing a large message first and reading
-    /// second, the ring would deadlock once the socket buffers fill.
+    /// from the previous one into `self.scratch`.
     fn exchange(&mut self, out: &[u8], in_len: usize) -> Result<(), CollectiveError> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(in_len, 0);
+        let done = self.exchange_with(
+            out.len() as u64,
+            |s| s.write_all(out),
+            in_len as u64,
+            |r| Ok(r.read_exact(&mut scratch)?),
+        );
+        self.scratch = scratch;
+        done
+    }
+
+    /// Sends the next rank one message of `out_len` bytes, which `write`
+    /// writes, while receiving one of exactly `in_len` bytes from the
+    /// previous rank, which `read` reads (it must read them all). The two
+    /// directions run on two threads: with both ends writing a large
+    /// message first and reading second, the ring would deadlock once the
+    /// socket buffers fill.
+    fn exchange_with<T>(
+        &mut self,
+        out_len: u64,
+        write: impl FnOnce(&mut TcpStream) -> io::Result<()> + Send,
+        in_len: u64,
+        read: impl FnOnce(&mut io::Take<&mut TcpStream>) -> Result<T, MsgError>,
+    ) -> Result<T, CollectiveError> {
         let epoch = self.epoch;
         if self.aborted.is_set() {
             return Err(CollectiveError::Aborted { epoch });
@@ -476,13 +499,14 @@ impl Communicator {
             .ring
             .as_mut()
             .expect("exchange needs a ring of 2 or more ranks");
-        self.scratch.resize(in_len, 0);
         let (send_seq, recv_seq) = (ring.send_seq, ring.recv_seq);
         let Ring { next, prev, .. } = ring;
-        let scratch = &mut self.scratch;
         let (sent, received) = thread::scope(|s| {
-            let sender = s.spawn(move || send_msg(next, epoch, send_seq, out));
-            let received = recv_msg(prev, epoch, recv_seq, scratch);
+            let sender = s.spawn(move || -> Result<(), MsgError> {
+                next.write_all(&header(epoch, send_seq, out_len))?;
+                Ok(write(next)?)
+            });
+            let received = recv_msg(prev, epoch, recv_seq, in_len, read);
             // If the receive failed, the sender may be blocked on a peer that
             // is gone too; shutting our end releases it.
             if received.is_err() {
@@ -512,11 +536,11 @@ impl Communicator {
                 },
             }
         };
-        received.map_err(|e| wrap(e, "receive", prev_rank))?;
+        let got = received.map_err(|e| wrap(e, "receive", prev_rank))?;
         sent.map_err(|e| wrap(e, "send", next_rank))?;
         ring.send_seq = ring.send_seq.wrapping_add(1);
         ring.recv_seq = ring.recv_seq.wrapping_add(1);
-        Ok(())
+        Ok(got)
     }
 }
 
@@ -555,28 +579,36 @@ fn parse_header(h: &[u8; MSG_HEADER]) -> Option<(u64, u32, u64)> {
     Some((word(4..12), word(12..16) as u32, word(16..24)))
 }
 
-fn send_msg(s: &mut TcpStream, epoch: u64, seq: u32, payload: &[u8]) -> Result<(), MsgError> {
-    s.write_all(&header(epoch, seq, payload.len() as u64))?;
-    s.write_all(payload)?;
-    Ok(())
-}
-
-fn recv_msg(s: &mut TcpStream, epoch: u64, seq: u32, out: &mut [u8]) -> Result<(), MsgError> {
+/// Reads message `seq` of `epoch`, which must be `len` bytes long, its
+/// body through `read`, which must read all of it.
+fn recv_msg<T>(
+    s: &mut TcpStream,
+    epoch: u64,
+    seq: u32,
+    len: u64,
+    read: impl FnOnce(&mut io::Take<&mut TcpStream>) -> Result<T, MsgError>,
+) -> Result<T, MsgError> {
     let mut h = [0u8; MSG_HEADER];
     s.read_exact(&mut h)?;
-    let Some((their_epoch, their_seq, len)) = parse_header(&h) else {
+    let Some((their_epoch, their_seq, their_len)) = parse_header(&h) else {
         return Err(MsgError::Protocol(format!(
             "expected message {seq} of epoch {epoch}, got bytes that are not a ring message"
         )));
     };
-    if their_epoch != epoch || their_seq != seq || len != out.len() as u64 {
+    if their_epoch != epoch || their_seq != seq || their_len != len {
         return Err(MsgError::Protocol(format!(
-            "expected message {seq} of epoch {epoch} with {} bytes, got message {their_seq} of epoch {their_epoch} with {len} bytes",
-            out.len()
+            "expected message {seq} of epoch {epoch} with {len} bytes, got message {their_seq} of epoch {their_epoch} with {their_len} bytes"
         )));
     }
-    s.read_exact(out)?;
-    Ok(())
+    let mut body = s.take(len);
+    let got = read(&mut body)?;
+    if body.limit() != 0 {
+        return Err(MsgError::Protocol(format!(
+            "message {seq} of epoch {epoch}: {} of its {len} bytes left unread",
+            body.limit()
+        )));
+    }
+    Ok(got)
 }
 
 fn remaining(deadline: Instant) -> Duration {
