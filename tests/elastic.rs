@@ -4,7 +4,8 @@
 //! and workers SIGKILLed, its shared memory deleted) while the job stands
 //! still (rank 0 naps), so the replicas have caught up.
 //!
-//! - 3 hosts × 2 ranks, host 1 lost: 6 → 4 ranks; the agents' saves after
+//! - 3 hosts × 2 ranks, host 1 lost: 6 → 4 ranks (ranks of one host
+//!   exchange their pieces through shared memory); the agents' saves after
 //!   it are of 4 ranks; a rank that crashes afterwards restarts at its new
 //!   place.
 //! - 5 hosts × 1 rank: two shrinks, 5 → 4 → 3 (the replicas placed past
@@ -89,6 +90,13 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
     let s_star = reshape["step"].as_u64().unwrap();
     assert_eq!(reshape["world_size"], 4);
     assert!((29..=30).contains(&s_star), "resized at step {s_star}");
+    // Rank 0's new quarter of each moment goes on past its old sixth into
+    // rank 1's, and rank 1 is on its host: those pieces came through
+    // shared memory, not the ring.
+    assert!(
+        reshape["bytes_received_shm"].as_u64().is_some_and(|b| b > 0),
+        "{reshape}"
+    );
     // The global batch: 24 sequences a step at either size.
     for e in run.iter().filter(|e| e["event"] == "step") {
         let step = e["step"].as_u64().unwrap();

@@ -17,6 +17,7 @@
 
 mod args;
 mod disk;
+mod local;
 mod recover;
 mod reshape;
 
