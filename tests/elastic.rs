@@ -10,6 +10,8 @@
 //!   place.
 //! - 5 hosts × 1 rank: two shrinks, 5 → 4 → 3 (the replicas placed past
 //!   the lost host).
+//! - 4 hosts × 2 ranks and a late standby host: shrink and grow back,
+//!   ranks of one host exchanging through shared memory;
 //! - 4 hosts × 1 rank and a late standby: shrink, grow back, shrink again;
 //!   and a host lost during a grow.
 //! - 4 hosts × 1 rank of a global batch of 8, one lost: the group goes on
@@ -94,7 +96,9 @@ fn a_host_lost_shrinks_the_group_and_the_run_equals_a_fresh_one_at_the_new_size(
     // rank 1's, and rank 1 is on its host: those pieces came through
     // shared memory, not the ring.
     assert!(
-        reshape["bytes_received_shm"].as_u64().is_some_and(|b| b > 0),
+        reshape["bytes_received_shm"]
+            .as_u64()
+            .is_some_and(|b| b > 0),
         "{reshape}"
     );
     // The global batch: 24 sequences a step at either size.
@@ -345,6 +349,112 @@ fn the_group_shrinks_grows_back_and_shrinks_again() {
     }
     assert_eq!(final_checksum(&run), final_checksum(&last));
     for k in [0, 3, 4] {
+        assert_nothing_left(&c.shm[k]);
+    }
+}
+
+/// Hosts of two ranks: host 1 of four is lost (8 → 6 ranks), then a late
+/// standby host of two is heard and the group grows back (6 → 8); the
+/// hosts left after the loss are a majority of the job's five agents. In both
+/// reshapes the ranks of one host take each other's pieces through shared
+/// memory (rank 0's log gives every rank's bytes), each rank takes less
+/// than an all-gather of every rank's holdings would have brought it, and
+/// each leg equals a fresh run at its size loaded from a checkpoint of its
+/// s*.
+#[test]
+fn ranks_of_one_host_reshape_through_shared_memory_in_a_shrink_and_a_grow() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let mut train = tiny_args(50);
+    let at = train.iter().position(|a| a == "--global-batch").unwrap();
+    train[at + 1] = "24".into();
+    let plan = format!("{NAP};0:36:forward:sleep6000");
+    let mut c = Cluster::start_later(
+        tmp,
+        "elastic-local",
+        (4, 2),
+        (1, 1),
+        &["--enable-elastic-training"],
+        &train,
+        &plan,
+    );
+    let socket = c.shm[0].join(&c.job).join("agent.sock");
+    let resized = |n: usize, world: u64| {
+        move |v: &serde_json::Value| {
+            let s = &v["status"];
+            (s["resizes"].as_array().is_some_and(|r| r.len() == n) && s["world_size"] == world)
+                .then_some(())
+        }
+    };
+    c.wait_held(2, &[2, 3]);
+    c.vanish(&[1]);
+    if poll_agentctl(&socket, "status", Duration::from_secs(60), resized(1, 6)).is_none() {
+        panic!("the group did not shrink to 6 ranks:\n{}", c.kill_all());
+    }
+    c.start_late();
+    if poll_agentctl(&socket, "status", Duration::from_secs(60), resized(2, 8)).is_none() {
+        panic!("the group did not grow back to 8 ranks:\n{}", c.kill_all());
+    }
+    let outs = c.ends(&[0, 2, 3, 4]);
+    for (k, out) in &outs {
+        assert_success(out, &format!("host {k}\n{}", logs(&outs)));
+    }
+    let run = read_log(&c.log);
+    let resizes = reshapes(&run);
+    let [(s1, 6), (s2, 8)] = resizes[..] else {
+        panic!("resizes to 6 and 8 ranks: {resizes:?}\n{}", logs(&outs));
+    };
+    for e in run.iter().filter(|e| e["event"] == "reshape") {
+        let by_rank = e["by_rank"].as_array().expect("every rank's bytes");
+        eprintln!(
+            "reshape to {} at step {}: {}",
+            e["world_size"], e["step"], e["by_rank"]
+        );
+        assert_eq!(
+            by_rank.len() as u64,
+            e["world_size"].as_u64().unwrap(),
+            "{e}"
+        );
+        let bytes = |r: &serde_json::Value, k: &str| r[k].as_u64().unwrap();
+        assert!(
+            by_rank.iter().any(|r| bytes(r, "received_shm") > 0),
+            "no rank took pieces through shared memory: {e}"
+        );
+        let sent: u64 = by_rank.iter().map(|r| bytes(r, "sent_shm")).sum();
+        let got: u64 = by_rank.iter().map(|r| bytes(r, "received_shm")).sum();
+        assert_eq!(sent, got, "what was left was taken: {e}");
+        for r in by_rank {
+            let took = bytes(r, "received") + bytes(r, "received_shm");
+            assert!(took < bytes(r, "all_gather"), "{r} in {e}");
+        }
+    }
+    let leg = |ranks: usize, load: Option<&std::path::Path>, to: Option<u64>, name: &str| {
+        let log = dir.join(format!("{name}.jsonl"));
+        let save = dir.join(name);
+        let mut args = train.clone();
+        if let Some(to) = to {
+            let at = args.iter().position(|a| a == "--train-iters").unwrap();
+            args[at + 1] = to.to_string();
+            args.extend(s(&["--save", save.to_str().unwrap()]));
+        }
+        if let Some(load) = load {
+            args.extend(s(&["--load", load.to_str().unwrap()]));
+        }
+        args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
+        assert_success(&run_launch(ranks, name, &args), name);
+        (save, read_log(&log))
+    };
+    let (at_s1, _) = leg(8, None, Some(s1), "local-8a");
+    let (at_s2, six) = leg(6, Some(&at_s1), Some(s2), "local-6");
+    let (_, last) = leg(8, Some(&at_s2), None, "local-8b");
+    let ours = final_losses(&run);
+    for fresh in [&six, &last] {
+        for (step, loss) in final_losses(fresh) {
+            assert_eq!(ours[&step].to_bits(), loss.to_bits(), "loss of step {step}");
+        }
+    }
+    assert_eq!(final_checksum(&run), final_checksum(&last));
+    for k in [0, 2, 3, 4] {
         assert_nothing_left(&c.shm[k]);
     }
 }

@@ -157,10 +157,10 @@ impl Trainer<'_> {
         let sibling = |q: usize| q != rank && !keys[rank].is_empty() && keys[q] == keys[rank];
         let mut shm_sent = 0;
         if let Some(l) = &local {
-            for t in 0..world {
-                if sibling(t) && !out[t].is_empty() && l.put(epoch, rank, t, &out[t]) {
-                    shm_sent += out[t].len();
-                    out[t] = Vec::new();
+            for (t, bytes) in out.iter_mut().enumerate() {
+                if sibling(t) && !bytes.is_empty() && l.put(epoch, rank, t, bytes) {
+                    shm_sent += bytes.len();
+                    *bytes = Vec::new();
                 }
             }
         }
@@ -176,15 +176,15 @@ impl Trainer<'_> {
         if let Some(l) = &local {
             // A sibling that could not leave a file sent its pieces over
             // the ring instead.
-            for from in 0..world {
+            for (from, bytes) in got.iter_mut().enumerate() {
                 let expected = moves.iter().any(|m| m.from == from && m.to == rank);
-                if !(sibling(from) && expected && got[from].is_empty()) {
-                    continue;
+                if sibling(from) && expected && bytes.is_empty() {
+                    *bytes = l.take(epoch, from, rank)?;
+                    shm_received += bytes.len();
                 }
-                got[from] = l.take(epoch, from, rank)?;
-                shm_received += got[from].len();
             }
         }
+        let moved = moved_by_rank(&mut comm, [sent, received, shm_sent, shm_received], &holds)?;
         let (mut m, mut v) = (vec![0f32; shard.len()], vec![0f32; shard.len()]);
         let mut have = [vec![false; shard.len()], vec![false; shard.len()]];
         let mut params_have = vec![false; numel];
@@ -282,6 +282,7 @@ impl Trainer<'_> {
             "event": "reshape", "step": step, "epoch": epoch, "world_size": world,
             "bytes_sent": sent, "bytes_received": received,
             "bytes_sent_shm": shm_sent, "bytes_received_shm": shm_received,
+            "by_rank": moved,
         }))?;
         Ok(comm)
     }
@@ -378,6 +379,46 @@ fn donation_pieces(d: &Donated, numel: usize) -> Result<Vec<Piece>, TrainError> 
             data: floats(v),
         },
     ])
+}
+
+/// Every rank's bytes moved in the reshape (`mine`: sent and received over
+/// the network, then through shared memory), for rank 0's log, beside what
+/// an all-gather of every rank's holdings (`holds`, in f32 elements) would
+/// have brought it.
+fn moved_by_rank(
+    comm: &mut Communicator,
+    mine: [usize; 4],
+    holds: &[Vec<Vec<Range<usize>>>],
+) -> Result<Vec<serde_json::Value>, TrainError> {
+    let bytes: Vec<u8> = mine
+        .iter()
+        .flat_map(|b| (*b as u64).to_le_bytes())
+        .collect();
+    let held: Vec<u64> = holds
+        .iter()
+        .map(|parts| parts.iter().flatten().map(|r| 4 * r.len() as u64).sum())
+        .collect();
+    let all: u64 = held.iter().sum();
+    comm.all_gather_bytes(&bytes)?
+        .iter()
+        .enumerate()
+        .map(|(q, b)| {
+            let w: Vec<u64> = b
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            let ([sent, received, sent_shm, received_shm], 32) = (&w[..], b.len()) else {
+                return Err(TrainError::Args(format!(
+                    "reshape: rank {q}'s byte counts are malformed"
+                )));
+            };
+            Ok(serde_json::json!({
+                "sent": sent, "received": received,
+                "sent_shm": sent_shm, "received_shm": received_shm,
+                "all_gather": all - held.get(q).copied().unwrap_or(0),
+            }))
+        })
+        .collect()
 }
 
 /// Runs of elements a rank holds: part (1 parameters, 2 and 3 the
