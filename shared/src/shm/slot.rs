@@ -26,6 +26,9 @@ pub const SLOT_MAGIC: u64 = u64::from_le_bytes(*b"HTRSLOT\x02");
 /// Bytes copied and hashed per piece: the source piece is still in cache
 /// when it is hashed, so the data is read from memory once.
 const COPY_PIECE: usize = 64 * 1024;
+/// A slot this large or larger is read by two threads, one copying and
+/// one hashing ([`Store::read_slot`]).
+const PARALLEL_READ: usize = 64 << 20;
 
 const STATE_EMPTY: u64 = 0;
 const STATE_WRITING: u64 = 1;
@@ -404,16 +407,39 @@ impl Store {
         }
         // SAFETY: as in `verify`; the checksum of the copy is checked below.
         let src = unsafe { self.map.bytes(self.data_offset(slot), total) };
-        let mut hasher = XxHash3_64::new();
-        let mut at = 0;
-        for o in out.iter_mut() {
-            for piece in o.chunks_mut(COPY_PIECE) {
-                piece.copy_from_slice(&src[at..at + piece.len()]);
-                hasher.write(piece);
-                at += piece.len();
+        if total < PARALLEL_READ {
+            let mut hasher = XxHash3_64::new();
+            let mut at = 0;
+            for o in out.iter_mut() {
+                for piece in o.chunks_mut(COPY_PIECE) {
+                    piece.copy_from_slice(&src[at..at + piece.len()]);
+                    hasher.write(piece);
+                    at += piece.len();
+                }
             }
+            let sum = self.sum_header(&mut hasher, &info);
+            self.check_sum(slot, &info, sum)?;
+            return Ok(info);
         }
-        let sum = self.sum_header(&mut hasher, &info);
+        // A large slot (a restore holds the job up): one thread hashes the
+        // slot while this one copies it, so the read takes the longer of
+        // the two rather than their sum. As in `verify`, the sum is of the
+        // slot's bytes, and `check_sum` finds a writer that came meanwhile
+        // (the copy is then refused whole).
+        let sum = std::thread::scope(|s| {
+            let hashing = s.spawn(|| {
+                let mut hasher = XxHash3_64::new();
+                hasher.write(src);
+                self.sum_header(&mut hasher, &info)
+            });
+            let mut at = 0;
+            for o in out.iter_mut() {
+                o.copy_from_slice(&src[at..at + o.len()]);
+                at += o.len();
+            }
+            hashing.join()
+        })
+        .map_err(|_| self.bad(slot, "the thread hashing it panicked".into()))?;
         self.check_sum(slot, &info, sum)?;
         Ok(info)
     }
@@ -732,5 +758,34 @@ impl Receiving {
         }
         store.seal_slot(self.slot, self.open, &info);
         Ok(info)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Geometry, Store, store_path};
+    use super::PARALLEL_READ;
+
+    /// A slot past [`PARALLEL_READ`] is read by two threads: the copy is
+    /// the slot's bytes, split over the buffers as asked, and one flipped
+    /// byte anywhere is refused.
+    #[test]
+    fn a_large_slot_is_copied_whole_and_a_flipped_byte_refused() {
+        let len = PARALLEL_READ + 4099;
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::create(&store_path(d.path(), 0), 0, Geometry::new(2, len), 1, 1).unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        s.write_slot(0, 0, 9, 0, &[&data], &mut |_, _| true)
+            .unwrap();
+        let (mut a, mut b) = (vec![0u8; 12345], vec![0u8; len - 12345]);
+        let info = s.read_slot(0, &mut [&mut a, &mut b]).unwrap();
+        assert_eq!(info.step, 9);
+        assert!(a == data[..12345] && b == data[12345..]);
+        s.corrupt_slot_byte(0, len - 5);
+        let e = s
+            .read_slot(0, &mut [&mut a, &mut b])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("checksum mismatch"), "{e}");
     }
 }
