@@ -11,9 +11,12 @@
 //!    scalars. Each then takes, of each moment, the elements of its new
 //!    shard `shard_range(numel, W′, r′)`, and of the parameters (the same
 //!    on every rank) those it lacks after a sliced restore: each element it
-//!    does not hold comes from one holder, point to point over the ring
-//!    ([`hatrain_shared::resize::route`], `all_to_all_bytes`), and what it
-//!    holds does not move. Every element must come from somewhere.
+//!    does not hold comes from one holder, point to point
+//!    ([`hatrain_shared::resize::route`]): through shared memory from a
+//!    rank of its host (`local`), over the ring (`all_to_all_bytes`) from
+//!    the others; what it holds does not move. Every element must come
+//!    from somewhere. The log's `reshape` event gives every rank's bytes,
+//!    by way, beside what an all-gather would have moved.
 //! 4. Only then does it take the new place with the runtime (new state
 //!    map, new store), and commit `s*` as the first snapshot of the new
 //!    layout.
