@@ -503,27 +503,31 @@ impl Store {
         Ok(out)
     }
 
-    /// Copies `from`'s verified snapshots (the newest this store has slots
-    /// for, oldest first, so that the newest stays the newest) into this
-    /// store (a standby filling a rank's store from its peer replica): a
-    /// replica may hold the step the other ranks kept for it
-    /// ([`ControlPage::kept`](super::ControlPage::kept)) beside newer ones.
-    /// Each is checked against its owner's checksum on the way as a
-    /// received replica is; both stores must be made with the owner's job
+    /// Copies `from`'s sealed snapshots (the newest this store has slots
+    /// for, one per step, oldest first, so that the newest stays the
+    /// newest) into this store (a standby filling a rank's store from its
+    /// peer replica): a replica may hold the step the other ranks kept for
+    /// it ([`ControlPage::kept`](super::ControlPage::kept)) beside newer
+    /// ones. Each is read once, checked against its owner's checksum on the
+    /// way as a received replica is (a copy that fails it is left unsealed
+    /// and the others go on); both stores must be made with the owner's job
     /// and layout hashes. The caller must be this store's only writer.
-    /// Returns the newest copied.
+    /// Returns the newest copied, or the last error when none was.
     pub fn fill_from(&self, from: &Store) -> Result<SlotInfo, ShmError> {
-        let (mut steps, _) = from.verified_steps();
-        steps.dedup();
-        steps.truncate(self.geometry.slots);
+        let mut infos = from.sealed();
+        infos.dedup_by_key(|i| i.step);
+        infos.truncate(self.geometry.slots);
         let mut newest = None;
-        for &step in steps.iter().rev() {
-            let info = from.find_step(step).ok_or_else(|| {
-                from.bad(0, format!("the snapshot of step {step} went while copied"))
-            })?;
-            newest = Some(self.copy_in(from, &info)?);
+        let mut failed = None;
+        for info in infos.iter().rev() {
+            match self.copy_in(from, info) {
+                Ok(copied) => newest = Some(copied),
+                Err(e) => failed = Some(e),
+            }
         }
-        newest.ok_or_else(|| from.bad(0, "no verified snapshot to copy".into()))
+        newest.ok_or_else(|| {
+            failed.unwrap_or_else(|| from.bad(0, "no sealed snapshot to copy".into()))
+        })
     }
 
     /// Copies `from`'s snapshot `info` into a writable slot of this store.
@@ -765,6 +769,41 @@ impl Receiving {
 mod tests {
     use super::super::{Geometry, Store, store_path};
     use super::PARALLEL_READ;
+
+    /// A standby's fill reads each snapshot of the replica once and checks
+    /// it on the way: a corrupt one is left unsealed, the others are
+    /// copied, and with none good the fill fails naming the mismatch.
+    #[test]
+    fn a_fill_copies_the_good_snapshots_and_leaves_a_corrupt_one_unsealed() {
+        let d = tempfile::tempdir().unwrap();
+        let src = Store::create(&d.path().join("r.shm"), 3, Geometry::new(3, 5000), 7, 9).unwrap();
+        let dst = Store::create(&d.path().join("d.shm"), 3, src.geometry(), 7, 9).unwrap();
+        for step in [4u64, 5] {
+            let slot = src.writable_slot().unwrap();
+            src.write_slot(slot, 3, step, 0, &[&vec![step as u8; 5000]], &mut |_, _| {
+                true
+            })
+            .unwrap();
+        }
+        let newest = src.sealed()[0].clone();
+        src.corrupt_slot_byte(newest.slot, 4321);
+        let info = dst.fill_from(&src).unwrap();
+        assert_eq!(info.step, 4, "the good one");
+        assert_eq!(
+            dst.verified_steps().0,
+            vec![4],
+            "the corrupt one not sealed"
+        );
+        let lone = Store::create(&d.path().join("l.shm"), 3, src.geometry(), 7, 9).unwrap();
+        let slot = lone.writable_slot().unwrap();
+        lone.write_slot(slot, 3, 6, 0, &[&vec![6u8; 5000]], &mut |_, _| true)
+            .unwrap();
+        lone.corrupt_slot_byte(slot, 17);
+        let empty = Store::create(&d.path().join("e.shm"), 3, src.geometry(), 7, 9).unwrap();
+        let e = empty.fill_from(&lone).unwrap_err().to_string();
+        assert!(e.contains("checksum mismatch"), "{e}");
+        assert!(empty.sealed().is_empty());
+    }
 
     /// A slot past [`PARALLEL_READ`] is read by two threads: the copy is
     /// the slot's bytes, split over the buffers as asked, and one flipped
