@@ -785,7 +785,7 @@ mod tests {
             })
             .unwrap();
         }
-        let newest = src.sealed()[0].clone();
+        let newest = src.sealed()[0];
         src.corrupt_slot_byte(newest.slot, 4321);
         let info = dst.fill_from(&src).unwrap();
         assert_eq!(info.step, 4, "the good one");
