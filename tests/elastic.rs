@@ -222,22 +222,7 @@ fn the_group_shrinks_twice_and_each_leg_equals_a_fresh_run() {
     }
 
     // The chain of fresh runs: 5 ranks to s1*, 4 to s2*, 3 to the end.
-    let leg = |ranks: usize, load: Option<&std::path::Path>, to: Option<u64>, name: &str| {
-        let log = dir.join(format!("{name}.jsonl"));
-        let save = dir.join(name);
-        let mut args = train.clone();
-        if let Some(to) = to {
-            let at = args.iter().position(|a| a == "--train-iters").unwrap();
-            args[at + 1] = to.to_string();
-            args.extend(s(&["--save", save.to_str().unwrap()]));
-        }
-        if let Some(load) = load {
-            args.extend(s(&["--load", load.to_str().unwrap()]));
-        }
-        args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
-        assert_success(&run_launch(ranks, name, &args), name);
-        (save, read_log(&log))
-    };
+    let leg = |ranks, load, to, name| fresh_leg(&dir, &train, ranks, load, to, name);
     let (at_s1, _) = leg(5, None, Some(s1), "twice-5");
     let (at_s2, four) = leg(4, Some(&at_s1), Some(s2), "twice-4");
     let (_, three) = leg(3, Some(&at_s2), None, "twice-3");
@@ -280,13 +265,6 @@ fn the_group_shrinks_grows_back_and_shrinks_again() {
         &plan,
     );
     let socket = c.shm[0].join(&c.job).join("agent.sock");
-    let resized = |n: usize, world: u64| {
-        move |v: &serde_json::Value| {
-            let s = &v["status"];
-            (s["resizes"].as_array().is_some_and(|r| r.len() == n) && s["world_size"] == world)
-                .then_some(())
-        }
-    };
     c.wait_held(2, &[1]);
     c.vanish(&[1]);
     if poll_agentctl(&socket, "status", Duration::from_secs(60), resized(1, 3)).is_none() {
@@ -321,22 +299,7 @@ fn the_group_shrinks_grows_back_and_shrinks_again() {
         assert_eq!(e["samples"], step * 24, "samples consumed by step {step}");
     }
 
-    let leg = |ranks: usize, load: Option<&std::path::Path>, to: Option<u64>, name: &str| {
-        let log = dir.join(format!("{name}.jsonl"));
-        let save = dir.join(name);
-        let mut args = train.clone();
-        if let Some(to) = to {
-            let at = args.iter().position(|a| a == "--train-iters").unwrap();
-            args[at + 1] = to.to_string();
-            args.extend(s(&["--save", save.to_str().unwrap()]));
-        }
-        if let Some(load) = load {
-            args.extend(s(&["--load", load.to_str().unwrap()]));
-        }
-        args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
-        assert_success(&run_launch(ranks, name, &args), name);
-        (save, read_log(&log))
-    };
+    let leg = |ranks, load, to, name| fresh_leg(&dir, &train, ranks, load, to, name);
     let (at_s1, _) = leg(4, None, Some(s1), "grow-4a");
     let (at_s2, three) = leg(3, Some(&at_s1), Some(s2), "grow-3a");
     let (at_s3, four) = leg(4, Some(&at_s2), Some(s3), "grow-4b");
@@ -379,13 +342,6 @@ fn ranks_of_one_host_reshape_through_shared_memory_in_a_shrink_and_a_grow() {
         &plan,
     );
     let socket = c.shm[0].join(&c.job).join("agent.sock");
-    let resized = |n: usize, world: u64| {
-        move |v: &serde_json::Value| {
-            let s = &v["status"];
-            (s["resizes"].as_array().is_some_and(|r| r.len() == n) && s["world_size"] == world)
-                .then_some(())
-        }
-    };
     c.wait_held(2, &[2, 3]);
     c.vanish(&[1]);
     if poll_agentctl(&socket, "status", Duration::from_secs(60), resized(1, 6)).is_none() {
@@ -428,22 +384,7 @@ fn ranks_of_one_host_reshape_through_shared_memory_in_a_shrink_and_a_grow() {
             assert!(took < bytes(r, "all_gather"), "{r} in {e}");
         }
     }
-    let leg = |ranks: usize, load: Option<&std::path::Path>, to: Option<u64>, name: &str| {
-        let log = dir.join(format!("{name}.jsonl"));
-        let save = dir.join(name);
-        let mut args = train.clone();
-        if let Some(to) = to {
-            let at = args.iter().position(|a| a == "--train-iters").unwrap();
-            args[at + 1] = to.to_string();
-            args.extend(s(&["--save", save.to_str().unwrap()]));
-        }
-        if let Some(load) = load {
-            args.extend(s(&["--load", load.to_str().unwrap()]));
-        }
-        args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
-        assert_success(&run_launch(ranks, name, &args), name);
-        (save, read_log(&log))
-    };
+    let leg = |ranks, load, to, name| fresh_leg(&dir, &train, ranks, load, to, name);
     let (at_s1, _) = leg(8, None, Some(s1), "local-8a");
     let (at_s2, six) = leg(6, Some(&at_s1), Some(s2), "local-6");
     let (_, last) = leg(8, Some(&at_s2), None, "local-8b");
@@ -682,6 +623,44 @@ fn a_size_that_does_not_divide_the_global_batch_leaves_ranks_standing_by() {
     assert_eq!(final_checksum(&run), final_checksum(&fresh));
     for k in [0, 2, 3] {
         assert_nothing_left(&c.shm[k]);
+    }
+}
+
+/// A fresh run without faults of `ranks` ranks with `train`'s flags, its
+/// files in `dir` under `name`: loaded from the checkpoint in `load`, and
+/// run to step `to` and saved there, where given. Returns where it saved
+/// and its log.
+fn fresh_leg(
+    dir: &std::path::Path,
+    train: &[String],
+    ranks: usize,
+    load: Option<&std::path::Path>,
+    to: Option<u64>,
+    name: &str,
+) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+    let log = dir.join(format!("{name}.jsonl"));
+    let save = dir.join(name);
+    let mut args = train.to_vec();
+    if let Some(to) = to {
+        let at = args.iter().position(|a| a == "--train-iters").unwrap();
+        args[at + 1] = to.to_string();
+        args.extend(s(&["--save", save.to_str().unwrap()]));
+    }
+    if let Some(load) = load {
+        args.extend(s(&["--load", load.to_str().unwrap()]));
+    }
+    args.extend(s(&["--log-jsonl", log.to_str().unwrap()]));
+    assert_success(&run_launch(ranks, name, &args), name);
+    (save, read_log(&log))
+}
+
+/// An `agentctl status` poll's test: the group has resized `n` times and
+/// is at `world` ranks.
+fn resized(n: usize, world: u64) -> impl Fn(&serde_json::Value) -> Option<()> {
+    move |v| {
+        let s = &v["status"];
+        (s["resizes"].as_array().is_some_and(|r| r.len() == n) && s["world_size"] == world)
+            .then_some(())
     }
 }
 
